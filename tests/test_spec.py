@@ -1,0 +1,135 @@
+"""The family declarations: enumeration, every pruning rule, priority order, names, ABI dtype."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from flashgen.spec import FAMILIES, default_kernels, family
+from flashgen.spec.core import normalize_target, target_cc
+from flashgen.spec.mem_eff_bwd import MemEffBwd
+from flashgen.spec.mem_eff_fwd import MemEffFwd
+
+ALL_RULES = [(cls, rule) for cls in FAMILIES.values() for rule in cls.RULES]
+
+
+def test_candidates_are_the_full_cross_product():
+    for cls in FAMILIES.values():
+        expected = int(np.prod([len(v) for v in cls.AXES.values()]))
+        candidates = list(cls.candidates())
+        assert len(candidates) == expected == len(set(candidates))
+        assert list(cls.AXES) == [f.name for f in dataclasses.fields(cls)]
+
+
+@pytest.mark.parametrize("cls,rule", ALL_RULES, ids=[f"{c.FAMILY}:{r.reason[:40]}" for c, r in ALL_RULES])
+def test_every_rule_is_the_only_reason_some_candidate_is_dropped(cls, rule):
+    """Each rule must matter: some candidate is kept if (and only if) that rule is removed."""
+    others = [r for r in cls.RULES if r is not rule]
+    rescued = [k for k in cls.candidates() if rule.applies(k) and not any(r.applies(k) for r in others)]
+    assert rescued, f"rule never decides anything on its own: {rule.reason}"
+    assert rule.reason and len(rule.reason) < 200
+
+
+def test_default_sets_match_the_declared_rules():
+    for cls in FAMILIES.values():
+        kept = cls.default_set()
+        assert all(k.pruned_by() is None for k in kept)
+        assert len(kept) == sum(1 for k in cls.candidates() if k.pruned_by() is None)
+
+
+def test_default_set_sizes_are_what_the_readme_says():
+    assert len(MemEffFwd.default_set()) == 40
+    assert len(MemEffBwd.default_set()) == 46
+    sm80 = [k for k in default_kernels() if k.runs_on("sm80")]
+    assert len(sm80) == 58
+
+
+@pytest.mark.parametrize("cls", FAMILIES.values())
+def test_default_set_covers_dtypes_head_dims_and_dropout_on_sm80(cls):
+    kernels = [k for k in cls.default_set() if k.arch == "sm80"]
+    for dtype in ("f32", "f16", "bf16"):
+        for dropout in (False, True):
+            tiers = {k.max_k for k in kernels if k.dtype == dtype and k.dropout == dropout and k.aligned}
+            assert 65536 in tiers and min(tiers) <= 64, (dtype, dropout, tiers)
+            assert any(not k.aligned for k in kernels if k.dtype == dtype and k.dropout == dropout)
+
+
+def test_backward_half_tiers_and_sm86_fallback():
+    """f16/bf16 backward has kMaxK 32/64/96/128/65536; kMaxK 128 has both the 128x128 tile and
+    a 128x64 fallback (the one that fits sm86/sm89's 99 KB, checked against the compiler in test_build)."""
+    for dtype in ("f16", "bf16"):
+        for dropout in (False, True):
+            ks = [k for k in MemEffBwd.default_set()
+                  if k.arch == "sm80" and k.dtype == dtype and k.dropout == dropout and k.aligned]
+            assert sorted({k.max_k for k in ks}) == [32, 64, 96, 128, 65536]
+            k128 = sorted((k.block_i, k.block_j) for k in ks if k.max_k == 128)
+            assert k128 == [(128, 64), (128, 128)]
+            # preload wherever the template allows it
+            assert all(k.preload == (k.max_k <= k.block_i) for k in ks)
+
+
+def test_rules_encode_the_templates_static_asserts():
+    bad_preload = MemEffBwd("sm80", "f32", True, False, True, 64, 64, 64, False)
+    assert "static_assert" in bad_preload.pruned_by().reason
+    no_bf16_on_turing = MemEffFwd("sm75", "bf16", True, 64, 64, 64, False, True)
+    assert "bf16" in no_bf16_on_turing.pruned_by().reason
+
+
+def test_priority_order():
+    ks = [k for k in MemEffBwd.default_set() if k.arch == "sm80" and k.dtype == "f16"]
+    pos = {k.name: i for i, k in enumerate(ks)}
+    first_unaligned = min(pos[k.name] for k in ks if not k.aligned)
+    assert all(pos[k.name] < first_unaligned for k in ks if k.aligned)
+    aligned = [k for k in ks if k.aligned]
+    first_dropout = min(i for i, k in enumerate(aligned) if k.dropout)
+    assert not any(k.dropout for k in aligned[:first_dropout])
+    no_dropout = [k for k in aligned if not k.dropout]
+    assert [k.max_k for k in no_dropout] == sorted(k.max_k for k in no_dropout)
+    k128 = [(k.block_i, k.block_j) for k in no_dropout if k.max_k == 128]
+    assert k128 == [(128, 128), (128, 64)]  # larger tile first; the runtime skips it where smem is short
+
+
+def test_names_are_unique_readable_and_stable():
+    names = [k.name for k in default_kernels()]
+    assert len(names) == len(set(names))
+    assert "mem_eff_bwd_f16_aligned_b128x64_k128_preload_dropout_sm80" in names
+    assert "mem_eff_fwd_bf16_aligned_q32x128_k65536_dropout_bias_sm80" in names
+    assert all(n.isidentifier() for n in names)
+
+
+def test_cpp_type_spells_the_template():
+    k = MemEffBwd("sm80", "bf16", True, True, True, 128, 64, 96, False)
+    assert k.cpp_type == ("AttentionBackwardKernel<cutlass::arch::Sm80, cutlass::bfloat16_t, "
+                          "true, true, true, 128, 64, 96, false>")
+    f = MemEffFwd("sm75", "f32", False, 32, 128, 65536, True, True)
+    assert f.cpp_type == "AttentionKernel<float, cutlass::arch::Sm75, false, 32, 128, 65536, true, true>"
+
+
+def test_arch_ranges():
+    k75 = MemEffFwd("sm75", "f16", True, 64, 64, 64, False, True)
+    k80 = MemEffFwd("sm80", "f16", True, 64, 64, 64, False, True)
+    assert k75.runs_on("sm75") and not k75.runs_on("sm80")
+    for t in ("sm80", "sm_86", "sm89", "sm90", "sm90a", "sm100", "sm120", "sm121"):
+        assert k80.runs_on(t), t
+    assert not k80.runs_on("sm75")
+    assert target_cc("sm_90a") == 90 and normalize_target("SM_90A") == "sm90a"
+    with pytest.raises(ValueError, match="not an SM target"):
+        target_cc("ampere")
+
+
+def test_params_dtype_mirrors_c_layout():
+    fwd, bwd = MemEffFwd.params_dtype(), MemEffBwd.params_dtype()
+    # Sizes measured with the compiler (NOTES: 224 / 400 bytes without HAS_PYTORCH; the Philox
+    # state adds 16).  test_build compiles static_asserts on every offset against CUTLASS.
+    assert fwd.itemsize == 240 and bwd.itemsize == 416
+    assert fwd.fields["causal_diagonal_offset"][1] == 56      # u32 after 7 pointers
+    assert fwd.fields["output_ptr"][1] == 64                  # realigned to 8
+    assert bwd.fields["rng_engine_inputs_seed"][1] == 192     # after the int8 multiplier at 188
+    assert bwd.fields["num_splits_key"][0] == np.dtype("<i2")
+
+
+def test_family_lookup():
+    assert family("mem_eff_fwd") is MemEffFwd
+    with pytest.raises(ValueError, match="unknown kernel family 'nope'"):
+        family("nope")
