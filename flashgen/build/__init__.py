@@ -1,0 +1,1 @@
+"""Compile instances into cubins with ninja and nvcc, and describe them in a manifest."""
