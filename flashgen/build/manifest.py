@@ -1,0 +1,119 @@
+"""``manifest.json``: what a build directory holds, next to the cubins.
+
+One entry per kernel, with its family, parameters and entry symbol, and per
+target the cubin's path, sha256 and size, what ptxas reported (registers,
+spills, stack frame) and the constants read back from the cubin itself
+(threads, shared memory, tile sizes, workspace sizing, ...).  The runtime
+trusts nothing else, so the file is written atomically and carries a schema
+version that readers check.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List
+
+from flashgen import __version__
+from flashgen.atomic import atomic_write_text
+from flashgen.build.cubin import parse_resource_usage, read_int64_array, sha256_file
+from flashgen.build.graph import Job
+from flashgen.errors import FlashgenError
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+
+class ManifestError(FlashgenError):
+    """A manifest that cannot be trusted; the message names the file."""
+
+
+def describe(build_dir: Path, job: Job) -> dict:
+    """The manifest's per-target record for one freshly built cubin."""
+    cubin = build_dir / job.cubin
+    values = read_int64_array(cubin, job.kernel.meta_symbol)
+    names = [c.name for c in job.kernel.CONSTANTS]
+    if len(values) != len(names):
+        raise ManifestError(f"{cubin}: {job.kernel.meta_symbol} holds {len(values)} values, "
+                            f"the spec declares {len(names)}; regenerate and rebuild")
+    constants = dict(zip(names, values))
+    log = build_dir / job.log
+    usage = parse_resource_usage(log.read_text(errors="replace")).get(job.kernel.name)
+    if usage is None:
+        raise ManifestError(f"{log}: no ptxas resource report for {job.kernel.name}")
+    return {
+        "cubin": job.cubin,
+        "sha256": sha256_file(cubin),
+        "size": cubin.stat().st_size,
+        "registers": usage.registers,
+        "spill_stores": usage.spill_stores,
+        "spill_loads": usage.spill_loads,
+        "stack_frame": usage.stack_frame,
+        "shared_memory_static": usage.shared_static,
+        "shared_memory_dynamic": constants["shared_memory_bytes"],
+        "threads_per_block": constants["threads_per_block"],
+        "min_blocks_per_sm": constants["min_blocks_per_sm"],
+        "constants": constants,
+    }
+
+
+def kernel_record(job: Job) -> dict:
+    k = job.kernel
+    return {"name": k.name, "family": k.FAMILY, "params": k.params, "symbol": k.name,
+            "meta_symbol": k.meta_symbol, "targets": {}}
+
+
+def toolchain_record(nvcc_version: str, cutlass_version: str) -> dict:
+    return {"flashgen": __version__, "nvcc": nvcc_version, "cutlass": cutlass_version}
+
+
+def make(toolchain: dict, kernels: Dict[str, dict]) -> dict:
+    return {"schema_version": SCHEMA_VERSION, "toolchain": toolchain,
+            "kernels": [kernels[name] for name in sorted(kernels)]}
+
+
+def write(build_dir: Path, manifest: dict) -> Path:
+    path = build_dir / MANIFEST_NAME
+    atomic_write_text(path, json.dumps(manifest, indent=1, sort_keys=False) + "\n")
+    return path
+
+
+def read(path: Path) -> dict:
+    """Load and check a manifest; every failure names the file and what to do."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: no manifest here; run `flashgen build` first") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{path}: not valid JSON ({e}); the build was interrupted or the file was "
+                            "damaged; rerun `flashgen build`") from None
+    if not isinstance(data, dict) or not isinstance(data.get("schema_version"), int):
+        raise ManifestError(f"{path}: no schema_version; not a flashgen manifest")
+    if data["schema_version"] > SCHEMA_VERSION:
+        raise ManifestError(f"{path}: schema version {data['schema_version']} is newer than this flashgen "
+                            f"understands ({SCHEMA_VERSION}); upgrade flashgen")
+    if data["schema_version"] < SCHEMA_VERSION:
+        raise ManifestError(f"{path}: schema version {data['schema_version']} is older than "
+                            f"{SCHEMA_VERSION}; rebuild with this flashgen")
+    return data
+
+
+def surviving_entries(build_dir: Path, old: dict, toolchain: dict) -> Dict[str, dict]:
+    """Entries of an earlier manifest worth keeping: same toolchain, cubin intact.
+
+    Lets `flashgen build --arch sm80` and then `--arch sm90` into one directory
+    end with a manifest that lists both.
+    """
+    if old.get("toolchain") != toolchain:
+        return {}
+    kept: Dict[str, dict] = {}
+    for entry in old.get("kernels", []):
+        targets = {t: rec for t, rec in entry.get("targets", {}).items()
+                   if (build_dir / rec["cubin"]).is_file()
+                   and sha256_file(build_dir / rec["cubin"]) == rec["sha256"]}
+        if targets:
+            kept[entry["name"]] = dict(entry, targets=targets)
+    return kept
+
+
+def entries(manifest: dict) -> List[dict]:
+    return manifest.get("kernels", [])

@@ -1,0 +1,112 @@
+"""The commands through click's test runner: list, doctor, and build's refusals."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from flashgen import generator
+from flashgen.build import manifest
+from flashgen.cli import main
+from flashgen.spec import default_kernels
+
+
+def run(*args):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_list_json_has_every_kernel():
+    result = run("list", "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    assert [r["name"] for r in rows] == [k.name for k in default_kernels()]
+    assert {r["family"] for r in rows} == {"mem_eff_fwd", "mem_eff_bwd"}
+
+
+def test_list_filters_combine():
+    rows = json.loads(run("list", "--json", "--family", "mem_eff_bwd", "--dtype", "bf16", "--max-k", "128").output)
+    assert sorted(r["name"] for r in rows) == sorted([
+        "mem_eff_bwd_bf16_aligned_b128x128_k128_preload_sm80",
+        "mem_eff_bwd_bf16_aligned_b128x64_k128_preload_sm80",
+        "mem_eff_bwd_bf16_aligned_b128x128_k128_preload_dropout_sm80",
+        "mem_eff_bwd_bf16_aligned_b128x64_k128_preload_dropout_sm80",
+    ])
+    sm75 = json.loads(run("list", "--json", "--arch", "sm_75").output)
+    assert sm75 and all(r["params"]["arch"] == "sm75" for r in sm75)
+    assert len(json.loads(run("list", "--json", "--arch", "sm86").output)) == 58
+    globbed = json.loads(run("list", "--json", "--kernels", "*unaligned*dropout*").output)
+    assert globbed and all("unaligned" in r["name"] and "dropout" in r["name"] for r in globbed)
+
+
+def test_list_table_counts_instances_per_family():
+    result = run("list")
+    assert result.exit_code == 0
+    assert "mem_eff_fwd: 40 kernels" in result.output and "mem_eff_bwd: 46 kernels" in result.output
+
+
+def test_list_rejects_unknown_family():
+    result = run("list", "--family", "flash3")
+    assert result.exit_code == 1 and "unknown family 'flash3'" in result.output
+
+
+def test_list_refuses_bad_manifests(tmp_path):
+    (tmp_path / "manifest.json").write_text('{"schema_version": 1, "kern')
+    result = run("list", "--build-dir", str(tmp_path))
+    assert result.exit_code == 1 and str(tmp_path / "manifest.json") in result.output
+    assert "not valid JSON" in result.output
+    (tmp_path / "manifest.json").write_text(json.dumps({"schema_version": manifest.SCHEMA_VERSION + 1}))
+    result = run("list", "--build-dir", str(tmp_path))
+    assert result.exit_code == 1 and "newer than this flashgen" in result.output
+
+
+def test_build_without_nvcc_says_what_to_install(monkeypatch):
+    monkeypatch.setenv("FLASHGEN_NVCC", "/nonexistent/nvcc")
+    result = run("build", "--arch", "sm80")
+    assert result.exit_code == 1
+    assert "FLASHGEN_NVCC" in result.output and "/nonexistent/nvcc" in result.output
+
+
+def test_build_requires_an_arch():
+    result = run("build")
+    assert result.exit_code == 2 and "--arch" in result.output
+
+
+def test_doctor_reports_every_component():
+    result = run("doctor")
+    for component in ("nvcc", "cutlass", "example41", "curand", "ninja"):
+        assert component in result.output
+    assert result.exit_code in (0, 1)
+    assert (result.exit_code == 0) == ("missing" not in result.output)
+
+
+@pytest.mark.nvcc
+def test_build_rejects_targets_nvcc_cannot_compile_for():
+    result = run("build", "--arch", "sm80,sm_70")
+    if "missing" in result.output:
+        pytest.skip("no toolchain")
+    assert result.exit_code == 1 and "cannot compile for sm_70" in result.output
+
+
+@pytest.mark.nvcc
+def test_build_with_nothing_selected_says_so(tmp_path):
+    result = run("build", "--arch", "sm80", "--kernels", "no_such_kernel*", "--out", str(tmp_path))
+    if "missing" in result.output:
+        pytest.skip("no toolchain")
+    assert result.exit_code == 1 and "no kernel matches" in result.output
+
+
+@pytest.mark.nvcc
+def test_build_refuses_stale_sources(tmp_path):
+    k = default_kernels()[0]
+    instances = tmp_path / "instances"
+    (instances / k.FAMILY).mkdir(parents=True)
+    shutil.copy(generator.INSTANCES_DIR / generator.source_path(k), instances / generator.source_path(k))
+    (instances / generator.source_path(k)).write_text("// edited by hand\n")
+    result = run("build", "--arch", "sm80", "--kernels", k.name, "--instances", str(instances),
+                 "--out", str(tmp_path / "out"))
+    if "missing" in result.output:
+        pytest.skip("no toolchain")
+    assert result.exit_code == 1
+    assert "out of date" in result.output and "flashgen generate" in result.output
