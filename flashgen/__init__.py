@@ -7,3 +7,19 @@ GPU nor the compiler.
 """
 
 __version__ = "0.1.0"
+
+from flashgen.errors import UnsupportedError  # noqa: E402
+
+_RUNTIME = ("attention_forward", "attention_backward", "explain", "set_kernel_path")
+
+
+def __getattr__(name):
+    # The runtime imports CuPy; keep `import flashgen` (and the build CLI) free of it.
+    if name in _RUNTIME:
+        from flashgen import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'flashgen' has no attribute {name!r}")
+
+
+__all__ = ["UnsupportedError", *_RUNTIME]

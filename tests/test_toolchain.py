@@ -50,6 +50,8 @@ def test_real_probe_finds_everything():
     if isinstance(report.items["nvcc"], tc.Missing) and "nvcc not found" in \
             report.items["nvcc"].message:
         pytest.skip("no nvcc on this machine")
+    if tc._cutlass_package_dir() is None:
+        pytest.skip("the build extra is not installed here (no nvidia-cutlass), e.g. a GPU runner")
     assert list(report.items) == ["nvcc", "cutlass", "example41", "curand", "ninja"]
     assert report.ok(), report.missing()
     chain = tc.require_toolchain()

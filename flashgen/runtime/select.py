@@ -1,0 +1,140 @@
+"""Pick the kernel for a call: the first in priority order that accepts it.
+
+A kernel accepts a call when its dtype matches, its kMaxK covers the head
+dims, dropout is compiled in if asked for, the inputs meet its alignment and
+its shared memory fits the device.  Every rejection has a reason, so
+``explain`` and the ``UnsupportedError`` message list them all.  Decisions are
+cached per request signature; the backward's key-split count and workspace
+size are sized per call from the manifest's constants.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from flashgen.errors import UnsupportedError
+from flashgen.runtime.arch import DeviceInfo
+from flashgen.runtime.registry import KernelBinary, Registry
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a call needs from a kernel; hashable, so decisions can be cached."""
+
+    family: str
+    dtype: str
+    head_dim: int
+    head_dim_value: int
+    alignment: int  # largest element alignment every pointer, stride and head dim satisfies
+    dropout: bool
+    bias: bool
+    device: DeviceInfo
+
+
+def required_alignment(binary: KernelBinary) -> int:
+    """Elements every pointer, stride and head dim must be a multiple of for this kernel."""
+    c = binary.constants
+    if binary.spec.FAMILY == "mem_eff_fwd":
+        return max(c["alignment_q"], c["alignment_k"])
+    return c["optimal_alignment"] if binary.spec.aligned else c["minimum_alignment"]
+
+
+def rejection(binary: KernelBinary, req: Request) -> Optional[str]:
+    """Why ``binary`` cannot serve ``req``, or None if it can."""
+    spec, c = binary.spec, binary.constants
+    if spec.dtype != req.dtype:
+        return f"dtype {spec.dtype}, call is {req.dtype}"
+    k = max(req.head_dim, req.head_dim_value)
+    if c["max_k"] < k:
+        return f"kMaxK {c['max_k']} < head dim {k}"
+    if req.dropout and not spec.dropout:
+        return "built without dropout"
+    if req.bias and not getattr(spec, "bias", True):
+        return "built without bias"
+    need = required_alignment(binary)
+    if req.alignment % need:
+        return f"needs {need}-element alignment of pointers, strides and head dims; the call has {req.alignment}"
+    smem = c["shared_memory_bytes"]
+    if smem > req.device.shared_memory_optin:
+        return f"needs {smem} B of shared memory; {req.device.name} allows {req.device.shared_memory_optin} B per block"
+    return None
+
+
+class Selector:
+    """First-fit selection over a registry, cached per request."""
+
+    def __init__(self, registry: Registry):
+        self.registry = registry
+        self._cache: Dict[Request, KernelBinary] = {}
+
+    def explain(self, req: Request) -> List[Tuple[str, str, str]]:
+        """(kernel, target, verdict) for every candidate, in the order they are tried."""
+        rows, chosen = [], False
+        for b in self.registry.for_device(req.family, req.device):
+            why = rejection(b, req)
+            if why is None and not chosen:
+                rows.append((b.name, b.target, "selected"))
+                chosen = True
+            else:
+                rows.append((b.name, b.target, why or "not tried: an earlier kernel was selected"))
+        return rows
+
+    def select(self, req: Request) -> KernelBinary:
+        hit = self._cache.get(req)
+        if hit is not None:
+            return hit
+        for b in self.registry.for_device(req.family, req.device):
+            if rejection(b, req) is None:
+                self._cache[req] = b
+                return b
+        listing = "\n".join(f"  {name} ({target}): {why}" for name, target, why in self.explain(req))
+        hint = ""
+        if req.alignment < 4:
+            hint = ("\nthe example-41 kernels need head dims, strides and pointers that are multiples of 4 "
+                    "elements; pad the head dim (and slice the result)")
+        raise UnsupportedError(f"no {req.family} kernel accepts {req.dtype}, head dims "
+                               f"({req.head_dim}, {req.head_dim_value}), alignment {req.alignment}, "
+                               f"dropout={req.dropout} on {req.device.name} (sm_{req.device.cc}):\n{listing}{hint}")
+
+
+def _align_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def num_splits_key(binary: KernelBinary, batches: int, heads: int, num_keys: int, device: DeviceInfo) -> int:
+    """How many blocks share one (batch, head)'s keys, to fill the GPU.
+
+    One block per (batch, head) leaves most SMs idle for small B*H; splitting
+    the keys adds blocks (up to one per key block) at the cost of a dQ
+    reduction through the workspace.  When dK/dV also go through the
+    workspace, its size grows with the split count, so it is capped.
+    """
+    c = binary.constants
+    per_bh = max(1, math.ceil(num_keys / c["block_j"]))
+    if not c["enable_split_keys"]:
+        return 1
+    resident = device.multiprocessors * max(1, c["min_blocks_per_sm"])
+    splits = min(per_bh, max(1, math.ceil(resident / (batches * heads))))
+    if c["needs_accum_grad_k"] or c["needs_accum_grad_v"]:
+        splits = min(splits, max(1, 200 // (batches * heads)))
+    return max(1, min(splits, 32767))
+
+
+def workspace_bytes(binary: KernelBinary, batches: int, heads: int, num_queries: int, num_keys: int,
+                    head_dim: int, head_dim_value: int, splits: int) -> int:
+    """Bytes of float workspace the backward needs; mirrors ``Params::workspace_size()``.
+
+    Every constant comes from the cubin; tests compare this with the C++
+    function on the same shapes.
+    """
+    c = binary.constants
+    bi, bj = c["block_i"], c["block_j"]
+    gk = splits * _align_up(num_keys, bj) * _align_up(head_dim, bi) if c["needs_accum_grad_k"] else 0
+    gv = splits * _align_up(num_keys, bj) * _align_up(head_dim_value, bi) if c["needs_accum_grad_v"] else 0
+    gq = 0
+    if c["needs_accum_grad_q"]:
+        blocks = math.ceil(num_queries / bi)
+        cols = math.ceil(head_dim / c["grad_q_block_n"])
+        gq = blocks * cols * c["grad_q_temp_storage_bytes"] // 4
+    return batches * heads * _align_up(gk + gv + gq, 4) * 4

@@ -1,0 +1,333 @@
+"""The runtime on a real GPU against a float64 reference.
+
+Needs CuPy, a CUDA GPU and kernels built for it on FLASHGEN_KERNEL_PATH
+(`flashgen build --arch sm90 --out build/kernels`); skipped cleanly otherwise.
+Every output is allocated from poisoned memory (all bits set: NaN), so an
+element the kernel forgot to write fails the comparison.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+try:
+    HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:  # no driver at all
+    HAVE_GPU = False
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU")]
+
+import flashgen  # noqa: E402
+from flashgen.errors import UnsupportedError  # noqa: E402
+from flashgen.runtime.registry import default_registry  # noqa: E402
+
+DTYPES = {"f32": np.float32, "f16": np.float16}
+try:
+    import ml_dtypes
+
+    DTYPES["bf16"] = ml_dtypes.bfloat16
+except ImportError:  # pragma: no cover
+    pass
+# ||out - ref|| / ||ref|| bounds; measured on an H200 (max over this suite): f32 ~1e-6 (3xTF32
+# tensor cores), f16 ~5e-4, bf16 ~4e-3.  The bounds leave 2-10x headroom.
+FWD_TOL = {"f32": 1e-5, "f16": 1e-3, "bf16": 8e-3}
+BWD_TOL = {"f32": 1e-5, "f16": 2e-3, "bf16": 1.5e-2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels_present():
+    if not HAVE_GPU:
+        return
+    try:
+        default_registry().for_device("mem_eff_fwd", flashgen.runtime.device.device_info(0))
+    except UnsupportedError as e:
+        pytest.skip(f"no kernels for this GPU: {e}")
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Every CuPy allocation inside starts as 0xFF bytes (NaN for f16/bf16/f32)."""
+    pool = cupy.get_default_memory_pool()
+
+    def alloc(size):
+        mem = pool.malloc(size)
+        cupy.cuda.runtime.memsetAsync(mem.ptr, 0xFF, size, cupy.cuda.get_current_stream().ptr)
+        return mem
+
+    with cupy.cuda.using_allocator(alloc):
+        yield
+
+
+def randn(rng, shape, dtype, scale=1.0):
+    return cupy.asarray((rng.standard_normal(shape) * scale).astype(np.float32)).astype(DTYPES[dtype])
+
+
+def f64(x):
+    return x.astype(cupy.float32).astype(cupy.float64)
+
+
+def mask_matrix(M, N, causal):
+    if causal is None:
+        return None
+    i = cupy.arange(M)[:, None]
+    j = cupy.arange(N)[None, :]
+    return j <= (i if causal == "top_left" else i + (N - M))
+
+
+def reference(q, k, v, *, bias=None, causal=None, scale=None, keep=None, p=0.0, grad_out=None):
+    """float64 attention and, with grad_out, its gradients.  keep: dropout mask [B, H, M, N]."""
+    q, k, v = f64(q), f64(k), f64(v)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = cupy.einsum("bmhk,bnhk->bhmn", q, k) * scale
+    if bias is not None:
+        s = s + f64(bias)
+    m = mask_matrix(q.shape[1], k.shape[1], causal)
+    if m is not None:
+        s = cupy.where(m, s, -cupy.inf)
+    lse = cupy.log(cupy.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
+    prob = cupy.exp(s - lse[..., None])
+    drop = keep / (1 - p) if keep is not None else 1.0
+    out = cupy.einsum("bhmn,bnhk->bmhk", prob * drop, v)
+    if grad_out is None:
+        return out, lse
+    do = f64(grad_out)
+    dv = cupy.einsum("bhmn,bmhk->bnhk", prob * drop, do)
+    dp = cupy.einsum("bmhk,bnhk->bhmn", do, v) * drop
+    ds = prob * (dp - (dp * prob).sum(-1, keepdims=True))
+    dq = cupy.einsum("bhmn,bnhk->bmhk", ds, k) * scale
+    dk = cupy.einsum("bhmn,bmhk->bnhk", ds, q) * scale
+    return out, lse, (dq, dk, dv, ds)
+
+
+def rel_err(x, ref):
+    """||x - ref|| / ||ref||.  A reference that is exactly zero (one visible key: the softmax is
+    constant, so dq and dk vanish) is compared by RMS against the unit scale of the inputs."""
+    x = f64(x)
+    assert not bool(cupy.isnan(x).any()), "NaN in output: an element was not written"
+    denom = float(cupy.linalg.norm(ref.ravel())) or math.sqrt(max(ref.size, 1))
+    return float(cupy.linalg.norm((x - ref).ravel())) / denom
+
+
+def check_forward_backward(rng, dtype, B, M, N, H, K, Kv, causal=None, bias=None, layout="contiguous"):
+    q = make_input(rng, (B, M, H, K), dtype, layout)
+    k = make_input(rng, (B, N, H, K), dtype, layout)
+    v = make_input(rng, (B, N, H, Kv), dtype, layout)
+    do = randn(rng, (B, M, H, Kv), dtype)
+    with poisoned_allocations():
+        out, lse = flashgen.attention_forward(q, k, v, causal=causal, attn_bias=bias)
+        grads = flashgen.attention_backward(do, q, k, v, out, lse, causal=causal, attn_bias=bias,
+                                            bias_requires_grad=bias is not None)
+    ref_out, ref_lse, ref_grads = reference(q, k, v, bias=bias, causal=causal, grad_out=do)
+    assert out.shape == (B, M, H, Kv) and lse.shape == (B, H, M) and out.dtype == q.dtype
+    errors = {"out": rel_err(out, ref_out), "lse": rel_err(lse, ref_lse)}
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads):
+        if name == "dbias" and bias is None:
+            continue
+        assert g.shape == r.shape, name
+        errors[name] = rel_err(g, r)
+    if os.environ.get("FLASHGEN_ERROR_LOG"):  # measured errors, for the notes
+        with open(os.environ["FLASHGEN_ERROR_LOG"], "a") as log:
+            log.write(json.dumps({"case": [dtype, B, M, N, H, K, Kv, causal, bias is not None, layout],
+                                  "errors": errors}) + "\n")
+    assert errors["out"] < FWD_TOL[dtype] and errors["lse"] < FWD_TOL[dtype], errors
+    assert all(e < BWD_TOL[dtype] for n, e in errors.items() if n not in ("out", "lse")), errors
+    return errors
+
+
+def make_input(rng, shape, dtype, layout):
+    B, S, H, K = shape
+    if layout == "contiguous":
+        return randn(rng, shape, dtype)
+    if layout == "bhsk":  # heads-major storage, viewed as BMHK
+        return randn(rng, (B, H, S, K), dtype).transpose(0, 2, 1, 3)
+    if layout == "padded":  # a slice of a wider buffer: every stride differs from the packed one
+        return randn(rng, (B, S + 3, H + 1, K + 8), dtype)[:, 2:S + 2, 1:, :K]
+    raise AssertionError(layout)
+
+
+HEAD_DIMS = (8, 40, 64, 80, 128, 160, 256, 320)
+SIZES = ((1, 1), (7, 129), (129, 7), (1000, 129), (129, 1000), (1000, 1000), (7, 7), (1, 1000))
+CAUSAL = (None, "top_left", "bottom_right")
+GRID = [(dtype, K, *SIZES[(i + j) % len(SIZES)], CAUSAL[(i + 2 * j) % 3])
+        for i, dtype in enumerate(DTYPES) for j, K in enumerate(HEAD_DIMS)]
+
+
+@pytest.mark.parametrize("dtype,K,M,N,causal", GRID, ids=[f"{d}-k{k}-{m}x{n}-{c}" for d, k, m, n, c in GRID])
+def test_matches_float64_reference(dtype, K, M, N, causal):
+    if causal == "bottom_right" and M > N:
+        causal = "top_left"  # rows with no visible key are the hardening issue's edge case
+    rng = np.random.default_rng([K, M, N, len(dtype)])
+    check_forward_backward(rng, dtype, B=2, M=M, N=N, H=3, K=K, Kv=K, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("K,Kv", [(64, 128), (128, 40), (32, 256)])
+def test_head_dim_value_differs(dtype, K, Kv):
+    check_forward_backward(np.random.default_rng(K * Kv), dtype, B=2, M=129, N=200, H=2, K=K, Kv=Kv)
+
+
+@pytest.mark.parametrize("layout", ["bhsk", "padded"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_strided_inputs(dtype, layout):
+    check_forward_backward(np.random.default_rng(7), dtype, B=2, M=129, N=77, H=3, K=64, Kv=64,
+                           causal="top_left", layout=layout)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape", ["full", "broadcast_heads"])
+def test_bias_and_its_gradient(dtype, shape):
+    rng = np.random.default_rng(11)
+    B, H, M, N = 2, 3, 129, 70
+    bias = randn(rng, (B, H, M, N) if shape == "full" else (B, 1, M, N), dtype)
+    bias = cupy.broadcast_to(bias, (B, H, M, N))
+    check_forward_backward(rng, dtype, B=B, M=M, N=N, H=H, K=64, Kv=64, bias=bias)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_varlen_matches_per_sequence_reference(dtype):
+    rng = np.random.default_rng(3)
+    q_lens, k_lens = [7, 129, 1, 300], [50, 129, 33, 1]
+    H, K = 2, 64
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
+    q = randn(rng, (1, cu_q[-1], H, K), dtype)
+    k = randn(rng, (1, cu_k[-1], H, K), dtype)
+    v = randn(rng, (1, cu_k[-1], H, K), dtype)
+    do = randn(rng, (1, cu_q[-1], H, K), dtype)
+    with poisoned_allocations():
+        out, lse = flashgen.attention_forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal="top_left")
+        dq, dk, dv = flashgen.attention_backward(do, q, k, v, out, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                                 causal="top_left")
+    assert lse.shape == (4, H, max(q_lens))
+    for s in range(4):
+        qs, ks = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        ro, rl, (rdq, rdk, rdv, _) = reference(q[:, qs], k[:, ks], v[:, ks], causal="top_left", grad_out=do[:, qs])
+        assert rel_err(out[:, qs], ro) < FWD_TOL[dtype]
+        assert rel_err(lse[s:s + 1, :, :q_lens[s]], rl) < FWD_TOL[dtype]
+        for g, r in ((dq[:, qs], rdq), (dk[:, ks], rdk), (dv[:, ks], rdv)):
+            assert rel_err(g, r) < BWD_TOL[dtype]
+
+
+def recover_keep_mask(q, k, p, seed, offset=0):
+    """Run the forward with V = identity: out[b, i, h, j] = P_ij * keep_ij / (1 - p)."""
+    B, M, H, _ = q.shape
+    N = k.shape[1]
+    eye = cupy.broadcast_to(cupy.eye(N, dtype=q.dtype)[None, :, None, :], (B, N, H, N)).copy()
+    out, _ = flashgen.attention_forward(q, k, eye, dropout_p=p, seed=seed, offset=offset)
+    prob = cupy.exp(reference_scores(q, k))
+    ratio = f64(out).transpose(0, 2, 1, 3) * (1 - p) / prob
+    keep = ratio > 0.5
+    assert bool((cupy.abs(ratio - keep) < 0.05).all()), "dropout output is not P * {0, 1/(1-p)}"
+    return keep
+
+
+def reference_scores(q, k):
+    s = cupy.einsum("bmhk,bnhk->bhmn", f64(q), f64(k)) / math.sqrt(q.shape[-1])
+    return s - (cupy.log(cupy.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1))[..., None]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_dropout_forward_and_backward_draw_the_same_mask(dtype):
+    rng = np.random.default_rng(5)
+    B, M, N, H, K, p, seed = 2, 100, 64, 3, 64, 0.3, 1234
+    q, k = randn(rng, (B, M, H, K), dtype, 0.5), randn(rng, (B, N, H, K), dtype, 0.5)
+    keep = recover_keep_mask(q, k, p, seed)
+    rate = float(keep.mean())
+    assert abs(rate - (1 - p)) < 0.01, rate
+    other = recover_keep_mask(q, k, p, seed + 1)
+    assert float((other != keep).mean()) > 0.3  # a different seed, a different mask
+    assert bool((recover_keep_mask(q, k, p, seed) == keep).all())  # the same seed, the same mask
+
+    v, do = randn(rng, (B, N, H, K), dtype), randn(rng, (B, M, H, K), dtype)
+    with poisoned_allocations():
+        out, lse = flashgen.attention_forward(q, k, v, dropout_p=p, seed=seed)
+        dq, dk, dv = flashgen.attention_backward(do, q, k, v, out, lse, dropout_p=p, seed=seed)
+    ro, rl, (rdq, rdk, rdv, _) = reference(q, k, v, keep=keep, p=p, grad_out=do)
+    assert rel_err(out, ro) < FWD_TOL[dtype]
+    for g, r in ((dq, rdq), (dk, rdk), (dv, rdv)):
+        assert rel_err(g, r) < BWD_TOL[dtype]  # only holds if the backward redraws the forward's mask
+
+
+def test_graph_capture_replays_forward_and_backward():
+    rng = np.random.default_rng(9)
+    q, k, v = (randn(rng, (2, 257, 4, 64), "f16") for _ in range(3))
+    do = randn(rng, (2, 257, 4, 64), "f16")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        out, lse = flashgen.attention_forward(q, k, v, causal="top_left")  # warm-up: select, load
+        grads = flashgen.attention_backward(do, q, k, v, out, lse, causal="top_left")
+        stream.begin_capture()
+        g_out, g_lse = flashgen.attention_forward(q, k, v, causal="top_left")
+        g_grads = flashgen.attention_backward(do, q, k, v, g_out, g_lse, causal="top_left")
+        graph = stream.end_capture()
+        for x in (g_out, g_lse, *g_grads):
+            x.fill(np.nan)
+        graph.launch(stream)
+    stream.synchronize()
+    assert bool((g_out == out).all()) and bool((g_lse == lse).all())
+    for a, b in zip(g_grads, grads):
+        assert float(cupy.abs(f64(a) - f64(b)).max()) <= 1e-3 * float(cupy.abs(f64(b)).max())
+
+
+def test_torch_tensors_are_viewed_without_copy():
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.randn(2, 65, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out, lse = flashgen.attention_forward(q, k, v)
+    ref = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2).float() for t in (q, k, v)))
+    err = (torch.from_dlpack(out).float() - ref.transpose(1, 2)).norm() / ref.norm()
+    assert float(err) < FWD_TOL["bf16"]
+    assert flashgen.runtime.api.as_array(q, "q").data.ptr == q.data_ptr()
+
+
+def test_unsupported_head_dim_names_every_candidate():
+    q = cupy.zeros((1, 8, 1, 6), dtype=cupy.float16)  # 6 is not a multiple of 4
+    with pytest.raises(UnsupportedError) as e:
+        flashgen.attention_forward(q, q, q)
+    msg = str(e.value)
+    assert "mem_eff_fwd_f16_unaligned_q32x128_k65536_bias_sm80" in msg and "alignment" in msg
+    assert "pad the head dim" in msg
+    ok = cupy.zeros((1, 8, 1, 64), dtype=cupy.float16)
+    rows = flashgen.explain(ok, ok, ok)
+    assert sum(1 for *_, verdict in rows if verdict == "selected") == 1
+
+
+def test_zero_length_sequences_need_no_launch():
+    q = cupy.ones((2, 0, 3, 64), dtype=cupy.float16)
+    k = cupy.ones((2, 5, 3, 64), dtype=cupy.float16)
+    out, lse = flashgen.attention_forward(q, k, k)
+    assert out.shape == (2, 0, 3, 64) and lse.shape == (2, 3, 0)
+    q = cupy.ones((2, 4, 3, 64), dtype=cupy.float16)
+    k0 = cupy.ones((2, 0, 3, 64), dtype=cupy.float16)
+    out, lse = flashgen.attention_forward(q, k0, k0)
+    assert bool((out == 0).all()) and bool(cupy.isneginf(lse).all())
+    dq, dk, dv = flashgen.attention_backward(out, q, k0, k0, out, lse)
+    assert bool((dq == 0).all()) and dk.shape == (2, 0, 3, 64)
+
+
+def test_bad_inputs_raise_before_launch():
+    q = cupy.zeros((1, 8, 2, 64), dtype=cupy.float16)
+    with pytest.raises(TypeError, match="host"):
+        flashgen.attention_forward(np.zeros((1, 8, 2, 64), np.float16), q, q)
+    with pytest.raises(TypeError, match="dtype"):
+        flashgen.attention_forward(q, q.astype(cupy.float32), q)
+    with pytest.raises(ValueError, match="dropout_p"):
+        flashgen.attention_forward(q, q, q, dropout_p=1.0, seed=1)
+    with pytest.raises(ValueError, match="contiguous"):
+        flashgen.attention_forward(cupy.zeros((1, 8, 2, 128), dtype=cupy.float16)[..., ::2], q, q)
+    out, lse = flashgen.attention_forward(q, q, q)
+    with pytest.raises(ValueError, match="lse has shape"):
+        flashgen.attention_backward(out, q, q, q, out, lse[:, :1])
+    with pytest.raises(ValueError, match="never decrease"):
+        flashgen.attention_forward(q[:1], q[:1], q[:1], cu_seqlens_q=np.array([0, 5, 3], np.int32),
+                                   cu_seqlens_k=np.array([0, 4, 8], np.int32))
+    with pytest.raises(TypeError, match="int32"):
+        flashgen.attention_forward(q[:1], q[:1], q[:1], cu_seqlens_q=np.array([0, 8], np.int64),
+                                   cu_seqlens_k=np.array([0, 8], np.int32))
+    # the context is healthy afterwards
+    again, _ = flashgen.attention_forward(q, q, q)
+    assert not bool(cupy.isnan(again).any())
