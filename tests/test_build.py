@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from flashgen import generator
 from flashgen.build import manifest
 from flashgen.build.cubin import cubin_sm, sha256_file
-from flashgen.build.graph import NVCC_FLAGS, include_dirs, render_ninja
+from flashgen.build.graph import CUBIN_FLAGS, NVCC_FLAGS, include_dirs, render_ninja
 from flashgen.build.runner import select_jobs
 from flashgen.cli import main
 from flashgen.spec import default_kernels
@@ -60,7 +60,7 @@ def built(toolchain, tmp_path_factory):
     result = _build("--arch", "sm80", "--kernels", f"{FWD},{BWD}", "--out", str(out),
                     "--instances", str(instances), "-j", "2")
     assert result.exit_code == 0, result.output
-    assert "2 of 2 cubins ready (2 compiled)" in result.output
+    assert "2 of 2 binaries ready (2 compiled)" in result.output
     return out, instances
 
 
@@ -183,7 +183,7 @@ def test_kernel_built_outside_its_arch_range_traps_with_a_message(toolchain, tmp
     sm75 = next(k for k in default_kernels() if k.FAMILY == "mem_eff_fwd" and k.arch == "sm75")
     src = generator.INSTANCES_DIR / generator.source_path(sm75)
     cubin = tmp_path / "wrong.cubin"
-    cmd = [str(toolchain.nvcc), *NVCC_FLAGS, *(f"-I{d}" for d in include_dirs(toolchain)),
+    cmd = [str(toolchain.nvcc), *NVCC_FLAGS, *CUBIN_FLAGS, *(f"-I{d}" for d in include_dirs(toolchain)),
            "-gencode=arch=compute_80,code=sm_80", "-o", str(cubin), str(src)]
     subprocess.run(cmd, check=True, capture_output=True)
     data = cubin.read_bytes()

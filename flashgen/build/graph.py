@@ -23,23 +23,27 @@ NVCC_FLAGS = (
     "-std=c++17",
     "--expt-relaxed-constexpr",  # std::tuple in the Philox shim, CUTLASS's constexpr helpers
     "-DNDEBUG",                  # the kernels' device asserts cost registers and time
-    "-cubin",
-    "--resource-usage",          # ptxas prints registers, spills and stack frame into the log
 )
+CUBIN_FLAGS = ("-cubin", "--resource-usage")  # ptxas prints registers, spills and stack frame into the log
+PTX_FLAGS = ("-ptx",)
 
 
 @dataclass(frozen=True)
 class Job:
-    """One kernel compiled for one target."""
+    """One kernel compiled for one target: SASS (``sm80``) or PTX (``compute90``)."""
 
     kernel: KernelSpec
-    target: str  # normalized, e.g. "sm80" or "sm90a"
+    target: str  # normalized, e.g. "sm80", "sm90a" or "compute90"
     source: Path
 
     @property
-    def cubin(self) -> str:
+    def is_ptx(self) -> bool:
+        return self.target.startswith("compute")
+
+    @property
+    def output(self) -> str:
         """Path relative to the build directory."""
-        return f"{self.target}/{self.kernel.name}.cubin"
+        return f"{self.target}/{self.kernel.name}.{'ptx' if self.is_ptx else 'cubin'}"
 
     @property
     def log(self) -> str:
@@ -48,7 +52,8 @@ class Job:
     @property
     def gencode(self) -> str:
         arch = f"{target_cc(self.target)}{'a' if self.target.endswith('a') else ''}"
-        return f"-gencode=arch=compute_{arch},code=sm_{arch}"
+        code = f"compute_{arch}" if self.is_ptx else f"sm_{arch}"
+        return f"-gencode=arch=compute_{arch},code={code}"
 
 
 def include_dirs(tc: Toolchain) -> List[Path]:
@@ -75,17 +80,20 @@ def render_ninja(jobs: Iterable[Job], tc: Toolchain, launcher: Optional[str] = N
         "flags = " + " ".join(NVCC_FLAGS),
         "includes = " + " ".join(q(f"-I{d}") for d in include_dirs(tc)),
         "",
-        "rule cubin",
-        "  command = FLASHGEN_TOOLCHAIN=$stamp $launcher $nvcc $flags $includes $gencode"
-        " -MD -MF $out.d -MT $out -o $out.tmp $in > $log 2>&1 && mv -f $out.tmp $out",
-        "  depfile = $out.d",
-        "  deps = gcc",
-        "  description = $kernel $target",
-        "",
     ]
+    for rule, flags in (("cubin", CUBIN_FLAGS), ("ptx", PTX_FLAGS)):
+        lines += [
+            f"rule {rule}",
+            f"  command = FLASHGEN_TOOLCHAIN=$stamp $launcher $nvcc $flags {' '.join(flags)} $includes $gencode"
+            " -MD -MF $out.d -MT $out -o $out.tmp $in > $log 2>&1 && mv -f $out.tmp $out",
+            "  depfile = $out.d",
+            "  deps = gcc",
+            "  description = $kernel $target",
+            "",
+        ]
     for job in jobs:
         lines += [
-            f"build {_escape(job.cubin)}: cubin {_escape(job.source)}",
+            f"build {_escape(job.output)}: {'ptx' if job.is_ptx else 'cubin'} {_escape(job.source)}",
             f"  gencode = {job.gencode}",
             f"  log = {q(job.log)}",
             f"  kernel = {job.kernel.name}",

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict
 
 from flashgen import __version__
 from flashgen.atomic import atomic_write_text
 from flashgen.build.cubin import parse_resource_usage, read_int64_array, sha256_file
 from flashgen.build.graph import Job
 from flashgen.errors import FlashgenError
+from flashgen.spec.core import target_cc
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -27,9 +28,23 @@ class ManifestError(FlashgenError):
     """A manifest that cannot be trusted; the message names the file."""
 
 
-def describe(build_dir: Path, job: Job) -> dict:
-    """The manifest's per-target record for one freshly built cubin."""
-    cubin = build_dir / job.cubin
+def describe(build_dir: Path, job: Job, built: Dict[str, dict]) -> dict:
+    """The manifest's per-target record for one freshly built cubin or PTX file.
+
+    PTX has no symbols to read back and no ptxas report until the driver
+    compiles it, so its record carries the constants of the SASS built from
+    the same source for the same architecture (``built``: this kernel's
+    records so far).
+    """
+    if job.is_ptx:
+        twin = built.get(f"sm{target_cc(job.target)}")
+        if twin is None:
+            raise ManifestError(f"{job.output}: no SASS for sm{target_cc(job.target)} to take its constants from")
+        path = build_dir / job.output
+        return {"ptx": job.output, "sha256": sha256_file(path), "size": path.stat().st_size,
+                **{k: twin[k] for k in ("shared_memory_dynamic", "threads_per_block", "min_blocks_per_sm",
+                                        "constants")}}
+    cubin = build_dir / job.output
     values = read_int64_array(cubin, job.kernel.meta_symbol)
     names = [c.name for c in job.kernel.CONSTANTS]
     if len(values) != len(names):
@@ -41,7 +56,7 @@ def describe(build_dir: Path, job: Job) -> dict:
     if usage is None:
         raise ManifestError(f"{log}: no ptxas resource report for {job.kernel.name}")
     return {
-        "cubin": job.cubin,
+        "cubin": job.output,
         "sha256": sha256_file(cubin),
         "size": cubin.stat().st_size,
         "registers": usage.registers,
@@ -108,12 +123,13 @@ def surviving_entries(build_dir: Path, old: dict, toolchain: dict) -> Dict[str, 
     kept: Dict[str, dict] = {}
     for entry in old.get("kernels", []):
         targets = {t: rec for t, rec in entry.get("targets", {}).items()
-                   if (build_dir / rec["cubin"]).is_file()
-                   and sha256_file(build_dir / rec["cubin"]) == rec["sha256"]}
+                   if (build_dir / binary_path(rec)).is_file()
+                   and sha256_file(build_dir / binary_path(rec)) == rec["sha256"]}
         if targets:
             kept[entry["name"]] = dict(entry, targets=targets)
     return kept
 
 
-def entries(manifest: dict) -> List[dict]:
-    return manifest.get("kernels", [])
+def binary_path(record: dict) -> str:
+    """The file a target record describes, relative to its build directory."""
+    return record.get("cubin") or record["ptx"]

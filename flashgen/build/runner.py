@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import fnmatch
 import os
 import re
 import subprocess
@@ -49,15 +48,6 @@ def default_parallelism() -> int:
     return max(1, min(cores, by_memory))
 
 
-def parse_globs(pattern: Optional[str]) -> List[str]:
-    return [p.strip() for p in (pattern or "").split(",") if p.strip()]
-
-
-def matches(name: str, globs: Sequence[str]) -> bool:
-    """The one kernel-filter language: comma-separated fnmatch globs, any may match."""
-    return not globs or any(fnmatch.fnmatchcase(name, g) for g in globs)
-
-
 def check_targets(targets: Sequence[str], tc: Toolchain) -> List[str]:
     """Normalize targets and refuse those this nvcc cannot compile for."""
     supported = {normalize_target(a) for a in tc.nvcc_archs}
@@ -71,9 +61,15 @@ def check_targets(targets: Sequence[str], tc: Toolchain) -> List[str]:
     return list(dict.fromkeys(out))
 
 
-def select_jobs(kernels: Sequence[KernelSpec], targets: Sequence[str], instances: Path) -> List[Job]:
-    """Every (kernel, target) pair whose target lies in the kernel's arch-tag range."""
-    return [Job(k, t, instances / generator.source_path(k)) for t in targets for k in kernels if k.runs_on(t)]
+def select_jobs(kernels: Sequence[KernelSpec], targets: Sequence[str], instances: Path,
+                ptx: bool = False) -> List[Job]:
+    """Every (kernel, target) pair whose target lies in the kernel's arch-tag range, plus with
+    ``ptx`` a PTX job for the newest target, which newer GPUs can JIT-compile at load time."""
+    jobs = [Job(k, t, instances / generator.source_path(k)) for t in targets for k in kernels if k.runs_on(t)]
+    if ptx and targets:
+        newest = max(targets, key=target_cc)
+        jobs += [Job(j.kernel, f"compute{target_cc(newest)}", j.source) for j in jobs if j.target == newest]
+    return jobs
 
 
 def check_sources(jobs: Sequence[Job], instances: Path) -> None:
@@ -101,7 +97,7 @@ def build_lock(build_dir: Path, console: Console) -> Iterator[None]:
 def _run_ninja(tc: Toolchain, build_dir: Path, jobs: Sequence[Job], parallelism: int,
                console: Console) -> tuple:
     """Run ninja with a progress bar; returns (outputs that failed, number of edges run)."""
-    by_output = {j.cubin: j for j in jobs}
+    by_output = {j.output: j for j in jobs}
     env = dict(os.environ, NINJA_STATUS="[flashgen %f/%t] ")
     cmd = [str(tc.ninja), "-C", str(build_dir), "-k", "0", "-j", str(parallelism)]
     failed, ran, transcript = set(), 0, []
@@ -153,12 +149,12 @@ def run_build(jobs: List[Job], tc: Toolchain, build_dir: Path, parallelism: Opti
                 kernels = manifest.surviving_entries(build_dir, manifest.read(previous), toolchain)
             except manifest.ManifestError as e:
                 console.print(f"[yellow]ignoring the old manifest:[/] {e}")
-        failed = {j.cubin for j in result.failed}
-        for job in jobs:
+        failed = {j.output for j in result.failed}
+        for job in sorted(jobs, key=lambda j: j.is_ptx):  # PTX records borrow their SASS twin's constants
             record = kernels.setdefault(job.kernel.name, manifest.kernel_record(job))
             record["targets"].pop(job.target, None)
-            if job.cubin not in failed:
-                record["targets"][job.target] = manifest.describe(build_dir, job)
+            if job.output not in failed:
+                record["targets"][job.target] = manifest.describe(build_dir, job, record["targets"])
         kernels = {name: rec for name, rec in kernels.items() if rec["targets"]}
         result.manifest_path = manifest.write(build_dir, manifest.make(toolchain, kernels))
     result.seconds = time.monotonic() - start

@@ -9,6 +9,7 @@ given or current CuPy stream with no host synchronisation.
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -96,7 +97,7 @@ def _alignment(arrays, dims) -> int:
 
 def _check_int32(**values):
     for name, v in values.items():
-        if abs(v) > _INT32_MAX:
+        if not -_INT32_MAX - 1 <= v <= _INT32_MAX:
             raise ValueError(f"{name} = {v} does not fit the kernel's 32-bit field; split the batch")
 
 
@@ -165,7 +166,7 @@ def _common(q, k, v, causal, scale, dropout_p, seed, offset, cu_seqlens_q, cu_se
         raise ValueError(f"head dims must be >= 1; got {K} and {Kv}")
     if causal not in _MASKS:
         raise ValueError(f"causal must be None, 'top_left' or 'bottom_right'; got {causal!r}")
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+    if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p!r}")
     if dropout_p > 0 and seed is None:
         raise ValueError("dropout_p > 0 needs an explicit seed (and offset): attention_backward must "

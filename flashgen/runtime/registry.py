@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -18,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from flashgen.build import manifest
 from flashgen.build.cubin import sha256_file
 from flashgen.errors import UnsupportedError
-from flashgen.runtime.arch import DeviceInfo, best_target
+from flashgen.runtime.arch import DeviceInfo, best_target, is_ptx
 from flashgen.spec import FAMILIES
 from flashgen.spec.core import KernelSpec, target_cc
 
@@ -31,7 +32,7 @@ class KernelBinary:
 
     spec: KernelSpec
     target: str
-    cubin: Path
+    path: Path  # a cubin, or PTX for a "computeXY" target
     sha256: str
     constants: Dict[str, int] = field(compare=False, hash=False)
     record: dict = field(compare=False, hash=False, repr=False)
@@ -39,6 +40,10 @@ class KernelBinary:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def is_ptx(self) -> bool:
+        return is_ptx(self.target)
 
 
 def search_path(explicit: Optional[Sequence[Path]] = None) -> List[Path]:
@@ -62,12 +67,22 @@ class Registry:
                 cls = FAMILIES.get(entry["family"])
                 if cls is None:  # a family this flashgen does not know: leave it alone
                     continue
-                spec = cls(**entry["params"])
+                try:
+                    spec = cls(**entry["params"])
+                except TypeError:
+                    raise manifest.ManifestError(
+                        f"{path}: kernel {entry['name']}: its params do not match this flashgen's "
+                        f"{cls.FAMILY} spec; rebuild it with this version") from None
                 for target, rec in entry["targets"].items():
+                    missing = [c.name for c in cls.CONSTANTS if c.name not in rec.get("constants", {})]
+                    if missing:
+                        raise manifest.ManifestError(f"{path}: {entry['name']} ({target}) lacks constants "
+                                                     f"{', '.join(missing)}; rebuild it with this version")
                     self.binaries.setdefault((spec.name, target), KernelBinary(
-                        spec, target, directory / rec["cubin"], rec["sha256"], rec["constants"], rec))
+                        spec, target, directory / manifest.binary_path(rec), rec["sha256"], rec["constants"], rec))
         self._modules: Dict[Tuple[Path, int], tuple] = {}  # (cubin, device) -> (module, function)
         self._lock = threading.Lock()
+        self._warned_ptx = False
 
     def targets(self) -> List[str]:
         return sorted({t for _, t in self.binaries}, key=lambda t: (target_cc(t), t))
@@ -98,7 +113,7 @@ class Registry:
 
     def function(self, binary: KernelBinary, device: int):
         """The kernel's entry as a CuPy function on ``device``, loaded on first use."""
-        key = (binary.cubin, device)
+        key = (binary.path, device)
         loaded = self._modules.get(key)
         if loaded is None:
             with self._lock:
@@ -110,14 +125,19 @@ class Registry:
     def _load(self, binary: KernelBinary, device: int):
         import cupy
 
-        if not binary.cubin.is_file():
-            raise UnsupportedError(f"{binary.cubin}: listed in its manifest but missing; rebuild it")
-        actual = sha256_file(binary.cubin)
+        if not binary.path.is_file():
+            raise UnsupportedError(f"{binary.path}: listed in its manifest but missing; rebuild it")
+        actual = sha256_file(binary.path)
         if actual != binary.sha256:
-            raise UnsupportedError(f"{binary.cubin}: sha256 {actual} does not match its manifest "
+            raise UnsupportedError(f"{binary.path}: sha256 {actual} does not match its manifest "
                                    f"({binary.sha256}); the file is corrupt or was replaced; rebuild it")
+        if binary.is_ptx and not self._warned_ptx:
+            self._warned_ptx = True
+            warnings.warn(f"flashgen: no SASS for GPU {device}; the driver is compiling PTX ({binary.target}) "
+                          f"at load time, which is slow once and may run slower; build for this GPU's arch",
+                          stacklevel=4)
         with cupy.cuda.Device(device):
-            module = cupy.RawModule(path=str(binary.cubin))
+            module = cupy.RawModule(path=str(binary.path))
             fn = module.get_function(binary.spec.name)
             smem = binary.constants["shared_memory_bytes"]
             if smem > 48 * 1024:

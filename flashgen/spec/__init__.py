@@ -1,7 +1,8 @@
 """Kernel families, each declared once: axes, pruning rules, priority, ABI, constants."""
 from __future__ import annotations
 
-from typing import Dict, List, Type
+import fnmatch
+from typing import Dict, List, Optional, Sequence, Type
 
 from flashgen.spec.core import KernelSpec
 from flashgen.spec.mem_eff_bwd import MemEffBwd
@@ -20,3 +21,13 @@ def family(name: str) -> Type[KernelSpec]:
 def default_kernels() -> List[KernelSpec]:
     """Every family's default set, family by family, each in priority order."""
     return [k for cls in FAMILIES.values() for k in cls.default_set()]
+
+
+def parse_globs(pattern: Optional[str]) -> List[str]:
+    return [p.strip() for p in (pattern or "").split(",") if p.strip()]
+
+
+def matches(name: str, globs: Sequence[str]) -> bool:
+    """The one kernel-filter language (--kernels, FLASHGEN_KERNELS): comma-separated
+    fnmatch globs over kernel names, any may match; no globs match everything."""
+    return not globs or any(fnmatch.fnmatchcase(name, g) for g in globs)

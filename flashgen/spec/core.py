@@ -91,8 +91,13 @@ def params_dtype(abi: Tuple[Field, ...]) -> np.dtype:
 
 
 def target_cc(target: str) -> int:
-    """``sm80``/``sm_80``/``sm_90a`` -> 80/80/90 (compute capability * 10 + minor)."""
-    digits = target.lower().replace("sm_", "").replace("sm", "").rstrip("a")
+    """``sm80``/``sm_80``/``sm_90a``/``compute90`` -> 80/80/90/90 (compute capability * 10 + minor)."""
+    digits = target.lower()
+    for prefix in ("compute_", "compute", "sm_", "sm"):
+        if digits.startswith(prefix):
+            digits = digits[len(prefix):]
+            break
+    digits = digits.rstrip("a")
     if not digits.isdigit():
         raise ValueError(f"not an SM target: {target!r} (expected e.g. sm80, sm_86, sm90a)")
     return int(digits)

@@ -57,7 +57,7 @@ class MemEffBwd(KernelSpec):
              lambda k: k.arch == "sm75" and (k.block_i, k.block_j) != (64, 64)),
         Rule("a 64x128 tile costs the shared memory of 128x64 but cannot keep dK/dV of larger heads in registers",
              lambda k: (k.block_i, k.block_j) == (64, 128)),
-        Rule("f32 accumulates dK/dV in the workspace whatever the tile: one 64x64 kernel for kMaxK 64 and one for 65536",
+        Rule("f32 never keeps dK/dV in registers whatever the tile: one 64x64 kernel for kMaxK 64 and one for 65536",
              lambda k: k.dtype == "f32" and ((k.block_i, k.block_j) != (64, 64) or k.max_k not in (64, 65536))),
         Rule("kMaxK 65536 accumulates dK/dV in the workspace: 64x64 keeps shared memory and workspace smallest",
              lambda k: k.max_k == 65536 and (k.block_i, k.block_j) != (64, 64)),
