@@ -3,9 +3,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 ARCH ?= sm80
+# Targets packed into `make wheel` (FLASHGEN_KERNELS=glob and FLASHGEN_PTX=1 are honoured too).
+ARCHS ?= sm80,sm90
 BIN := $(VENV)/bin
 
-.PHONY: setup generate check build test clean
+.PHONY: setup generate check build test wheel clean
 
 setup: $(VENV)/.installed
 
@@ -27,5 +29,10 @@ build: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
+# The same PEP 517 build cibuildwheel runs, without containers: dist/flashgen-*.whl
+wheel: setup
+	FLASHGEN_ARCHS=$(ARCHS) $(BIN)/python -m pip wheel --no-deps --wheel-dir dist .
+	ls -l dist/*.whl
+
 clean:
-	rm -rf build
+	rm -rf build dist

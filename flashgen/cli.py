@@ -7,8 +7,6 @@ from pathlib import Path
 from typing import List, Optional
 
 import click
-from rich.console import Console
-from rich.table import Table
 
 from flashgen.errors import FlashgenError
 from flashgen.spec import FAMILIES, default_kernels
@@ -17,13 +15,16 @@ from flashgen.spec.core import KernelSpec, normalize_target
 DEFAULT_BUILD_DIR = Path("build") / "kernels"
 
 
-def _console() -> Console:
-    return Console(stderr=True, soft_wrap=True)  # never break paths or commands across lines
-
-
 def _fail(message: str) -> None:
-    _console().print(f"[red]error:[/] {message}", highlight=False)
+    click.echo(click.style("error: ", fg="red") + message, err=True)
     sys.exit(1)
+
+
+def _table(header: List[str], rows: List[List[str]]) -> str:
+    """Plain aligned columns: readable on a terminal, greppable in CI logs, no extra dependency."""
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
 
 
 def _split(values) -> List[str]:
@@ -39,21 +40,57 @@ def main() -> None:
 
 @main.command()
 def doctor() -> None:
-    """Show the compiler, headers and tools flashgen found, and how to get what is missing."""
+    """Show the GPUs and which packaged kernels run on them, and the build toolchain
+    (compiler, headers, tools) with how to get what is missing."""
     from flashgen.toolchain import Found, probe_toolchain
 
+    _doctor_gpus()
+    click.echo("build toolchain (needed only to compile kernels):")
     report = probe_toolchain()
-    console = Console(soft_wrap=True)  # whole paths and commands, one per line, easy to copy
     for key, item in report.items.items():
         if isinstance(item, Found):
             version = f" {item.version}" if item.version else ""
-            console.print(f"[green]ok[/]       {key:<10} {item.path}{version}  [dim]({item.source})[/]", highlight=False)
+            click.echo(f"{click.style('ok', fg='green')}       {key:<10} {item.path}{version}  ({item.source})")
         else:
-            console.print(f"[red]missing[/]  {key:<10} {item.message}", highlight=False)
+            click.echo(f"{click.style('missing', fg='red')}  {key:<10} {item.message}")
     if report.nvcc_archs:
-        console.print("nvcc targets: " + " ".join(report.nvcc_archs), highlight=False)
+        click.echo("nvcc targets: " + " ".join(report.nvcc_archs))
     if not report.ok():
         sys.exit(1)
+
+
+def _doctor_gpus() -> None:
+    from flashgen.errors import UnsupportedError
+    from flashgen.runtime.registry import default_registry
+
+    try:
+        import cupy
+    except ImportError:
+        click.echo("GPUs: CuPy is not installed, so flashgen cannot run kernels: "
+                   "pip install 'flashgen[cu13]' (CUDA 13 driver) or 'flashgen[cu12]'")
+        return
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+        driver = cupy.cuda.runtime.driverGetVersion()
+    except Exception as e:  # no driver, no device
+        click.echo(f"GPUs: none usable ({e})")
+        return
+    from flashgen.runtime.device import device_info
+
+    registry = default_registry()
+    click.echo(f"GPUs: {count}, driver supports CUDA {driver // 1000}.{driver % 1000 // 10}; "
+               f"kernels found for: {', '.join(registry.targets()) or 'none'} "
+               f"(in {', '.join(str(p) for p in registry.paths)})")
+    for index in range(count):
+        info = device_info(index)
+        runnable = []
+        for family in FAMILIES:
+            try:
+                runnable.append(f"{family} {len(registry.for_device(family, info))}")
+            except UnsupportedError:
+                runnable.append(f"{family} 0")
+        click.echo(f"  GPU {index}: {info.name}, sm_{info.cc}, {info.multiprocessors} SMs, "
+                   f"{info.shared_memory_optin // 1024} KB shared memory per block; runnable: {', '.join(runnable)}")
 
 
 @main.command()
@@ -82,7 +119,7 @@ def generate(check: bool, out: Optional[Path]) -> None:
 
 def _select(family: List[str], kernels_glob: Optional[str], dtype: List[str] = (),
             max_k: Optional[int] = None) -> List[KernelSpec]:
-    from flashgen.build.runner import matches, parse_globs
+    from flashgen.spec import matches, parse_globs
 
     for name in family:
         if name not in FAMILIES:
@@ -106,36 +143,62 @@ def _select(family: List[str], kernels_glob: Optional[str], dtype: List[str] = (
 @click.option("--launcher", default=None, help="Compiler launcher put before nvcc, e.g. sccache.")
 @click.option("--instances", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Instance sources (default: instances/ of this source checkout).")
-def build(arch, family, kernels_glob, jobs, out, launcher, instances) -> None:
+@click.option("--ptx", is_flag=True, help="Also emit PTX for the newest target, which newer GPUs JIT-compile.")
+def build(arch, family, kernels_glob, jobs, out, launcher, instances, ptx) -> None:
     """Compile the selected kernels for every requested target into cubins with a manifest."""
+    from rich.console import Console
+
     from flashgen import generator
     from flashgen.build.runner import check_sources, check_targets, run_build, select_jobs
     from flashgen.toolchain import require_toolchain
 
-    console = _console()
+    console = Console(stderr=True, soft_wrap=True)  # never break paths or commands across lines
     try:
         tc = require_toolchain()
         targets = check_targets(_split(arch), tc)
         instances = instances or generator.INSTANCES_DIR
-        selected = select_jobs(_select(list(family), kernels_glob), targets, instances)
+        selected = select_jobs(_select(list(family), kernels_glob), targets, instances, ptx=ptx)
         if not selected:
             _fail(f"no kernel matches --arch {','.join(targets)} "
                   f"{'--family ' + ','.join(family) if family else ''} "
                   f"{'--kernels ' + kernels_glob if kernels_glob else ''}".rstrip())
         check_sources(selected, instances)
-        console.print(f"building {len(selected)} cubins for {', '.join(targets)} into {out} "
+        console.print(f"building {len(selected)} binaries for {', '.join(targets)} into {out} "
                       f"(nvcc {tc.nvcc_version}, CUTLASS {tc.cutlass_version})", highlight=False)
         result = run_build(selected, tc, out, parallelism=jobs, launcher=launcher, console=console)
     except FlashgenError as e:
         _fail(str(e))
     built = len(result.jobs) - len(result.failed)
-    console.print(f"{built} of {len(result.jobs)} cubins ready ({result.compiled} compiled) in "
+    console.print(f"{built} of {len(result.jobs)} binaries ready ({result.compiled} compiled) in "
                   f"{result.seconds:.1f} s; manifest: {result.manifest_path}", highlight=False)
     if result.failed:
         for job in result.failed:
             console.print(f"[red]FAILED[/] {job.kernel.name} ({job.target}): log {result.build_dir / job.log}",
                           highlight=False)
         _fail(f"{len(result.failed)} kernel(s) failed to build")
+
+
+def _manifest_dir(build_dir: Optional[Path]) -> Optional[Path]:
+    """Where `list` reads kernels from: --build-dir, ./build/kernels, or the installed package."""
+    from flashgen.build.manifest import MANIFEST_NAME
+    from flashgen.runtime.registry import PACKAGE_KERNELS
+
+    if build_dir is not None:
+        return build_dir
+    for candidate in (DEFAULT_BUILD_DIR, PACKAGE_KERNELS):
+        if (candidate / MANIFEST_NAME).exists():
+            return candidate
+    return None
+
+
+def _verify(directory: Path, record: dict) -> str:
+    from flashgen.build.cubin import sha256_file
+    from flashgen.build.manifest import binary_path
+
+    path = directory / binary_path(record)
+    if not path.is_file():
+        return "missing"
+    return "ok" if sha256_file(path) == record["sha256"] else "mismatch"
 
 
 @main.command(name="list")
@@ -145,41 +208,55 @@ def build(arch, family, kernels_glob, jobs, out, launcher, instances) -> None:
 @click.option("--max-k", type=int, default=None, help="Only kernels with this kMaxK tier.")
 @click.option("--kernels", "kernels_glob", default=None, help="Comma-separated name globs.")
 @click.option("--build-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help=f"Show what the manifest there records (default: {DEFAULT_BUILD_DIR} if it exists).")
+              help=f"Read this build's manifest (default: {DEFAULT_BUILD_DIR} if it exists, "
+                   "else the kernels installed with the package).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def list_(family, arch, dtype, max_k, kernels_glob, build_dir, as_json) -> None:
-    """List kernels, with per-target resource usage where a build manifest exists."""
+    """List kernels: what a build or the installed package holds (each binary's sha256 checked),
+    or, where nothing is built, what the families would build.  Exits 1 if a binary fails its check."""
     from flashgen.build import manifest
 
     targets = [normalize_target(t) for t in _split(arch)]
-    kernels = [k for k in _select(list(family), kernels_glob, list(dtype), max_k)
-               if not targets or any(k.runs_on(t) for t in targets)]
-    built = {}
-    build_dir = build_dir or (DEFAULT_BUILD_DIR if (DEFAULT_BUILD_DIR / manifest.MANIFEST_NAME).exists() else None)
-    if build_dir is not None:
+    selected = {k.name: k for k in _select(list(family), kernels_glob, list(dtype), max_k)
+                if not targets or any(k.runs_on(t) for t in targets)}
+    directory = _manifest_dir(build_dir)
+    rows = []
+    if directory is None:
+        rows = [{"name": k.name, "family": k.FAMILY, "params": k.params, "targets": {}} for k in selected.values()]
+    else:
         try:
-            built = {e["name"]: e["targets"] for e in manifest.read(build_dir / manifest.MANIFEST_NAME)["kernels"]}
+            entries = manifest.read(directory / manifest.MANIFEST_NAME)["kernels"]
         except FlashgenError as e:
             _fail(str(e))
-    rows = []
-    for k in kernels:
-        records = {t: r for t, r in built.get(k.name, {}).items() if not targets or t in targets}
-        rows.append({"name": k.name, "family": k.FAMILY, "params": k.params, "targets": records})
+        for e in entries:
+            if e["name"] not in selected:
+                continue
+            records = {t: dict(r, verified=_verify(directory, r)) for t, r in e["targets"].items()
+                       if not targets or t in targets or t.startswith("compute")}
+            rows.append({"name": e["name"], "family": e["family"], "params": e["params"], "targets": records})
+    bad = [(row["name"], t, r["verified"]) for row in rows for t, r in row["targets"].items() if r["verified"] != "ok"]
     if as_json:
         click.echo(json.dumps(rows, indent=1))
-        return
-    table = Table("family", "kernel", "target", "regs", "spills st/ld", "smem", "threads", "cubin")
-    for row in rows:
-        if not row["targets"]:
-            table.add_row(row["family"], row["name"], "-", "", "", "", "", "")
-        for target, r in sorted(row["targets"].items()):
-            table.add_row(row["family"], row["name"], target, str(r["registers"]),
-                          f"{r['spill_stores']}/{r['spill_loads']}", f"{r['shared_memory_dynamic']:,}",
-                          str(r["threads_per_block"]), f"{r['size'] / 1024:.0f} KiB")
-    console = Console(width=max(Console().width, 160))
-    console.print(table)
-    for name in FAMILIES:
-        of_family = [r for r in rows if r["family"] == name]
-        if of_family:
-            built_count = sum(1 for r in of_family if r["targets"])
-            console.print(f"{name}: {len(of_family)} kernels" + (f", {built_count} built" if built else ""))
+    else:
+        table = []
+        for row in rows:
+            if not row["targets"]:
+                table.append([row["family"], row["name"], "-", "", "", "", "", "", ""])
+            for target, r in sorted(row["targets"].items()):
+                regs = r.get("registers", "jit")
+                spills = f"{r['spill_stores']}/{r['spill_loads']}" if "spill_stores" in r else "jit"
+                table.append([row["family"], row["name"], target, regs, spills, f"{r['shared_memory_dynamic']:,}",
+                              r["threads_per_block"], f"{r['size'] / 1024:.0f} KiB", r["verified"]])
+        click.echo(_table(["family", "kernel", "target", "regs", "spills st/ld", "smem", "threads", "size",
+                           "sha256"], table))
+        source = f"from {directory / manifest.MANIFEST_NAME}" if directory else "nothing built: the families' default sets"
+        click.echo(source)
+        for name in FAMILIES:
+            of_family = [r for r in rows if r["family"] == name]
+            if of_family:
+                click.echo(f"{name}: {len(of_family)} kernels")
+    if bad:
+        for name, target, status in bad:
+            click.echo(f"{click.style('FAILED CHECK', fg='red')} {name} ({target}): {status}; it will not be loaded",
+                       err=True)
+        sys.exit(1)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -15,6 +17,13 @@ from flashgen.spec import default_kernels
 
 def run(*args):
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+@pytest.fixture(autouse=True)
+def nothing_built(tmp_path, monkeypatch):
+    """No ./build/kernels and no kernels installed with the package: `list` shows the spec."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("flashgen.runtime.registry.PACKAGE_KERNELS", tmp_path / "no-package-kernels")
 
 
 def test_list_json_has_every_kernel():
@@ -44,11 +53,32 @@ def test_list_table_counts_instances_per_family():
     result = run("list")
     assert result.exit_code == 0
     assert "mem_eff_fwd: 40 kernels" in result.output and "mem_eff_bwd: 46 kernels" in result.output
+    assert "nothing built" in result.output
 
 
 def test_list_rejects_unknown_family():
     result = run("list", "--family", "flash3")
     assert result.exit_code == 1 and "unknown family 'flash3'" in result.output
+
+
+def test_list_reports_tampered_binaries(tmp_path):
+    k = default_kernels()[0]
+    cubin = tmp_path / "sm80" / f"{k.name}.cubin"
+    cubin.parent.mkdir()
+    cubin.write_bytes(b"\x7fELF pretend cubin")
+    record = {"cubin": f"sm80/{k.name}.cubin", "sha256": __import__("hashlib").sha256(cubin.read_bytes()).hexdigest(),
+              "size": cubin.stat().st_size, "shared_memory_dynamic": 1, "threads_per_block": 128,
+              "min_blocks_per_sm": 1, "registers": 1, "spill_stores": 0, "spill_loads": 0, "constants": {}}
+    entry = {"name": k.name, "family": k.FAMILY, "params": k.params, "targets": {"sm80": record}}
+    (tmp_path / "manifest.json").write_text(json.dumps({"schema_version": manifest.SCHEMA_VERSION,
+                                                         "toolchain": {}, "kernels": [entry]}))
+    ok = run("list", "--build-dir", str(tmp_path), "--json")
+    assert ok.exit_code == 0 and json.loads(ok.output)[0]["targets"]["sm80"]["verified"] == "ok"
+    cubin.write_bytes(b"\x7fELF tampered")
+    bad = CliRunner().invoke(main, ["list", "--build-dir", str(tmp_path), "--json"])
+    assert bad.exit_code == 1
+    assert json.loads(bad.stdout)[0]["targets"]["sm80"]["verified"] == "mismatch"
+    assert f"FAILED CHECK {k.name} (sm80): mismatch" in bad.stderr
 
 
 def test_list_refuses_bad_manifests(tmp_path):
@@ -110,3 +140,10 @@ def test_build_refuses_stale_sources(tmp_path):
         pytest.skip("no toolchain")
     assert result.exit_code == 1
     assert "out of date" in result.output and "flashgen generate" in result.output
+
+
+def test_importing_flashgen_imports_neither_torch_nor_cupy_nor_build_tooling():
+    code = ("import sys, flashgen, flashgen.cli, flashgen.runtime.registry; "
+            "print(*(m in sys.modules for m in ('torch', 'cupy', 'rich', 'jinja2')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False"] * 4
