@@ -20,11 +20,21 @@ from flashgen.runtime import api
 
 @contextlib.contextmanager
 def _torch_stream(device: torch.device):
+    """Make torch's current stream CuPy's current stream, so both order their work the same."""
     import cupy
 
     stream = torch.cuda.current_stream(device)
-    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream, device.index):
+    if hasattr(stream, "__cuda_stream__") and hasattr(cupy.cuda.Stream, "from_external"):
+        external = cupy.cuda.Stream.from_external(stream)
+    else:
+        external = cupy.cuda.ExternalStream(stream.cuda_stream, device.index)
+    with cupy.cuda.Device(device.index), external:
         yield
+
+
+def _plain(t):
+    """DLPack refuses tensors that require grad; the kernels only read the data."""
+    return None if t is None else t.detach()
 
 
 class _Attention(torch.autograd.Function):
@@ -32,7 +42,7 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, attn_bias, causal, scale, dropout_p, seed, offset):
         opts = dict(causal=causal, scale=scale, dropout_p=dropout_p, seed=seed, offset=offset)
         with _torch_stream(q.device):
-            out, lse = api.attention_forward(q, k, v, attn_bias=attn_bias, **opts)
+            out, lse = api.attention_forward(_plain(q), _plain(k), _plain(v), attn_bias=_plain(attn_bias), **opts)
         out, lse = torch.from_dlpack(out), torch.from_dlpack(lse)
         ctx.save_for_backward(q, k, v, attn_bias, out, lse)
         ctx.opts = opts
@@ -45,8 +55,8 @@ class _Attention(torch.autograd.Function):
         if grad_out.stride(-1) != 1:
             grad_out = grad_out.contiguous()
         with _torch_stream(q.device):
-            grads = api.attention_backward(grad_out, q, k, v, out, lse, attn_bias=attn_bias,
-                                           bias_requires_grad=bias_grad, **ctx.opts)
+            grads = api.attention_backward(_plain(grad_out), _plain(q), _plain(k), _plain(v), _plain(out), _plain(lse),
+                                           attn_bias=_plain(attn_bias), bias_requires_grad=bias_grad, **ctx.opts)
         dq, dk, dv = (torch.from_dlpack(g) for g in grads[:3])
         dbias = torch.from_dlpack(grads[3]).sum_to_size(attn_bias.shape) if bias_grad else None
         return dq, dk, dv, dbias, None, None, None, None, None

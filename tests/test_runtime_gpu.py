@@ -179,13 +179,13 @@ def test_strided_inputs(dtype, layout):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("shape", ["full", "broadcast_heads"])
-def test_bias_and_its_gradient(dtype, shape):
+@pytest.mark.parametrize("shape,causal", [("full", None), ("broadcast_heads", None), ("full", "top_left")])
+def test_bias_and_its_gradient(dtype, shape, causal):
     rng = np.random.default_rng(11)
-    B, H, M, N = 2, 3, 129, 70
+    B, H, M, N = 2, 3, 129, 270  # with top_left, whole key blocks are masked out: their dbias must be 0
     bias = randn(rng, (B, H, M, N) if shape == "full" else (B, 1, M, N), dtype)
     bias = cupy.broadcast_to(bias, (B, H, M, N))
-    check_forward_backward(rng, dtype, B=B, M=M, N=N, H=H, K=64, Kv=64, bias=bias)
+    check_forward_backward(rng, dtype, B=B, M=M, N=N, H=H, K=64, Kv=64, bias=bias, causal=causal)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

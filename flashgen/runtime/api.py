@@ -324,7 +324,8 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
     with cupy.cuda.Device(c.device):
         dq, dk, dv = cupy.empty_like(q, order="C"), cupy.empty_like(k, order="C"), cupy.empty_like(v, order="C")
         cols = -(-k.shape[1] // 8) * 8
-        dbias_full = (cupy.empty((c.B, c.H, q.shape[1], cols), dtype=q.dtype) if bias_requires_grad else None)
+        # zeros: with a causal mask the kernel skips key blocks no query sees and never writes their dbias
+        dbias_full = (cupy.zeros((c.B, c.H, q.shape[1], cols), dtype=q.dtype) if bias_requires_grad else None)
         dbias = dbias_full[..., :k.shape[1]] if dbias_full is not None else None
         grads = (dq, dk, dv) + ((dbias,) if bias_requires_grad else ())
         if c.M == 0 or c.N == 0 or q.shape[1] == 0 or k.shape[1] == 0:
