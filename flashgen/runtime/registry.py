@@ -122,15 +122,19 @@ class Registry:
                     loaded = self._modules[key] = self._load(binary, device)
         return loaded[1]
 
-    def _load(self, binary: KernelBinary, device: int):
-        import cupy
-
+    def verify(self, binary: KernelBinary) -> None:
+        """Refuse a binary that is missing or differs from its manifest (before CuPy sees it)."""
         if not binary.path.is_file():
             raise UnsupportedError(f"{binary.path}: listed in its manifest but missing; rebuild it")
         actual = sha256_file(binary.path)
         if actual != binary.sha256:
             raise UnsupportedError(f"{binary.path}: sha256 {actual} does not match its manifest "
                                    f"({binary.sha256}); the file is corrupt or was replaced; rebuild it")
+
+    def _load(self, binary: KernelBinary, device: int):
+        self.verify(binary)
+        import cupy
+
         if binary.is_ptx and not self._warned_ptx:
             self._warned_ptx = True
             warnings.warn(f"flashgen: no SASS for GPU {device}; the driver is compiling PTX ({binary.target}) "
