@@ -6,6 +6,7 @@ import fcntl
 import os
 import re
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +82,40 @@ def check_sources(jobs: Sequence[Job], instances: Path) -> None:
                          "run `flashgen generate` (and commit the result)")
 
 
+def check_writable(build_dir: Path) -> None:
+    """Create ``build_dir`` and prove a file can be written there, or raise a BuildError naming it.
+
+    Permission bits cannot answer this (root ignores them, and a read-only
+    mount, an immutable directory or a full disk do not show in them), so
+    this writes, flushes and deletes a small file.  Failing here, before
+    the lock file is opened and ninja starts, turns what would be a Python
+    traceback into one line that names the directory and the reason.
+    """
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".flashgen-probe.", dir=build_dir)
+        try:
+            os.write(fd, b"flashgen")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        raise BuildError(f"build directory {build_dir} is not writable: {e.strerror or e}; "
+                         "fix that or build somewhere else (--out)") from None
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """Report an OSError (disk full, directory made read-only mid-build) while writing ``path``
+    as a BuildError naming it.  The writes are atomic, so the old file stays intact and no
+    temporary file is left behind; a rerun once the cause is fixed finishes the job."""
+    try:
+        yield
+    except OSError as e:
+        raise BuildError(f"could not write {path}: {e.strerror or e}; fix that and rerun the build") from None
+
+
 @contextlib.contextmanager
 def build_lock(build_dir: Path, console: Console) -> Iterator[None]:
     """One build per directory at a time; a second one waits instead of tearing the manifest."""
@@ -129,16 +164,20 @@ def run_build(jobs: List[Job], tc: Toolchain, build_dir: Path, parallelism: Opti
 
     Kernels that fail keep their nvcc log and stay out of the manifest; the
     others are built and recorded regardless.  Entries of an earlier manifest
-    for other targets survive when their cubins are intact.
+    for other targets survive when their cubins are intact.  A build directory
+    that cannot be written, or a failed write of build.ninja or the manifest,
+    raises BuildError naming the path.
     """
     console = console or Console(stderr=True)
     build_dir = Path(build_dir).resolve()
     start = time.monotonic()
     result = BuildResult(build_dir=build_dir, jobs=list(jobs))
+    check_writable(build_dir)
     with build_lock(build_dir, console):
         for target in {j.target for j in jobs}:
             (build_dir / target).mkdir(exist_ok=True)
-        atomic_write_text(build_dir / "build.ninja", render_ninja(jobs, tc, launcher))
+        with _writing(build_dir / "build.ninja"):
+            atomic_write_text(build_dir / "build.ninja", render_ninja(jobs, tc, launcher))
         result.failed, result.compiled = _run_ninja(tc, build_dir, jobs, parallelism or default_parallelism(),
                                                     console)
         toolchain = manifest.toolchain_record(tc.nvcc_version, tc.cutlass_version)
@@ -156,6 +195,7 @@ def run_build(jobs: List[Job], tc: Toolchain, build_dir: Path, parallelism: Opti
             if job.output not in failed:
                 record["targets"][job.target] = manifest.describe(build_dir, job, record["targets"])
         kernels = {name: rec for name, rec in kernels.items() if rec["targets"]}
-        result.manifest_path = manifest.write(build_dir, manifest.make(toolchain, kernels))
+        with _writing(build_dir / manifest.MANIFEST_NAME):
+            result.manifest_path = manifest.write(build_dir, manifest.make(toolchain, kernels))
     result.seconds = time.monotonic() - start
     return result
