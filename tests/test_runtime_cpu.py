@@ -625,8 +625,15 @@ def test_split_keys_follow_the_device():
     (300, 1, 2),     # 200 // 300 = 0 -> still one block per (batch, head)
 ])
 def test_split_keys_are_capped_when_dk_dv_use_the_workspace(bh, capped, free):
-    assert num_splits_key(ACCUM, bh, 1, 1 << 20, H100) == capped
+    # N = 2^16 keys: the int32 workspace cap (below) allows 511 splits at head dim 64, so it never binds here
+    assert num_splits_key(ACCUM, bh, 1, 1 << 16, H100, 64, 64) == min(capped, 1 << 10)
     assert num_splits_key(K64, bh, 1, 1 << 20, H100) == free
+
+
+def test_split_keys_keep_the_kernels_int32_workspace_offsets():
+    # workspace_elements_gk/gv = splits * align(N, 64) * align(K, 64) is int32 in the kernel
+    assert num_splits_key(ACCUM, 1, 1, 1 << 20, H100, 256, 256) == (2**31 - 1) // ((1 << 20) * 256)  # 7
+    assert num_splits_key(ACCUM, 1, 1, 1 << 20, H100) == (2**31 - 1) // ((1 << 20) * 64)             # 31
 
 
 def test_split_keys_disabled_means_one():

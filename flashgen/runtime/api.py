@@ -50,26 +50,58 @@ def _dtype_name(dtype) -> Optional[str]:
 
 
 def as_array(x, name: str):
-    """A CuPy view of ``x`` (no copy), or a TypeError that says what to pass."""
+    """A CuPy view of ``x`` (no copy), or a TypeError that says what to pass (a ValueError for
+    negative strides, see ``_check_strides``)."""
     cupy = _cupy()
     if isinstance(x, cupy.ndarray):
+        _check_strides(name, x)
         return x
     if isinstance(x, np.ndarray):
         raise TypeError(f"{name} is a host (NumPy) array; move it to the GPU first (cupy.asarray)")
     if hasattr(x, "__dlpack__"):  # keeps bfloat16 (CUDA array interface has no code for it)
+        _check_dlpack_device(name, x)
         try:
-            return cupy.from_dlpack(x)
+            arr = cupy.from_dlpack(x)
         except Exception as e:  # e.g. a CPU torch tensor
             raise TypeError(f"{name}: cannot view it on the GPU through DLPack ({e})") from None
-    if hasattr(x, "__cuda_array_interface__"):
-        return cupy.asarray(x)
-    raise TypeError(f"{name} must be a CuPy array or a GPU array with DLPack or __cuda_array_interface__, "
-                    f"not {type(x).__name__}")
+    elif hasattr(x, "__cuda_array_interface__"):
+        arr = cupy.asarray(x)
+    else:
+        raise TypeError(f"{name} must be a CuPy array or a GPU array with DLPack or __cuda_array_interface__, "
+                        f"not {type(x).__name__}")
+    _check_strides(name, arr)
+    return arr
+
+
+_DLPACK_DEVICES = {1: "the host (CPU)", 3: "pinned host memory", 2: None, 13: None}  # None: CUDA, usable
+
+
+def _check_dlpack_device(name: str, x):
+    """Refuse a DLPack producer that is not on a CUDA device before ``from_dlpack`` sees it: some
+    CuPy versions would copy a CPU tensor to the GPU instead of failing (no longer zero-copy)."""
+    try:
+        kind = int(x.__dlpack_device__()[0])
+    except Exception:  # no (usable) __dlpack_device__: from_dlpack decides
+        return
+    where = _DLPACK_DEVICES.get(kind, f"DLPack device type {kind}")
+    if where is not None:
+        raise TypeError(f"{name} is on {where}, not a CUDA GPU; move it to the GPU first (e.g. tensor.cuda())")
+
+
+def _check_strides(name: str, x):
+    """Negative strides (reversed views) would reach the kernels as head/row offsets that the
+    forward computes in unsigned 32-bit arithmetic (kernel_forward.h:293-296, 828): refuse them."""
+    for dim, (n, s) in enumerate(zip(x.shape, x.strides)):
+        if n > 1 and s < 0:
+            raise ValueError(f"{name} has a negative stride in dim {dim} (a reversed view); the kernels need "
+                             f"non-negative strides: pass cupy.ascontiguousarray({name})")
 
 
 def _check_bmhk(name: str, x, dtype=None, device=None):
     if x.ndim != 4:
         raise ValueError(f"{name} must be 4-D [batch, seq, heads, head_dim]; got shape {tuple(x.shape)}")
+    if any(n < 0 for n in x.shape):
+        raise ValueError(f"{name} has a negative size: shape {tuple(x.shape)}")
     if dtype is not None and x.dtype != dtype:
         raise TypeError(f"{name} has dtype {x.dtype}, expected {dtype} like q")
     if device is not None and x.device.id != device:
@@ -77,6 +109,40 @@ def _check_bmhk(name: str, x, dtype=None, device=None):
     if x.size and x.shape[3] > 1 and x.strides[3] != x.itemsize:
         raise ValueError(f"{name} must have a contiguous last (head_dim) dimension; its stride is "
                          f"{x.strides[3] // x.itemsize} elements (use cupy.ascontiguousarray)")
+    _check_strides(name, x)
+    _check_input_offsets(name, x)
+
+
+# The Params fields an input's own strides go into, and the 32-bit products the kernels form
+# with them: row offsets `row * strideM` in int32 (backward: kernel_backward.h:1489, 1502, 1512,
+# 1531, 1566, 2463, and 803-809 for varlen starts; forward key loop: kernel_forward.h:735, 779,
+# 999) and head offsets `head_id * strideH` (uint32 in the forward, kernel_forward.h:293-296;
+# int32 in the backward, kernel_backward.h:817-819).  Both kernels must accept an input, so
+# the bound is the stricter int32 one.
+_OFFSET_FIELDS = {"q": ("q_strideM", "q_strideH"), "k": ("k_strideM", "k_strideH"),
+                  "v": ("v_strideM", "v_strideH"), "grad_out": ("gO_strideM", None)}
+_SPLIT_ROWS = ("split the call: fewer heads per call (each group copied into its own contiguous array: a row "
+               "is heads x head_dim elements) or fewer rows per call (fewer packed sequences, or fewer queries)")
+_SPLIT_HEADS = "use a BMHK-contiguous layout (cupy.ascontiguousarray) or split the heads over several calls"
+
+
+def _check_offset(field: str, what: str, count: int, stride: int, advice: str, limit: int = _INT32_MAX):
+    """``count * stride`` is an offset a kernel computes in 32-bit arithmetic; refuse it if it overflows."""
+    if count > 0 and count * stride > limit:
+        raise ValueError(f"{field}: {what} = {count} * {stride} = {count * stride} overflows the kernels' "
+                         f"32-bit offset arithmetic (at most {limit}); {advice}")
+
+
+def _check_input_offsets(name: str, x):
+    fields = _OFFSET_FIELDS.get(name)
+    if fields is None or not x.size:
+        return
+    rows, heads = x.shape[1], x.shape[2]
+    stride_m, stride_h = _elem_strides(x)[1:3]
+    _check_offset(fields[0], f"{name}'s last row offset (seq - 1) * row stride", rows - 1, stride_m, _SPLIT_ROWS)
+    if fields[1] is not None:
+        _check_offset(fields[1], f"{name}'s last head offset (heads - 1) * head stride", heads - 1, stride_h,
+                      _SPLIT_HEADS)
 
 
 def _elem_strides(x):
@@ -95,10 +161,22 @@ def _alignment(arrays, dims) -> int:
     return 1
 
 
+_ROWS_OF = {"q": "num_queries", "o": "num_queries", "gO": "num_queries", "gQ": "num_queries",
+            "bias": "num_queries", "gB": "num_queries", "k": "num_keys", "v": "num_keys", "gK": "num_keys",
+            "gV": "num_keys"}
+
+
 def _check_int32(**values):
+    """Every value fits its int32 Params field, and every ``X_strideM`` times the last row index
+    (``num_queries`` or ``num_keys``, when given) fits the kernels' 32-bit row offsets."""
     for name, v in values.items():
         if not -_INT32_MAX - 1 <= v <= _INT32_MAX:
             raise ValueError(f"{name} = {v} does not fit the kernel's 32-bit field; split the batch")
+    for name, stride in values.items():
+        rows_name = _ROWS_OF.get(name[:-len("_strideM")]) if name.endswith("_strideM") else None
+        if rows_name in values:
+            _check_offset(name, f"the last row offset ({rows_name} - 1) * {name}", values[rows_name] - 1,
+                          abs(stride), _SPLIT_ROWS)
 
 
 @dataclass
@@ -125,7 +203,14 @@ class _Common:
 
 def _varlen(cu, name, total, device):
     cupy = _cupy()
-    host = cupy.asnumpy(cu) if isinstance(cu, cupy.ndarray) else np.asarray(cu)
+    if isinstance(cu, cupy.ndarray):
+        host = cupy.asnumpy(cu)
+    else:
+        try:
+            host = np.asarray(cu)
+        except Exception:  # e.g. a torch CUDA tensor: view it through DLPack, then read it back
+            cu = as_array(cu, name)
+            host = cupy.asnumpy(cu)
     if host.dtype != np.int32:
         raise TypeError(f"{name} must be int32; got {host.dtype}")
     if host.ndim != 1 or host.size < 2:
@@ -134,11 +219,115 @@ def _varlen(cu, name, total, device):
         raise ValueError(f"{name} must start at 0 and never decrease; got {host.tolist()[:8]}")
     if host[-1] > total:
         raise ValueError(f"{name} ends at {host[-1]} but the packed sequence has {total} rows")
-    dev = cu if isinstance(cu, cupy.ndarray) and cu.device.id == device else None
+    # the kernels read the offsets as a packed int32 array: a strided view (cu[::2]) is copied
+    dev = cu if isinstance(cu, cupy.ndarray) and cu.device.id == device and cu.flags.c_contiguous else None
     if dev is None:
         with cupy.cuda.Device(device):
             dev = cupy.asarray(host)
     return dev, int(np.diff(host).max())
+
+
+def _check_scale(scale) -> float:
+    if isinstance(scale, (bool, str, bytes)):
+        value = math.nan
+    else:
+        try:
+            value = float(scale)
+        except (TypeError, ValueError):
+            value = math.nan
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be a finite real number (or None for 1/sqrt(head_dim)); got {scale!r}")
+    return value
+
+
+_UINT32_MAX = 2**32 - 1
+_GRID_YZ_MAX = 65535  # CUDA's limit on gridDim.y (heads) and gridDim.z (batch) of both kernels
+# Row loops run on int32 counters that step past the last row before the test ends: by a block
+# in the forward (kernel_forward.h:722), by num_splits_key * block_j in the backward
+# (kernel_backward.h:1359; num_splits_key <= 32767 but in practice < 2**22 / 128).
+_MAX_ROWS = 2**31 - 2**22
+_SPLIT_BATCH = "split the batch over several calls"
+
+
+def _check_kernel_limits(c: _Common, q, k, v):
+    """Sizes the kernels cannot address: 32-bit products of shapes (and of the contiguous
+    outputs' strides) the runtime would put in ``Params``, CUDA's grid limits, and the
+    forward's single-query fast path.  Arithmetic on shapes and strides only."""
+    if c.M == 0 or c.N == 0:
+        return  # nothing is launched
+    rows_q, rows_k = q.shape[1], k.shape[1]  # packed rows (>= the longest sequence with cu_seqlens)
+    for field, rows in (("num_queries", rows_q), ("num_keys", rows_k)):
+        if rows > _MAX_ROWS:
+            raise ValueError(f"{field} = {rows} is too large: the kernels count rows in int32 and step up to "
+                             f"2**22 rows past the last one; at most {_MAX_ROWS} rows per call")
+    for field, n, what in (("num_heads", c.H, "heads"), ("num_batches", c.batches, "batch")):
+        if n > _GRID_YZ_MAX:
+            raise ValueError(f"{field} = {n}: the kernels launch one block row per head and per batch element, "
+                             f"and CUDA grids allow at most {_GRID_YZ_MAX} in y and z; split the {what}")
+    # out, dq, dk, dv are contiguous [rows, H, K or Kv]: their row strides are int32 fields
+    # (o_strideM; the backward's gQ/gK/gV_strideM() and o_strideM()) and the backward forms
+    # row * stride in int32 (kernel_backward.h:808-814, 1424-1425, 1772, 2111, 2147, 2467).
+    for field, rows, stride, name in (("o_strideM", rows_q, c.H * c.Kv, "out"),
+                                      ("gQ_strideM", rows_q, c.H * c.K, "dq"),
+                                      ("gK_strideM", rows_k, c.H * c.K, "dk"),
+                                      ("gV_strideM", rows_k, c.H * c.Kv, "dv")):
+        _check_offset(field, f"{name}'s row stride heads * head_dim", 1, stride, _SPLIT_HEADS)
+        _check_offset(field, f"{name}'s last row offset (seq - 1) * heads * head_dim", rows - 1, stride,
+                      _SPLIT_ROWS)
+    if c.seqstart_q is None:  # int64_t(batch_id * num_queries): a uint32 product (kernel_forward.h:283, 286)
+        _check_offset("num_batches * num_queries", "the output's last batch offset (batch - 1) * num_queries",
+                      c.B - 1, rows_q, _SPLIT_BATCH, _UINT32_MAX)
+    # lse: batch_id * lse_dim * num_heads + head_id * lse_dim + query_start, uint32 (kernel_forward.h:315)
+    lse_dim = -(-c.M // 32) * 32
+    _check_offset("logsumexp_ptr", "the lse offsets batch * heads * lse_dim (largest + 1)", c.batches * c.H,
+                  lse_dim, _SPLIT_BATCH, _UINT32_MAX + 1)
+    if c.dropout_p > 0:
+        _check_dropout_offsets(c)
+    _check_head_broadcast(c, q, k, v)
+
+
+def _check_dropout_offsets(c: _Common):
+    """The forward and the backward must draw the same Philox number for every element of P.
+
+    The forward offsets each (batch, head) by batch*H*M*N + head*M*N and each element by
+    row*N + col in uint32 (kernel_forward.h:241-243, 948-951); the backward computes H*M*N and
+    head*(M*N) in int32 (kernel_backward.h:783-784) and row*N + col in int32 (1702-1704).  Where
+    these wrap differently the backward redraws another mask and its gradients are silently wrong;
+    refuse such calls unless both are exact."""
+    mn, heads, batches = c.M * c.N, c.H, c.batches
+    fields = [("head * num_queries * num_keys", (heads - 1) * mn, _INT32_MAX),
+              ("row * num_keys + col", mn - 1, _INT32_MAX),
+              ("batch * heads * num_queries * num_keys + head * num_queries * num_keys", (batches * heads - 1) * mn,
+               _UINT32_MAX)]
+    if batches > 1:
+        fields.append(("num_heads * num_queries * num_keys", heads * mn, _INT32_MAX))
+    for what, value, limit in fields:
+        if value > limit:
+            raise ValueError(f"dropout_batch_head_rng_offset: with dropout the kernels offset the random stream "
+                             f"by {what} = {value}, past {limit}; the forward (uint32) and the backward (int32) "
+                             f"would then draw different masks.  Split the batch (one call per batch element, "
+                             f"with offset=b * heads * M * N so the masks stay independent), or the heads")
+
+
+def _check_head_broadcast(c: _Common, q, k, v):
+    """k and v both broadcast over heads (head stride 0) turn on a decode fast path in the forward
+    kernel for any query block holding a single query (kernel_forward.h:336-352): it iterates
+    over heads instead of queries, drops the causal mask and writes lse (and reads a bias, draws
+    dropout) for the wrong heads.  Refuse the layouts where that changes a result."""
+    if _elem_strides(k)[2] != 0 or _elem_strides(v)[2] != 0:
+        return
+    if c.H == 1 and c.mask != _MASKS["top_left"]:
+        return  # one head: iterating over heads is iterating over that one query; nothing changes
+    # the query tile is 32 or 64 rows: a block holds a single query where a length is 1 mod 32
+    if c.seqstart_q is None:
+        single = q.shape[1] % 32 == 1
+    else:
+        single = bool(np.any(np.diff(_cupy().asnumpy(c.seqstart_q)) % 32 == 1))
+    if single:
+        raise UnsupportedError("k and v are both broadcast over heads (head stride 0) and a query block holds a "
+                               "single query (a sequence length of 1 mod 32): the example-41 forward then takes a "
+                               "decode fast path that writes lse (and applies a top_left mask, bias and dropout) "
+                               "for the wrong heads.  Materialise one of them: v = cupy.ascontiguousarray(v)")
 
 
 def _common(q, k, v, causal, scale, dropout_p, seed, offset, cu_seqlens_q, cu_seqlens_k) -> _Common:
@@ -164,17 +353,17 @@ def _common(q, k, v, causal, scale, dropout_p, seed, offset, cu_seqlens_q, cu_se
         raise ValueError(f"empty batch: batch={B}, heads={H}")
     if K == 0 or Kv == 0:
         raise ValueError(f"head dims must be >= 1; got {K} and {Kv}")
-    if causal not in _MASKS:
+    if not (causal is None or isinstance(causal, str) and causal in _MASKS):  # no `in` on unhashables
         raise ValueError(f"causal must be None, 'top_left' or 'bottom_right'; got {causal!r}")
     if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p!r}")
     if dropout_p > 0 and seed is None:
         raise ValueError("dropout_p > 0 needs an explicit seed (and offset): attention_backward must "
                          "redraw the same mask from them")
-    for name, value in (("seed", seed or 0), ("offset", offset)):
-        if not isinstance(value, (int, np.integer)) or not 0 <= value < 2**64:
+    for name, value in (("seed", 0 if seed is None else seed), ("offset", offset)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < 2**64:
             raise ValueError(f"{name} must be an integer in [0, 2**64); got {value!r}")
-    scale = 1.0 / math.sqrt(K) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(K) if scale is None else _check_scale(scale)
     seqstart_q = seqstart_k = None
     batches = B
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
@@ -188,9 +377,11 @@ def _common(q, k, v, causal, scale, dropout_p, seed, offset, cu_seqlens_q, cu_se
             raise ValueError(f"cu_seqlens_q has {seqstart_q.size} entries, cu_seqlens_k {seqstart_k.size}")
         batches = seqstart_q.size - 1
         M, N = M_max, N_max
-    return _Common(B, M, H=H, N=N, K=K, Kv=Kv, dtype=dtype, device=q.device.id, mask=_MASKS[causal],
-                   scale=scale, dropout_p=float(dropout_p), seed=int(seed or 0), offset=int(offset),
-                   seqstart_q=seqstart_q, seqstart_k=seqstart_k, batches=batches)
+    c = _Common(B, M, H=H, N=N, K=K, Kv=Kv, dtype=dtype, device=q.device.id, mask=_MASKS[causal],
+                scale=scale, dropout_p=float(dropout_p), seed=int(seed or 0), offset=int(offset),
+                seqstart_q=seqstart_q, seqstart_k=seqstart_k, batches=batches)
+    _check_kernel_limits(c, q, k, v)
+    return c
 
 
 def _bias(cupy, attn_bias, c: _Common, q, rows: int, cols: int):
@@ -209,11 +400,14 @@ def _bias(cupy, attn_bias, c: _Common, q, rows: int, cols: int):
     except ValueError:
         raise ValueError(f"attn_bias of shape {tuple(attn_bias.shape)} does not broadcast to "
                          f"[batch, heads, M, N] = {(c.B, c.H, rows, cols)}") from None
-    if cols > 1 and b.strides[3] != b.itemsize or _elem_strides(b)[2] % 8 or b.data.ptr % 16:
-        # the kernels read bias rows with vector loads: copy into rows padded to 8 elements
+    if (cols > 1 and b.strides[3] != b.itemsize) or any(st % 8 for st in _elem_strides(b)[:3]) or b.data.ptr % 16:
+        # the kernels read bias rows with 16-byte loads: copy into rows padded to 8 elements
         padded = cupy.zeros((c.B, c.H, rows, -(-cols // 8) * 8), dtype=b.dtype)
         padded[..., :cols] = b
         b = padded[..., :cols]
+    # row * bias_strideM: uint32 in the forward (kernel_forward.h:828), int32 in the backward (1605)
+    _check_offset("bias_strideM", "attn_bias's last row offset (M - 1) * row stride", rows - 1,
+                  _elem_strides(b)[2], _SPLIT_ROWS)
     return b
 
 
@@ -237,6 +431,56 @@ def _fill(buf, **fields):
         buf[name] = value
 
 
+def _varlen_lengths(c: _Common):
+    """Host copies of the packed offsets and the per-sequence lengths (varlen calls sync anyway)."""
+    cupy = _cupy()
+    starts_q = cupy.asnumpy(c.seqstart_q)
+    return starts_q, np.diff(starts_q), np.diff(cupy.asnumpy(c.seqstart_k))
+
+
+def _check_varlen_bottom_right(c: _Common) -> None:
+    if c.seqstart_q is None or c.mask != _MASKS["bottom_right"]:
+        return
+    _, q_lens, k_lens = _varlen_lengths(c)
+    tall = np.nonzero(q_lens > k_lens)[0]
+    if tall.size:
+        raise UnsupportedError(f"causal='bottom_right' with cu_seqlens needs every sequence to have at least as "
+                               f"many keys as queries; sequence {int(tall[0])} has {int(q_lens[tall[0]])} queries "
+                               f"and {int(k_lens[tall[0]])} keys (the kernels keep that offset unsigned)")
+
+
+_LSE_ROW_BLOCK = 128  # the largest backward block I: the kernel reads lse a whole row block at a time
+
+
+def _padded_lse(lse, c: _Common):
+    """lse as the backward reads it: every row block complete, +inf past each sequence's last query.
+
+    The kernel loads lse for all rows of a block and relies on exp(s - inf) = 0 for rows that
+    do not exist; the forward pads only to 32 rows, so a 64- or 128-row block would read past
+    its (batch, head) row, past the buffer for the last one (compute-sanitizer: invalid reads,
+    NaN gradients).  A copy of B*H*M floats costs nothing next to the backward itself.
+    """
+    cupy = _cupy()
+    padded = cupy.full((c.batches, c.H, -(-max(c.M, 1) // _LSE_ROW_BLOCK) * _LSE_ROW_BLOCK), np.inf,
+                       dtype=cupy.float32)
+    if c.seqstart_q is None:
+        padded[:, :, :c.M] = lse[:, :, :c.M]
+    else:  # rows past a sequence's own length were never written by the forward
+        for seq, rows in enumerate(_varlen_lengths(c)[1]):
+            padded[seq, :, :rows] = lse[seq, :, :rows]
+    return padded
+
+
+def _rows_without_keys(c: _Common, q, k) -> int:
+    """With bottom-right causal masking and more queries than keys, the first M - N queries see
+    no key at all.  The kernels keep the diagonal offset N - M in an unsigned field and get
+    those rows wrong, so the runtime runs them on the last N rows (a square problem) and
+    fills the others itself: output 0, lse -inf (a softmax over nothing), no gradient."""
+    if c.mask == _MASKS["bottom_right"] and c.seqstart_q is None and q.shape[1] > k.shape[1]:
+        return q.shape[1] - k.shape[1]
+    return 0
+
+
 def attention_forward(q, k, v, *, attn_bias=None, causal=None, scale=None, dropout_p=0.0, seed=None, offset=0,
                       cu_seqlens_q=None, cu_seqlens_k=None, stream=None, registry: Optional[Registry] = None):
     """Fused attention forward: returns ``(out [B, M, H, Kv], lse [B, H, M] float32)``.
@@ -252,9 +496,22 @@ def attention_forward(q, k, v, *, attn_bias=None, causal=None, scale=None, dropo
     c = _common(q, k, v, causal, scale, dropout_p, seed, offset, cu_seqlens_q, cu_seqlens_k)
     registry = registry or default_registry()
     bias = _bias(cupy, attn_bias, c, q, q.shape[1], k.shape[1])
+    _check_varlen_bottom_right(c)
+    skip = _rows_without_keys(c, q, k)
+    if skip:
+        part_out, part_lse = attention_forward(
+            q[:, skip:], k, v, attn_bias=None if bias is None else bias[:, :, skip:], causal=causal, scale=c.scale,
+            dropout_p=dropout_p, seed=seed, offset=offset, stream=stream, registry=registry)
     with cupy.cuda.Device(c.device):
-        out = cupy.empty((q.shape[0], q.shape[1], c.H, c.Kv), dtype=q.dtype)
         lse_rows = -(-c.M // 32) * 32
+        if skip:
+            out = cupy.zeros((c.B, c.M, c.H, c.Kv), dtype=q.dtype)
+            out[:, skip:] = part_out
+            lse = cupy.full((c.B, c.H, lse_rows), -np.inf, dtype=cupy.float32)
+            lse[:, :, skip:c.M] = part_lse
+            lse[:, :, c.M:] = np.inf  # padding, as the kernels write it
+            return out, lse[:, :, :c.M]
+        out = cupy.empty((q.shape[0], q.shape[1], c.H, c.Kv), dtype=q.dtype)
         lse = cupy.empty((c.batches, c.H, lse_rows), dtype=cupy.float32)
         if c.M == 0 or c.N == 0 or q.shape[1] == 0:
             out.fill(0)
@@ -289,6 +546,11 @@ def attention_forward(q, k, v, *, attn_bias=None, causal=None, scale=None, dropo
         grid = (-(-c.M // k_const["queries_per_block"]), c.H, c.batches)
         block = (32, k_const["warps_per_block"], 1)
         _launch(registry, binary, c.device, grid, block, p, stream)
+        if c.seqstart_q is not None:  # a sequence with queries but no keys: 0/0 in the kernel
+            starts, q_lens, k_lens = _varlen_lengths(c)
+            for seq in np.nonzero((q_lens > 0) & (k_lens == 0))[0]:
+                out[0, starts[seq]:starts[seq + 1]] = 0
+                lse[seq, :, :q_lens[seq]] = -np.inf
     return out, lse[:, :, :c.M]
 
 
@@ -321,8 +583,40 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
         raise ValueError("bias_requires_grad=True without attn_bias")
     registry = registry or default_registry()
     bias = _bias(cupy, attn_bias, c, q, q.shape[1], k.shape[1])
+    _check_varlen_bottom_right(c)
+    if c.dtype != "f32" and (c.K % 8 or c.Kv % 8) and c.M and c.N:
+        # The f16/bf16 backward writes dQ/dK/dV rows in 16-byte pieces whatever its alignment
+        # (compute-sanitizer: misaligned stores for head dims that are not multiples of 8), so
+        # such head dims run zero-padded to the next multiple of 8 and the result is sliced.
+        with cupy.cuda.Device(c.device):
+            pad = lambda x, n: cupy.pad(x, ((0, 0), (0, 0), (0, 0), (0, -(-n // 8) * 8 - n)))  # noqa: E731
+            grads = attention_backward(
+                pad(grad_out, c.Kv), pad(q, c.K), pad(k, c.K), pad(v, c.Kv), pad(out, c.Kv), lse,
+                attn_bias=attn_bias, bias_requires_grad=bias_requires_grad, causal=causal, scale=c.scale,
+                dropout_p=dropout_p, seed=seed, offset=offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                stream=stream, registry=registry)
+        return (grads[0][..., :c.K], grads[1][..., :c.K], grads[2][..., :c.Kv]) + tuple(grads[3:])
+    skip = _rows_without_keys(c, q, k)
+    if skip:  # see _rows_without_keys: the first `skip` queries see no key and get no gradient
+        with cupy.cuda.Device(c.device):
+            part_lse = cupy.ascontiguousarray(lse[:, :, skip:c.M])
+        part = attention_backward(
+            grad_out[:, skip:], q[:, skip:], k, v, out[:, skip:], part_lse,
+            attn_bias=None if bias is None else bias[:, :, skip:], bias_requires_grad=bias_requires_grad,
+            causal=causal, scale=c.scale, dropout_p=dropout_p, seed=seed, offset=offset, stream=stream,
+            registry=registry)
+        with cupy.cuda.Device(c.device):
+            dq = cupy.zeros((c.B, c.M, c.H, c.K), dtype=q.dtype)
+            dq[:, skip:] = part[0]
+            if not bias_requires_grad:
+                return dq, part[1], part[2]
+            dbias = cupy.zeros((c.B, c.H, c.M, c.N), dtype=q.dtype)
+            dbias[:, :, skip:] = part[3]
+            return dq, part[1], part[2], dbias
     with cupy.cuda.Device(c.device):
-        dq, dk, dv = cupy.empty_like(q, order="C"), cupy.empty_like(k, order="C"), cupy.empty_like(v, order="C")
+        # varlen: the kernel never visits the queries of a sequence without keys; their dq is 0
+        dq = (cupy.zeros_like if c.seqstart_q is not None else cupy.empty_like)(q, order="C")
+        dk, dv = cupy.empty_like(k, order="C"), cupy.empty_like(v, order="C")
         cols = -(-k.shape[1] // 8) * 8
         # zeros: with a causal mask the kernel skips key blocks no query sees and never writes their dbias
         dbias_full = (cupy.zeros((c.B, c.H, q.shape[1], cols), dtype=q.dtype) if bias_requires_grad else None)
@@ -334,10 +628,7 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
             return grads
         if _elem_strides(out)[1:] != (c.H * c.Kv, c.Kv, 1):
             out = cupy.ascontiguousarray(out)  # the kernel derives out's row stride from H * Kv
-        if lse.shape[2] > 1 and lse.strides[2] != 4 or _elem_strides(lse)[1] % 8 or _elem_strides(lse)[0] % 8:
-            padded = cupy.empty((c.batches, c.H, -(-c.M // 32) * 32), dtype=cupy.float32)
-            padded[:, :, :c.M] = lse[:, :, :c.M]
-            lse = padded
+        lse = _padded_lse(lse, c)
         arrays = [q, k, v, out, grad_out] + ([bias] if bias is not None else [])
         req = Request("mem_eff_bwd", c.dtype, c.K, c.Kv, _alignment(arrays, (c.K, c.Kv)), c.dropout_p > 0,
                       bias is not None, device_info(c.device))
@@ -353,7 +644,7 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
         if not kc["kernel_computes_delta"]:
             rowsum = (grad_out.astype(cupy.float32) * out.astype(cupy.float32)).sum(axis=-1)  # [B, M, H]
             delta[...] = rowsum.transpose(0, 2, 1).reshape(delta.shape)
-        splits = num_splits_key(binary, c.batches, c.H, c.N, device_info(c.device))
+        splits = num_splits_key(binary, c.batches, c.H, c.N, device_info(c.device), c.K, c.Kv)
         ws_bytes = workspace_bytes(binary, c.batches, c.H, c.M, c.N, c.K, c.Kv, splits)
         workspace = None
         if ws_bytes:

@@ -102,13 +102,16 @@ def _align_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def num_splits_key(binary: KernelBinary, batches: int, heads: int, num_keys: int, device: DeviceInfo) -> int:
+def num_splits_key(binary: KernelBinary, batches: int, heads: int, num_keys: int, device: DeviceInfo,
+                   head_dim: int = 0, head_dim_value: int = 0) -> int:
     """How many blocks share one (batch, head)'s keys, to fill the GPU.
 
     One block per (batch, head) leaves most SMs idle for small B*H; splitting
     the keys adds blocks (up to one per key block) at the cost of a dQ
     reduction through the workspace.  When dK/dV also go through the
-    workspace, its size grows with the split count, so it is capped.
+    workspace, its size grows with the split count, so it is capped, and the
+    kernel sizes that part in 32-bit arithmetic (``workspace_elements_gk/gv``):
+    splits * align(N, J) * align(K, I) must fit an int32.
     """
     c = binary.constants
     per_bh = max(1, math.ceil(num_keys / c["block_j"]))
@@ -118,6 +121,8 @@ def num_splits_key(binary: KernelBinary, batches: int, heads: int, num_keys: int
     splits = min(per_bh, max(1, math.ceil(resident / (batches * heads))))
     if c["needs_accum_grad_k"] or c["needs_accum_grad_v"]:
         splits = min(splits, max(1, 200 // (batches * heads)))
+        per_split = _align_up(num_keys, c["block_j"]) * _align_up(max(head_dim, head_dim_value, 1), c["block_i"])
+        splits = min(splits, max(1, (2**31 - 1) // per_split))
     return max(1, min(splits, 32767))
 
 

@@ -1,0 +1,140 @@
+"""float64 attention reference and test inputs, shared by the GPU suite and the fuzzer.
+
+Imported only where CuPy and a GPU exist.  Conventions: [B, M, H, K] inputs;
+a row that sees no key has output 0, lse -inf and no gradient.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import cupy
+import numpy as np
+
+import flashgen
+
+DTYPES = {"f32": np.float32, "f16": np.float16}
+try:
+    import ml_dtypes
+
+    DTYPES["bf16"] = ml_dtypes.bfloat16
+except ImportError:  # pragma: no cover
+    pass
+# ||out - ref|| / ||ref|| bounds.  Measured on an H200: the GPU suite's max is f32 ~1e-6 (3xTF32
+# tensor cores), f16 ~5e-4, bf16 ~4e-3; the fuzzer's larger scales and head dims reach ~6e-5 in
+# the f32 backward.  The bounds leave 2-10x headroom over those.
+FWD_TOL = {"f32": 1e-5, "f16": 1e-3, "bf16": 8e-3}
+BWD_TOL = {"f32": 1e-4, "f16": 2e-3, "bf16": 1.5e-2}
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Every CuPy allocation inside starts as 0xFF bytes (NaN for f16/bf16/f32)."""
+    pool = cupy.get_default_memory_pool()
+
+    def alloc(size):
+        mem = pool.malloc(size)
+        cupy.cuda.runtime.memsetAsync(mem.ptr, 0xFF, size, cupy.cuda.get_current_stream().ptr)
+        return mem
+
+    with cupy.cuda.using_allocator(alloc):
+        yield
+
+
+def randn(rng, shape, dtype, scale=1.0):
+    return cupy.asarray((rng.standard_normal(shape) * scale).astype(np.float32)).astype(DTYPES[dtype])
+
+
+def f64(x):
+    return x.astype(cupy.float32).astype(cupy.float64)
+
+
+def mask_matrix(M, N, causal):
+    if causal is None:
+        return None
+    i = cupy.arange(M)[:, None]
+    j = cupy.arange(N)[None, :]
+    return j <= (i if causal == "top_left" else i + (N - M))
+
+
+def reference(q, k, v, *, bias=None, causal=None, scale=None, keep=None, p=0.0, grad_out=None):
+    """float64 attention and, with grad_out, its gradients.  keep: dropout mask [B, H, M, N]."""
+    q, k, v = f64(q), f64(k), f64(v)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = cupy.einsum("bmhk,bnhk->bhmn", q, k) * scale
+    if bias is not None:
+        s = s + f64(bias)
+    m = mask_matrix(q.shape[1], k.shape[1], causal)
+    if m is not None:
+        s = cupy.where(m, s, -cupy.inf)
+    lse = logsumexp(s)
+    prob = cupy.where(cupy.isfinite(lse)[..., None], cupy.exp(s - lse[..., None]), 0.0)  # no key: P = 0
+    drop = keep / (1 - p) if keep is not None else 1.0
+    out = cupy.einsum("bhmn,bnhk->bmhk", prob * drop, v)
+    if grad_out is None:
+        return out, lse
+    do = f64(grad_out)
+    dv = cupy.einsum("bhmn,bmhk->bnhk", prob * drop, do)
+    dp = cupy.einsum("bmhk,bnhk->bhmn", do, v) * drop
+    ds = prob * (dp - (dp * prob).sum(-1, keepdims=True))
+    dq = cupy.einsum("bhmn,bnhk->bmhk", ds, k) * scale
+    dk = cupy.einsum("bhmn,bmhk->bnhk", ds, q) * scale
+    return out, lse, (dq, dk, dv, ds)
+
+
+def logsumexp(s):
+    """log(sum(exp(s), -1)), -inf for a row that sees no key."""
+    top = s.max(-1)
+    safe = cupy.where(cupy.isfinite(top), top, 0.0)
+    with np.errstate(divide="ignore"):
+        return cupy.log(cupy.exp(s - safe[..., None]).sum(-1)) + safe
+
+
+def lse_err(x, ref):
+    """rel_err over rows that see keys; rows that see none must be -inf exactly."""
+    x = x.astype(cupy.float64)
+    empty = cupy.isneginf(ref)
+    assert bool((cupy.isneginf(x) == empty).all()), "lse is not -inf exactly where a row sees no key"
+    return rel_err(cupy.where(empty, 0.0, x), cupy.where(empty, 0.0, ref))
+
+
+def rel_err(x, ref):
+    """||x - ref|| / ||ref||.  A reference that is exactly zero (one visible key: the softmax is
+    constant, so dq and dk vanish) is compared by RMS against the unit scale of the inputs."""
+    x = f64(x)
+    assert not bool(cupy.isnan(x).any()), "NaN in output: an element was not written"
+    denom = float(cupy.linalg.norm(ref.ravel())) or math.sqrt(max(ref.size, 1))
+    return float(cupy.linalg.norm((x - ref).ravel())) / denom
+
+
+def make_input(rng, shape, dtype, layout):
+    B, S, H, K = shape
+    if layout == "contiguous":
+        return randn(rng, shape, dtype)
+    if layout == "bhsk":  # heads-major storage, viewed as BMHK
+        return randn(rng, (B, H, S, K), dtype).transpose(0, 2, 1, 3)
+    if layout == "padded":  # a slice of a wider buffer: every stride differs from the packed one
+        return randn(rng, (B, S + 3, H + 1, K + 8), dtype)[:, 2:S + 2, 1:, :K]
+    raise AssertionError(layout)
+
+
+def recover_keep_mask(q, k, p, seed, offset=0):
+    """Run the forward with V = identity: out[b, i, h, j] = P_ij * keep_ij / (1 - p).
+
+    V gets N columns padded to a multiple of 8 (zeros), so any N has a kernel."""
+    B, M, H, _ = q.shape
+    N = k.shape[1]
+    eye = cupy.eye(N, -(-N // 8) * 8, dtype=q.dtype)
+    eye = cupy.broadcast_to(eye[None, :, None, :], (B, N, H, eye.shape[1])).copy()
+    out, _ = flashgen.attention_forward(q, k, eye, dropout_p=p, seed=seed, offset=offset)
+    out = out[..., :N]
+    prob = cupy.exp(reference_scores(q, k))
+    ratio = f64(out).transpose(0, 2, 1, 3) * (1 - p) / prob
+    keep = ratio > 0.5
+    assert bool((cupy.abs(ratio - keep) < 0.05).all()), "dropout output is not P * {0, 1/(1-p)}"
+    return keep
+
+
+def reference_scores(q, k):
+    s = cupy.einsum("bmhk,bnhk->bhmn", f64(q), f64(k)) / math.sqrt(q.shape[-1])
+    return s - logsumexp(s)[..., None]

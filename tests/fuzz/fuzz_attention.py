@@ -1,0 +1,171 @@
+"""Differential fuzzer: random valid attention problems against the float64 reference.
+
+    FLASHGEN_KERNEL_PATH=build/kernels python tests/fuzz/fuzz_attention.py --seed 1 --cases 1000
+    FLASHGEN_KERNEL_PATH=build/kernels python tests/fuzz/fuzz_attention.py --seed 1 --case 417
+
+Each case is drawn from its own generator seeded with (seed, case), so the
+one-line reproducer printed for a failure reruns exactly that problem.  The
+space: dtype, batch, heads, M, N (1 to 1000), head dims (multiples of 4 up to
+512, K != Kv), layouts (contiguous, heads-major, padded slices, element offsets
+that leave only 4-element alignment), causal kinds, bias (full or broadcast),
+dropout (checked through the mask recovered with an identity V), varlen
+batches with empty sequences, and the softmax scale.  Outputs come from
+poisoned memory, so an unwritten element fails.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared reference
+
+import cupy  # noqa: E402
+from attention_reference import (  # noqa: E402
+    BWD_TOL, FWD_TOL, lse_err, poisoned_allocations, randn, recover_keep_mask, reference, rel_err,
+)
+
+import flashgen  # noqa: E402
+
+
+def draw(seed: int, case: int) -> dict:
+    r = np.random.default_rng([seed, case])
+    pick = lambda xs: xs[int(r.integers(len(xs)))]  # noqa: E731
+    size = lambda: int(pick([1, 7, 129, int(r.integers(1, 300)), int(r.integers(1, 300)), int(r.integers(300, 1001))]))  # noqa: E731
+    head = lambda: int(pick([4 * int(r.integers(1, 33)), 64, 128, 160, 256, 320, 4 * int(r.integers(65, 129))]))  # noqa: E731
+    p = dict(dtype=pick(["f32", "f16", "bf16"]), B=int(r.integers(1, 4)), H=int(r.integers(1, 5)), M=size(),
+             N=size(), K=head(), layout=pick(["contiguous", "contiguous", "bhsk", "padded", "offset"]),
+             causal=pick([None, None, "top_left", "bottom_right"]), bias=None, dropout=0.0, varlen=None,
+             scale=None if r.random() < 0.7 else float(r.uniform(0.02, 0.5)))
+    p["Kv"] = p["K"] if r.random() < 0.7 else head()
+    kind = r.random()
+    if kind < 0.2:  # varlen: B = 1, sequences packed along dim 1, some of them empty
+        lens = [(int(r.integers(0, 200)), int(r.integers(0, 200))) for _ in range(int(r.integers(1, 5)))]
+        if p["causal"] == "bottom_right":
+            lens = [(min(m, n), n) for m, n in lens]  # the kernels' diagonal offset is unsigned
+        p.update(B=1, varlen=lens, layout="contiguous")
+    elif kind < 0.35:
+        p["bias"] = pick(["full", "broadcast"])
+    elif kind < 0.5:  # dropout, checked through the recovered mask: keep N small enough for V = I
+        p.update(dropout=float(r.uniform(0.05, 0.6)), N=int(r.integers(1, 129)), causal=None, scale=None,
+                 seed=int(r.integers(2**40)))
+        p["Kv"] = p["K"] = min(p["K"], 256)
+    return p
+
+
+def make(r, shape, dtype, layout):
+    B, S, H, K = shape
+    if layout == "bhsk":
+        return randn(r, (B, H, S, K), dtype).transpose(0, 2, 1, 3)
+    if layout == "padded":
+        return randn(r, (B, S + 2, H + 1, K + 8), dtype)[:, 1:S + 1, 1:, :K]
+    if layout == "offset":  # 4 elements into a flat buffer: only 4-element alignment survives
+        flat = randn(r, (B * S * H * K + 4,), dtype)
+        return flat[4:].reshape(B, S, H, K)
+    return randn(r, shape, dtype)
+
+
+def run_case(seed: int, case: int) -> dict:
+    p = draw(seed, case)
+    r = np.random.default_rng([seed, case, 1])
+    dt, tol_f, tol_b = p["dtype"], FWD_TOL[p["dtype"]], BWD_TOL[p["dtype"]]
+    errors = {}
+    if p["varlen"]:
+        cu_q = np.concatenate([[0], np.cumsum([m for m, _ in p["varlen"]])]).astype(np.int32)
+        cu_k = np.concatenate([[0], np.cumsum([n for _, n in p["varlen"]])]).astype(np.int32)
+        q, k = randn(r, (1, int(cu_q[-1]), p["H"], p["K"]), dt), randn(r, (1, int(cu_k[-1]), p["H"], p["K"]), dt)
+        v, do = randn(r, (1, int(cu_k[-1]), p["H"], p["Kv"]), dt), randn(r, (1, int(cu_q[-1]), p["H"], p["Kv"]), dt)
+        opts = dict(causal=p["causal"], scale=p["scale"], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        with poisoned_allocations():
+            out, lse = flashgen.attention_forward(q, k, v, **opts)
+            dq, dk, dv = flashgen.attention_backward(do, q, k, v, out, lse, **opts)
+        for s, (m, n) in enumerate(p["varlen"]):
+            qs, ks = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+            if m == 0:
+                continue
+            if n == 0:  # queries without keys: output 0, lse -inf, no gradient (documented)
+                ok = bool((out[:, qs] == 0).all() and cupy.isneginf(lse[s, :, :m]).all() and (dq[:, qs] == 0).all())
+                errors[f"empty[{s}]"] = (0.0 if ok else float("inf"), 1.0)
+                continue
+            ro, rl, (rdq, rdk, rdv, _) = reference(q[:, qs], k[:, ks], v[:, ks], causal=p["causal"],
+                                                   scale=p["scale"], grad_out=do[:, qs])
+            for name, x, ref, tol in (("out", out[:, qs], ro, tol_f), ("dq", dq[:, qs], rdq, tol_b),
+                                      ("dk", dk[:, ks], rdk, tol_b), ("dv", dv[:, ks], rdv, tol_b)):
+                errors[f"{name}[{s}]"] = (rel_err(x, ref), tol)
+            errors[f"lse[{s}]"] = (lse_err(lse[s:s + 1, :, :m], rl), tol_f)
+        return {"params": p, "errors": errors}
+    B, M, N, H = p["B"], p["M"], p["N"], p["H"]
+    q, k = make(r, (B, M, H, p["K"]), dt, p["layout"]), make(r, (B, N, H, p["K"]), dt, p["layout"])
+    v, do = make(r, (B, N, H, p["Kv"]), dt, p["layout"]), randn(r, (B, M, H, p["Kv"]), dt)
+    bias = None
+    if p["bias"]:
+        bias = randn(r, (B, H, M, N) if p["bias"] == "full" else (1, H, 1, N), dt)
+        bias = cupy.broadcast_to(bias, (B, H, M, N))
+    opts = dict(causal=p["causal"], scale=p["scale"], attn_bias=bias)
+    keep = None
+    if p["dropout"]:
+        opts.update(dropout_p=p["dropout"], seed=p["seed"])
+        keep = recover_keep_mask(q, k, p["dropout"], p["seed"])
+    with poisoned_allocations():
+        out, lse = flashgen.attention_forward(q, k, v, **opts)
+        grads = flashgen.attention_backward(do, q, k, v, out, lse, bias_requires_grad=bias is not None, **opts)
+    ro, rl, rgrads = reference(q, k, v, bias=bias, causal=p["causal"], scale=p["scale"], keep=keep,
+                               p=p["dropout"], grad_out=do)
+    checks = [("out", rel_err, out, ro, tol_f), ("lse", lse_err, lse, rl, tol_f)]
+    checks += [(n, rel_err, g, ref, tol_b) for n, g, ref in zip(("dq", "dk", "dv", "dbias"), grads, rgrads)
+               if n != "dbias" or bias is not None]
+    for name, measure, x, ref, tol in checks:
+        try:
+            errors[name] = (measure(x, ref), tol)
+        except AssertionError as e:  # NaN: an element was not written
+            raise AssertionError(f"{name}: {e}") from None
+    return {"params": p, "errors": errors}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cases", type=int, default=1000)
+    ap.add_argument("--case", type=int, default=None, help="run only this case (a reproducer)")
+    ap.add_argument("--json", type=Path, default=None, help="write per-case results here")
+    args = ap.parse_args(argv)
+    cases = [args.case] if args.case is not None else range(args.cases)
+    start, ran, mismatches, cuda_errors, results, worst = time.monotonic(), 0, 0, 0, [], {}
+    for case in cases:
+        ran += 1
+        reproduce = f"python tests/fuzz/fuzz_attention.py --seed {args.seed} --case {case}"
+        try:
+            result = run_case(args.seed, case)
+        except (cupy.cuda.runtime.CUDARuntimeError, cupy.cuda.driver.CUDADriverError) as e:  # context gone: stop
+            cuda_errors += 1
+            print(f"CUDA ERROR case {case}: {e}; params {draw(args.seed, case)}; reproduce: {reproduce}", flush=True)
+            break
+        except Exception as e:  # a valid problem must never be refused or crash
+            mismatches += 1
+            print(f"ERROR case {case}: {type(e).__name__}: {e}; params {draw(args.seed, case)}; "
+                  f"reproduce: {reproduce}", flush=True)
+            continue
+        bad = {n: e for n, (e, tol) in result["errors"].items() if not e < tol}  # NaN fails too
+        for n, (e, _) in result["errors"].items():
+            key = (result["params"]["dtype"], n.split("[")[0])
+            worst[key] = max(worst.get(key, 0.0), e)
+        if bad:
+            mismatches += 1
+            print(f"MISMATCH case {case}: {bad}; params {result['params']}; reproduce: {reproduce}", flush=True)
+        results.append({"case": case, **result})
+    cupy.cuda.runtime.deviceSynchronize()
+    summary = (f"fuzz: {ran} cases, {mismatches} mismatches, {cuda_errors} CUDA errors "
+               f"(seed {args.seed}, {time.monotonic() - start:.0f} s)")
+    print("worst relative errors: " + ", ".join(f"{d}/{n} {e:.1e}" for (d, n), e in sorted(worst.items())))
+    print(summary)
+    if args.json:
+        args.json.write_text(json.dumps({"summary": summary, "cases": results}, default=str))
+    return 1 if mismatches or cuda_errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

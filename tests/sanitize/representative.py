@@ -1,0 +1,51 @@
+"""A representative set of forward+backward calls for compute-sanitizer (see run.sh beside this).
+
+Covers both families, each dtype, aligned and 4-aligned (unaligned kernels),
+dropout, the largest kMaxK tier (head dim 320), split keys > 1 (few batch x
+heads, many keys), causal kinds, bias with its gradient, and varlen.  Sizes are
+small: the sanitizer slows kernels down a hundredfold.
+"""
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cupy  # noqa: E402
+from attention_reference import randn  # noqa: E402
+
+import flashgen  # noqa: E402
+
+r = np.random.default_rng(0)
+
+
+def call(dtype, B, M, N, H, K, Kv=None, offset=False, **opts):
+    Kv = Kv or K
+    q, k, v = randn(r, (B, M, H, K), dtype), randn(r, (B, N, H, K), dtype), randn(r, (B, N, H, Kv), dtype)
+    if offset:  # a 4-element offset: only the unaligned kernels accept it
+        q = randn(r, (B * M * H * K + 4,), dtype)[4:].reshape(B, M, H, K)
+    bias = opts.pop("bias", None)
+    if bias:
+        opts["attn_bias"] = randn(r, (B, H, M, N), dtype)
+    out, lse = flashgen.attention_forward(q, k, v, **opts)
+    grads = flashgen.attention_backward(randn(r, out.shape, dtype), q, k, v, out, lse,
+                                        bias_requires_grad=bias is not None and bias, **opts)
+    cupy.cuda.runtime.deviceSynchronize()
+    return grads
+
+
+for dtype in ("f32", "f16", "bf16"):
+    call(dtype, 2, 70, 90, 2, 64)                                      # aligned, kMaxK 64
+    call(dtype, 1, 33, 65, 2, 128, causal="top_left")                  # kMaxK 128 (128x128 on sm90)
+    call(dtype, 1, 40, 300, 1, 320, 256)                               # largest tier, K != Kv, split keys
+    call(dtype, 2, 17, 29, 2, 36, offset=True)                         # unaligned kernels
+    call(dtype, 1, 64, 64, 2, 64, dropout_p=0.3, seed=7)               # dropout
+    call(dtype, 1, 50, 20, 2, 64, causal="bottom_right", bias=True)    # rows without keys, bias gradient
+cu_q, cu_k = np.array([0, 5, 5, 40], np.int32), np.array([0, 0, 30, 70], np.int32)
+q = randn(r, (1, 40, 2, 64), "f16")
+kv = randn(r, (1, 70, 2, 64), "f16")
+out, lse = flashgen.attention_forward(q, kv, kv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+flashgen.attention_backward(out, q, kv, kv, out, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+cupy.cuda.runtime.deviceSynchronize()
+print("representative set done")
