@@ -21,10 +21,11 @@ try:
 except ImportError:  # pragma: no cover
     pass
 # ||out - ref|| / ||ref|| bounds.  Measured on an H200: the GPU suite's max is f32 ~1e-6 (3xTF32
-# tensor cores), f16 ~5e-4, bf16 ~4e-3; the fuzzer's larger scales and head dims reach ~6e-5 in
-# the f32 backward.  The bounds leave 2-10x headroom over those.
+# tensor cores), f16 ~5e-4, bf16 ~4e-3; two 1000-case fuzzer runs (larger scales, head dims up to
+# 512, M = 1 with peaky softmax) reach f32 6e-5, f16 2.3e-3, bf16 1.3e-2 in the backward.  The
+# bounds leave about 2x headroom over those; an indexing or masking bug errs by O(1).
 FWD_TOL = {"f32": 1e-5, "f16": 1e-3, "bf16": 8e-3}
-BWD_TOL = {"f32": 1e-4, "f16": 2e-3, "bf16": 1.5e-2}
+BWD_TOL = {"f32": 1e-4, "f16": 5e-3, "bf16": 3e-2}
 
 
 @contextlib.contextmanager
