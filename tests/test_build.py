@@ -21,7 +21,6 @@ from flashgen.build.graph import CUBIN_FLAGS, NVCC_FLAGS, include_dirs, render_n
 from flashgen.build.runner import select_jobs
 from flashgen.cli import main
 from flashgen.spec import default_kernels
-from flashgen.toolchain import probe_toolchain
 
 pytestmark = pytest.mark.nvcc
 
@@ -29,14 +28,6 @@ FWD = "mem_eff_fwd_f16_aligned_q64x64_k64_bias_sm80"
 # The kMaxK-128 tile that fits sm86/sm89 (99 KB); with dropout, so the Philox shim is compiled too.
 BWD = "mem_eff_bwd_f16_aligned_b128x64_k128_preload_dropout_sm80"
 SM86_OPTIN_SMEM = 101376  # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm86/sm89
-
-
-@pytest.fixture(scope="module")
-def toolchain():
-    report = probe_toolchain()
-    if not report.ok():
-        pytest.skip("no complete toolchain: " + "; ".join(m.message for _, m in report.missing()))
-    return report.toolchain()
 
 
 def _kernel(name):

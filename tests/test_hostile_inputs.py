@@ -895,20 +895,6 @@ def test_heads_broadcast_without_a_single_query_block_is_served_correctly(cp):
     assert rel(cp, out, ref_out) < 2e-3 and rel(cp, lse, ref_lse) < 2e-3
 
 
-@contextlib.contextmanager
-def poisoned(cp):
-    """Every CuPy allocation inside starts as 0xFF bytes (NaN): what a kernel never writes shows."""
-    pool = cp.get_default_memory_pool()
-
-    def alloc(size):
-        mem = pool.malloc(size)
-        cp.cuda.runtime.memsetAsync(mem.ptr, 0xFF, size, cp.cuda.get_current_stream().ptr)
-        return mem
-
-    with cp.cuda.using_allocator(alloc):
-        yield
-
-
 @gpu
 @pytest.mark.parametrize("M", [1, 65])  # a last query block of one row for 32- and 64-row tiles alike
 def test_decode_fast_path_is_wrong_without_the_check(cp, monkeypatch, M):
@@ -920,7 +906,9 @@ def test_decode_fast_path_is_wrong_without_the_check(cp, monkeypatch, M):
     q = X.randn((1, M, 2, 64))
     k = cp.broadcast_to(X.randn((1, 48, 1, 64)), (1, 48, 2, 64))
     v = cp.broadcast_to(X.randn((1, 48, 1, 64)), (1, 48, 2, 64))
-    with poisoned(cp):
+    from attention_reference import poisoned_allocations  # needs CuPy: imported once the GPU is known
+
+    with poisoned_allocations():
         out, lse = api.attention_forward(q, k, v)
     cp.cuda.runtime.deviceSynchronize()
     _, ref_lse = reference(cp, q, k, v)

@@ -90,6 +90,10 @@ def params_dtype(abi: Tuple[Field, ...]) -> np.dtype:
     )
 
 
+def cpp_bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
 def target_cc(target: str) -> int:
     """``sm80``/``sm_80``/``sm_90a``/``compute90`` -> 80/80/90/90 (compute capability * 10 + minor)."""
     digits = target.lower()

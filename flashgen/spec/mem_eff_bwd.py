@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashgen.spec.core import ARCH_TAGS, DTYPES, Constant, Field, KernelSpec, Rule
+from flashgen.spec.core import ARCH_TAGS, DTYPES, Constant, Field, KernelSpec, Rule, cpp_bool
 
 
 def _half(k) -> bool:
@@ -95,10 +95,10 @@ class MemEffBwd(KernelSpec):
 
     @property
     def cpp_type(self) -> str:
-        b = lambda v: "true" if v else "false"  # noqa: E731
         return (f"AttentionBackwardKernel<cutlass::arch::{self.arch.capitalize()}, {DTYPES[self.dtype]}, "
-                f"{b(self.aligned)}, {b(self.dropout)}, {b(self.preload)}, {self.block_i}, {self.block_j}, "
-                f"{self.max_k}, {b(self.block_aligned)}>")
+                f"{cpp_bool(self.aligned)}, {cpp_bool(self.dropout)}, {cpp_bool(self.preload)}, "
+                f"{self.block_i}, {self.block_j}, "
+                f"{self.max_k}, {cpp_bool(self.block_aligned)}>")
 
     # `AttentionBackwardKernel::Params` (kernel_backward.h, built with
     # HAS_PYTORCH so that the Philox seed and offset travel in `rng_engine_inputs`).

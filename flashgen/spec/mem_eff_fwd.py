@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashgen.spec.core import ARCH_TAGS, DTYPES, Constant, Field, KernelSpec, Rule
+from flashgen.spec.core import ARCH_TAGS, DTYPES, Constant, Field, KernelSpec, Rule, cpp_bool
 
 _TILES = ((64, 64), (32, 128))
 
@@ -74,10 +74,9 @@ class MemEffFwd(KernelSpec):
 
     @property
     def cpp_type(self) -> str:
-        b = lambda v: "true" if v else "false"  # noqa: E731
         return (f"AttentionKernel<{DTYPES[self.dtype]}, cutlass::arch::{self.arch.capitalize()}, "
-                f"{b(self.aligned)}, {self.queries_per_block}, {self.keys_per_block}, {self.max_k}, "
-                f"{b(self.dropout)}, {b(self.bias)}>")
+                f"{cpp_bool(self.aligned)}, {self.queries_per_block}, {self.keys_per_block}, {self.max_k}, "
+                f"{cpp_bool(self.dropout)}, {cpp_bool(self.bias)}>")
 
     # `AttentionKernel::Params` (kernel_forward.h, built with HAS_PYTORCH so that
     # the Philox seed and offset travel in `rng_engine_inputs`).
