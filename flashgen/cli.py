@@ -260,3 +260,57 @@ def list_(family, arch, dtype, max_k, kernels_glob, build_dir, as_json) -> None:
             click.echo(f"{click.style('FAILED CHECK', fg='red')} {name} ({target}): {status}; it will not be loaded",
                        err=True)
         sys.exit(1)
+
+
+@main.command()
+@click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["f16", "bf16"]), default=("f16", "bf16"))
+@click.option("--head-dim", "head_dims", multiple=True, type=int, default=(64, 128))
+@click.option("--seqlen", "seqlens", multiple=True, type=int, default=(512, 1024, 2048, 4096, 8192, 16384))
+@click.option("--tokens", type=int, default=16384, show_default=True, help="batch x seqlen")
+@click.option("--hidden", type=int, default=2048, show_default=True, help="heads x head dim")
+@click.option("--impl", "impls", multiple=True,
+              default=("flashgen", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"), show_default=True)
+@click.option("--repeats", type=int, default=20, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def bench(dtypes, head_dims, seqlens, tokens, hidden, impls, repeats, json_path, plot_path) -> None:
+    """Forward and backward TFLOP/s of flashgen and torch's SDPA backends, side by side."""
+    from flashgen import bench as b
+
+    try:
+        import torch
+    except ImportError:
+        _fail("flashgen bench needs torch (for the peers and the inputs): pip install torch")
+    if not torch.cuda.is_available():
+        _fail("flashgen bench needs a CUDA GPU")
+    grid = b.default_grid(dtypes, head_dims, hidden, tokens, seqlens)
+    click.echo(f"{torch.cuda.get_device_name()}: {len(grid)} points x {len(impls)} implementations", err=True)
+    results = []
+    for n, point in enumerate(grid, 1):
+        rows = b.bench_point(point, list(impls), torch, repeats)
+        results += rows
+        summary = "  ".join(f"{r.impl}/{r.direction} {r.tflops:.0f}" for r in rows if r.tflops)
+        click.echo(f"[{n}/{len(grid)}] {point.dtype} d{point.head_dim} {'causal ' if point.causal else ''}"
+                   f"B{point.batch} S{point.seqlen}: {summary}", err=True)
+    header = ["dtype", "hdim", "causal", "seqlen", "dir"] + list(impls) + (
+        ["fg/efficient"] if "flashgen" in impls and "sdpa-efficient" in impls else [])
+    table = []
+    for point in grid:
+        for direction in ("fwd", "bwd"):
+            got = {r.impl: r.tflops for r in results if r.point == point and r.direction == direction}
+            row = [point.dtype, point.head_dim, "yes" if point.causal else "no", point.seqlen, direction]
+            row += [f"{got[i]:.0f}" if got.get(i) else "-" for i in impls]
+            if len(header) > len(row):
+                ratio = got.get("flashgen") / got["sdpa-efficient"] if got.get("flashgen") and got.get("sdpa-efficient") else None
+                row.append(f"{ratio:.2f}" if ratio else "-")
+            table.append(row)
+    click.echo(_table(header, table))
+    overhead = b.call_overhead_us(torch)
+    for name, us in overhead.items():
+        click.echo(f"call overhead, {name}: {us:.1f} us")
+    if json_path:
+        json_path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "overhead_us": overhead,
+                                         "results": [r.as_dict() for r in results]}, indent=1))
+    if plot_path:
+        b.plot(results, plot_path)
+        click.echo(f"plot: {plot_path}", err=True)

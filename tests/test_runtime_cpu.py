@@ -587,20 +587,17 @@ def test_constants_are_what_the_fixture_claims():
 
 
 @pytest.mark.parametrize("b,bh,expected", [
-    (K64, 396, 1),     # 132 SMs * 3 blocks: B*H already fills the GPU
+    (K64, 396, 1),       # 132 SMs * 3 blocks: B*H already fills the GPU
     (K64, 400, 1),
     (K64, 5000, 1),
-    (K64, 395, 2),     # one block short: ceil(396 / 395)
-    (K64, 100, 4),     # ceil(396 / 100)
-    (K64, 8, 50),      # ceil(396 / 8)
-    (K64, 1, 396),
-    (K128, 1, 132),    # 1 block/SM
-    (K128, 33, 4),     # ceil(132 / 33)
-    (K128_BIG, 1, 132),  # kMinBlocksPerSm 0 still counts one block per SM
+    (K64, 395, 16384),   # one block short of a full wave: every key block gets a block
+    (K64, 1, 16384),     # 2^20 keys / 64
+    (K128, 132, 1),      # 1 block/SM
+    (K128, 131, 16384),
+    (K128_BIG, 1, 8192),  # 2^20 keys / 128; kMinBlocksPerSm 0 still counts one block per SM
     (K128_BIG, 200, 1),
 ])
 def test_split_keys_fill_the_device(b, bh, expected):
-    # N large enough that the key blocks never limit the split count
     assert num_splits_key(b, bh, 1, 1 << 20, H100) == expected
     assert num_splits_key(b, 1, bh, 1 << 20, H100) == expected  # only B*H matters
 
@@ -613,21 +610,22 @@ def test_split_keys_never_exceed_the_key_blocks(N, expected):
 
 
 def test_split_keys_follow_the_device():
-    assert num_splits_key(K128, 4, 1, 4096, RTX3090) == 21  # ceil(82 / 4), 64 key blocks
-    assert num_splits_key(K128, 4, 1, 4096, H100) == 33     # ceil(132 / 4)
+    # 100 (batch, head) pairs fill an RTX 3090 (82 SMs, 1 block each) but not an H100 (132)
+    assert num_splits_key(K128, 100, 1, 4096, RTX3090) == 1
+    assert num_splits_key(K128, 100, 1, 4096, H100) == 64  # 4096 keys / 64
 
 
-@pytest.mark.parametrize("bh,capped,free", [
-    (1, 200, 396),   # 200 // 1 caps the dK/dV workspace
-    (2, 100, 198),
-    (20, 10, 20),    # 200 // 20 = 10 < ceil(396 / 20)
-    (150, 1, 3),     # 200 // 150 = 1
-    (300, 1, 2),     # 200 // 300 = 0 -> still one block per (batch, head)
+@pytest.mark.parametrize("bh,capped", [
+    (1, 200),   # 200 // 1 caps the dK/dV workspace
+    (2, 100),
+    (20, 10),   # 200 // 20
+    (150, 1),   # 200 // 150 = 1
+    (300, 1),   # 200 // 300 = 0 -> still one block per (batch, head)
 ])
-def test_split_keys_are_capped_when_dk_dv_use_the_workspace(bh, capped, free):
+def test_split_keys_are_capped_when_dk_dv_use_the_workspace(bh, capped):
     # N = 2^16 keys: the int32 workspace cap (below) allows 511 splits at head dim 64, so it never binds here
-    assert num_splits_key(ACCUM, bh, 1, 1 << 16, H100, 64, 64) == min(capped, 1 << 10)
-    assert num_splits_key(K64, bh, 1, 1 << 20, H100) == free
+    assert num_splits_key(ACCUM, bh, 1, 1 << 16, H100, 64, 64) == capped
+    assert num_splits_key(K64, bh, 1, 1 << 16, H100) == 1024  # no dK/dV workspace: no cap
 
 
 def test_split_keys_keep_the_kernels_int32_workspace_offsets():

@@ -104,21 +104,24 @@ def _align_up(x: int, m: int) -> int:
 
 def num_splits_key(binary: KernelBinary, batches: int, heads: int, num_keys: int, device: DeviceInfo,
                    head_dim: int = 0, head_dim_value: int = 0) -> int:
-    """How many blocks share one (batch, head)'s keys, to fill the GPU.
+    """How many blocks share one (batch, head)'s keys.
 
-    One block per (batch, head) leaves most SMs idle for small B*H; splitting
-    the keys adds blocks (up to one per key block) at the cost of a dQ
-    reduction through the workspace.  When dK/dV also go through the
-    workspace, its size grows with the split count, so it is capped, and the
-    kernel sizes that part in 32-bit arithmetic (``workspace_elements_gk/gv``):
-    splits * align(N, J) * align(K, I) must fit an int32.
+    When B*H blocks already fill the GPU, one.  Otherwise every key block gets
+    its own block (the dQ contributions meet in the workspace): measured on an
+    H200 (BENCHMARKS.md), that beat splitting only as far as one wave of
+    resident blocks by 1.4-1.75x at 4k-16k keys (f16 backward, 73 -> 128
+    TFLOP/s at head dim 128, 16k).  When dK/dV also go through the workspace
+    its size grows with the split count, so it is capped, and the kernel sizes
+    that part in 32-bit arithmetic (``workspace_elements_gk/gv``): splits *
+    align(N, J) * align(K, I) must fit an int32.
     """
     c = binary.constants
-    per_bh = max(1, math.ceil(num_keys / c["block_j"]))
     if not c["enable_split_keys"]:
         return 1
     resident = device.multiprocessors * max(1, c["min_blocks_per_sm"])
-    splits = min(per_bh, max(1, math.ceil(resident / (batches * heads))))
+    if batches * heads >= resident:
+        return 1
+    splits = max(1, math.ceil(num_keys / c["block_j"]))
     if c["needs_accum_grad_k"] or c["needs_accum_grad_v"]:
         splits = min(splits, max(1, 200 // (batches * heads)))
         per_split = _align_up(num_keys, c["block_j"]) * _align_up(max(head_dim, head_dim_value, 1), c["block_i"])
