@@ -109,7 +109,10 @@ def _session(sid):
 def _kill_build(proc):
     """SIGKILL every process of the build: flashgen and ninja (the build's process group), and
     the nvcc pipelines, which ninja starts in process groups of their own."""
-    os.killpg(proc.pid, signal.SIGKILL)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # already killed: only its compilers may be left
+        pass
     proc.wait()
     deadline = time.monotonic() + 30
     while (left := _session(proc.pid)) and time.monotonic() < deadline:
@@ -157,6 +160,31 @@ def test_sigkill_mid_build_leaves_nothing_torn_and_a_rerun_finishes(built):
     rows = json.loads(listed.stdout)
     assert {r["name"] for r in rows} == {FWD, FWD_BF16}
     assert [t["verified"] for r in rows for t in r["targets"].values()] == ["ok", "ok"]
+
+
+@pytest.mark.nvcc
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the build's compilers through /proc")
+def test_rerun_while_a_killed_builds_nvcc_still_runs(built):
+    """Killing only flashgen and ninja (their process group) leaves nvcc running: ninja starts
+    each compile in a group of its own.  A rerun started at once must not be disturbed by it."""
+    proc = _spawn(built, f"{FWD},{FWD_BF16}")
+    deadline = time.monotonic() + 120
+    while not any(comm in ("cicc", "ptxas") for _, _, comm in _session(proc.pid)):
+        assert proc.poll() is None and time.monotonic() < deadline, "nvcc never started"
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)  # the build's own group only
+    proc.wait()
+    try:
+        assert _session(proc.pid), "expected the compiler to outlive the killed build"
+        rerun = subprocess.run(proc.args, cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    finally:
+        _kill_build(proc)  # reaps whatever of the old build is left
+    # the leftover compiler may have renamed its (identical) cubin over the rerun's: still whole
+    assert _trusted(built) == {FWD, FWD_BF16}
+    for cubin in built.rglob("*.cubin"):
+        _assert_complete(cubin)
+    assert not list(built.rglob("*.tmp*"))
 
 
 # -- 2. Two builds into one directory --------------------------------------------------------

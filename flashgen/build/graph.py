@@ -3,9 +3,10 @@
 Ninja decides what is out of date: nvcc's depfiles cover every header an
 instance includes (CUTLASS, curand, flashgen's own), the command line covers
 the flags, and a toolchain stamp in the command covers an nvcc or CUTLASS
-upgrade at the same path.  Each job writes ``<cubin>.tmp`` and renames it
-only when nvcc succeeded, so an interrupted build never leaves a truncated
-cubin with a fresh timestamp.
+upgrade at the same path.  Each job writes ``<cubin>.tmp.<pid>`` and renames
+it only when nvcc succeeded, so an interrupted build never leaves a truncated
+cubin with a fresh timestamp, and a compiler left running by a killed build
+cannot write into the file a rerun is producing.
 """
 from __future__ import annotations
 
@@ -84,8 +85,11 @@ def render_ninja(jobs: Iterable[Job], tc: Toolchain, launcher: Optional[str] = N
     for rule, flags in (("cubin", CUBIN_FLAGS), ("ptx", PTX_FLAGS)):
         lines += [
             f"rule {rule}",
+            # $out.tmp.<shell pid> ($$$$ is the shell's $$): an nvcc left running by a killed build
+            # never writes into the file a rerun is compiling, and each rename is atomic
             f"  command = FLASHGEN_TOOLCHAIN=$stamp $launcher $nvcc $flags {' '.join(flags)} $includes $gencode"
-            " -MD -MF $out.d -MT $out -o $out.tmp $in > $log 2>&1 && mv -f $out.tmp $out",
+            " -MD -MF $out.d -MT $out -o $out.tmp.$$$$ $in > $log 2>&1 && mv -f $out.tmp.$$$$ $out"
+            " || { rm -f $out.tmp.$$$$; exit 1; }",
             "  depfile = $out.d",
             "  deps = gcc",
             "  description = $kernel $target",
