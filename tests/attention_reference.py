@@ -21,11 +21,12 @@ try:
 except ImportError:  # pragma: no cover
     pass
 # ||out - ref|| / ||ref|| bounds.  Measured on an H200: the GPU suite's max is f32 ~1e-6 (3xTF32
-# tensor cores), f16 ~5e-4, bf16 ~4e-3; two 1000-case fuzzer runs (larger scales, head dims up to
-# 512, M = 1 with peaky softmax) reach f32 6e-5, f16 2.3e-3, bf16 1.3e-2 in the backward.  The
-# bounds leave about 2x headroom over those; an indexing or masking bug errs by O(1).
+# tensor cores), f16 ~5e-4, bf16 ~4e-3.  The fuzzer (larger scales, head dims up to 512) reaches
+# f32 6e-5, bf16 1.3e-2 and, for f16, 5.7e-3 in one regime: a single query row (M = 1) with
+# K >= 256 and a peaky softmax, where dQ/dK come from the cancellation dP - rowsum(dO * O).
+# The bounds leave ~2x over those; an indexing or masking bug errs by O(1).
 FWD_TOL = {"f32": 1e-5, "f16": 1e-3, "bf16": 8e-3}
-BWD_TOL = {"f32": 1e-4, "f16": 5e-3, "bf16": 3e-2}
+BWD_TOL = {"f32": 1e-4, "f16": 1e-2, "bf16": 3e-2}
 
 
 @contextlib.contextmanager
