@@ -199,9 +199,12 @@ class _Common:
     seqstart_q: object  # device int32 [S+1] or None
     seqstart_k: object
     batches: int  # B, or the number of sequences when varlen
+    starts_q: object = None  # host copies of the validated offsets (varlen only)
+    starts_k: object = None
 
 
-def _varlen(cu, name, total, device):
+def _read_offsets(cu, name, total):
+    """Validate cu_seqlens on the host: returns (cu, host copy); cu may become a CuPy view."""
     cupy = _cupy()
     if isinstance(cu, cupy.ndarray):
         host = cupy.asnumpy(cu)
@@ -219,12 +222,23 @@ def _varlen(cu, name, total, device):
         raise ValueError(f"{name} must start at 0 and never decrease; got {host.tolist()[:8]}")
     if host[-1] > total:
         raise ValueError(f"{name} ends at {host[-1]} but the packed sequence has {total} rows")
-    # the kernels read the offsets as a packed int32 array: a strided view (cu[::2]) is copied
-    dev = cu if isinstance(cu, cupy.ndarray) and cu.device.id == device and cu.flags.c_contiguous else None
-    if dev is None:
-        with cupy.cuda.Device(device):
-            dev = cupy.asarray(host)
-    return dev, int(np.diff(host).max())
+    return cu, host
+
+
+def _offsets_on_device(cu, host, device):
+    """The offsets as the kernels read them: a packed int32 array on ``device`` (a strided view
+    such as cu[::2] is copied)."""
+    cupy = _cupy()
+    if isinstance(cu, cupy.ndarray) and cu.device.id == device and cu.flags.c_contiguous:
+        return cu
+    with cupy.cuda.Device(device):
+        return cupy.asarray(host)
+
+
+def _varlen(cu, name, total, device):
+    """(device offsets, longest sequence) for one cu_seqlens argument."""
+    cu, host = _read_offsets(cu, name, total)
+    return _offsets_on_device(cu, host, device), int(np.diff(host).max())
 
 
 def _check_scale(scale) -> float:
@@ -364,22 +378,25 @@ def _common(q, k, v, causal, scale, dropout_p, seed, offset, cu_seqlens_q, cu_se
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < 2**64:
             raise ValueError(f"{name} must be an integer in [0, 2**64); got {value!r}")
     scale = 1.0 / math.sqrt(K) if scale is None else _check_scale(scale)
-    seqstart_q = seqstart_k = None
+    seqstart_q = seqstart_k = starts_q = starts_k = None
     batches = B
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("pass both cu_seqlens_q and cu_seqlens_k, or neither")
     if cu_seqlens_q is not None:
         if B != 1:
             raise ValueError(f"with cu_seqlens the sequences are packed along dim 1 of a batch of 1; got batch {B}")
-        seqstart_q, M_max = _varlen(cu_seqlens_q, "cu_seqlens_q", M, q.device.id)
-        seqstart_k, N_max = _varlen(cu_seqlens_k, "cu_seqlens_k", N, q.device.id)
-        if seqstart_q.size != seqstart_k.size:
-            raise ValueError(f"cu_seqlens_q has {seqstart_q.size} entries, cu_seqlens_k {seqstart_k.size}")
-        batches = seqstart_q.size - 1
-        M, N = M_max, N_max
+        cu_q, starts_q = _read_offsets(cu_seqlens_q, "cu_seqlens_q", M)
+        cu_k, starts_k = _read_offsets(cu_seqlens_k, "cu_seqlens_k", N)
+        if starts_q.size != starts_k.size:
+            raise ValueError(f"cu_seqlens_q has {starts_q.size} entries, cu_seqlens_k {starts_k.size}")
+        seqstart_q = _offsets_on_device(cu_q, starts_q, q.device.id)
+        seqstart_k = _offsets_on_device(cu_k, starts_k, q.device.id)
+        batches = starts_q.size - 1
+        M, N = int(np.diff(starts_q).max()), int(np.diff(starts_k).max())
     c = _Common(B, M, H=H, N=N, K=K, Kv=Kv, dtype=dtype, device=q.device.id, mask=_MASKS[causal],
                 scale=scale, dropout_p=float(dropout_p), seed=int(seed or 0), offset=int(offset),
-                seqstart_q=seqstart_q, seqstart_k=seqstart_k, batches=batches)
+                seqstart_q=seqstart_q, seqstart_k=seqstart_k, batches=batches,
+                starts_q=starts_q, starts_k=starts_k)
     _check_kernel_limits(c, q, k, v)
     return c
 
@@ -439,10 +456,9 @@ def _fill(buf, **fields):
 
 
 def _varlen_lengths(c: _Common):
-    """Host copies of the packed offsets and the per-sequence lengths (varlen calls sync anyway)."""
-    cupy = _cupy()
-    starts_q = cupy.asnumpy(c.seqstart_q)
-    return starts_q, np.diff(starts_q), np.diff(cupy.asnumpy(c.seqstart_k))
+    """The packed query offsets and the per-sequence query and key lengths, from the host
+    copies validation made (no further device reads)."""
+    return c.starts_q, np.diff(c.starts_q), np.diff(c.starts_k)
 
 
 def _check_varlen_bottom_right(c: _Common) -> None:
