@@ -74,7 +74,7 @@ class FakeDevArray:
         contiguous = all(s == p for s, p, n in zip(strides, packed, self.shape) if n > 1)
         self.flags = SimpleNamespace(c_contiguous=contiguous)
         self.device = SimpleNamespace(id=device)
-        self.data = SimpleNamespace(ptr=ptr)
+        self.data = SimpleNamespace(ptr=ptr, device_id=device)
         self.host = host
 
     def __getitem__(self, key):  # only `x[..., :n]`, as _bias uses it on its padded copy

@@ -707,7 +707,7 @@ class FakeArray:
                 step *= max(n, 1)
         self.strides = tuple(s * self.itemsize for s in strides)  # bytes, like CuPy
         self.device = SimpleNamespace(id=device)
-        self.data = SimpleNamespace(ptr=ptr)
+        self.data = SimpleNamespace(ptr=ptr, device_id=device)
 
 
 def qkv(B=2, M=5, N=7, H=3, K=64, Kv=None, dtype=np.float16):

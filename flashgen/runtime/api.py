@@ -17,6 +17,7 @@ from typing import Optional
 import numpy as np
 
 from flashgen.errors import UnsupportedError
+from flashgen.runtime import plans, tuning
 from flashgen.runtime.device import device_info
 from flashgen.runtime.registry import KernelBinary, Registry, default_registry
 from flashgen.runtime.select import Request, Selector, num_splits_key, workspace_bytes
@@ -344,6 +345,15 @@ def _check_head_broadcast(c: _Common, q, k, v):
                                "for the wrong heads.  Materialise one of them: v = cupy.ascontiguousarray(v)")
 
 
+def _check_rng(dropout_p, seed, offset):
+    if dropout_p > 0 and seed is None:
+        raise ValueError("dropout_p > 0 needs an explicit seed (and offset): attention_backward must "
+                         "redraw the same mask from them")
+    for name, value in (("seed", 0 if seed is None else seed), ("offset", offset)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < 2**64:
+            raise ValueError(f"{name} must be an integer in [0, 2**64); got {value!r}")
+
+
 def _common(q, k, v, causal, scale, dropout_p, seed, offset, cu_seqlens_q, cu_seqlens_k) -> _Common:
     """Shape, dtype, device and option checks shared by forward and backward (no GPU work
     unless cu_seqlens must be validated)."""
@@ -371,12 +381,7 @@ def _common(q, k, v, causal, scale, dropout_p, seed, offset, cu_seqlens_q, cu_se
         raise ValueError(f"causal must be None, 'top_left' or 'bottom_right'; got {causal!r}")
     if not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p!r}")
-    if dropout_p > 0 and seed is None:
-        raise ValueError("dropout_p > 0 needs an explicit seed (and offset): attention_backward must "
-                         "redraw the same mask from them")
-    for name, value in (("seed", 0 if seed is None else seed), ("offset", offset)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < 2**64:
-            raise ValueError(f"{name} must be an integer in [0, 2**64); got {value!r}")
+    _check_rng(dropout_p, seed, offset)
     scale = 1.0 / math.sqrt(K) if scale is None else _check_scale(scale)
     seqstart_q = seqstart_k = starts_q = starts_k = None
     batches = B
@@ -428,12 +433,63 @@ def _bias(cupy, attn_bias, c: _Common, q, rows: int, cols: int):
     return b
 
 
+def _tuned(req: Request, c: _Common) -> Optional[tuning.Choice]:
+    """The tuning table's choice for this call's shape bucket on this device, if any."""
+    bucket = tuning.Bucket.of(req.family, c.dtype, c.K, c.Kv, c.mask != 0, c.M, c.N, c.batches * c.H)
+    return tuning.choice(req.device, bucket)
+
+
 def _launch(registry, binary: KernelBinary, device: int, grid, block, params, stream):
     """Launch with ``Params`` passed by value.  CuPy is handed the record's bytes as one opaque
     void item: describing the 60-field structured dtype on every launch cost ~50 us."""
     fn = registry.function(binary, device)
     raw = params.view(np.dtype((np.void, params.dtype.itemsize)))
     fn(grid, block, (raw,), shared_mem=binary.constants["shared_memory_bytes"], stream=stream)
+
+
+def _plan_key(cupy, direction: str, arrays, *options):
+    """The plan-cache key of a call (see plans.py), or None when it cannot be planned: an input
+    that is not a CuPy array (its conversion is per call), or an unhashable option."""
+    ndarray = cupy.ndarray
+    for x in arrays:
+        if type(x) is not ndarray:
+            return None
+    parts = [direction, plans.signature(arrays)]
+    parts.extend((type(o), o) for o in options)  # type: 1 and True hash alike but validate differently
+    key = tuple(parts)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _handle(registry: Registry, binary: KernelBinary, device: int) -> int:
+    """The CUfunction behind the registry's CuPy kernel on ``device`` (for plans.LaunchPlan)."""
+    fn = registry.function(binary, device)
+    with _cupy().cuda.Device(device):
+        return getattr(fn, "kernel", fn).ptr  # RawKernel.kernel: its Function on the current device
+
+
+def _stream_handle(cupy, stream) -> int:
+    """The CUDA stream a call launches on: the one given, else CuPy's current stream."""
+    return (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
+
+
+def _on_device(cupy, device: int):
+    """A context that makes ``device`` current (a no-op when it already is)."""
+    return _NO_SWITCH if cupy.cuda.runtime.getDevice() == device else cupy.cuda.Device(device)
+
+
+class _NoSwitch:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_SWITCH = _NoSwitch()
 
 
 def _params_buffer(cls):
@@ -515,9 +571,17 @@ def attention_forward(q, k, v, *, attn_bias=None, causal=None, scale=None, dropo
     pass the same ``seed``/``offset`` to the backward.
     """
     cupy = _cupy()
+    registry = registry or default_registry()
+    key = None
+    if attn_bias is None and cu_seqlens_q is None and cu_seqlens_k is None:
+        key = _plan_key(cupy, "fwd", (q, k, v), causal, scale, dropout_p, registry)
+        plan = plans.lookup(key) if key is not None else None
+        if plan is not None:
+            if dropout_p or seed is not None or offset:
+                _check_rng(dropout_p, seed, offset)
+            return _forward_planned(cupy, plan, q, k, v, seed, offset, stream)
     q, k, v = as_array(q, "q"), as_array(k, "k"), as_array(v, "v")
     c = _common(q, k, v, causal, scale, dropout_p, seed, offset, cu_seqlens_q, cu_seqlens_k)
-    registry = registry or default_registry()
     bias = _bias(cupy, attn_bias, c, q, q.shape[1], k.shape[1])
     _check_varlen_bottom_right(c)
     skip = _rows_without_keys(c, q, k)
@@ -543,7 +607,7 @@ def attention_forward(q, k, v, *, attn_bias=None, causal=None, scale=None, dropo
         arrays = [q, k, v] + ([bias] if bias is not None else [])
         req = Request("mem_eff_fwd", c.dtype, c.K, c.Kv, _alignment(arrays, (c.K, c.Kv)), c.dropout_p > 0,
                       bias is not None, device_info(c.device))
-        binary = _selector(registry).select(req)
+        binary = _selector(registry).select(req, _tuned(req, c))
         k_const = binary.constants
         accum = None
         if k_const["needs_output_accum_buffer"]:
@@ -569,12 +633,29 @@ def attention_forward(q, k, v, *, attn_bias=None, causal=None, scale=None, dropo
         grid = (-(-c.M // k_const["queries_per_block"]), c.H, c.batches)
         block = (32, k_const["warps_per_block"], 1)
         _launch(registry, binary, c.device, grid, block, p, stream)
+        if key is not None and c.seqstart_q is None:
+            plans.remember(key, plans.LaunchPlan.from_params(
+                _handle(registry, binary, c.device), c.device, grid, block, k_const["shared_memory_bytes"], p,
+                ("query_ptr", "key_ptr", "value_ptr", "output_ptr", "output_accum_ptr", "logsumexp_ptr"),
+                c.dropout_p > 0, {"out": out.shape, "lse": lse.shape, "accum": accum is not None, "M": c.M}))
         if c.seqstart_q is not None:  # a sequence with queries but no keys: 0/0 in the kernel
             starts, q_lens, k_lens = _varlen_lengths(c)
             for seq in np.nonzero((q_lens > 0) & (k_lens == 0))[0]:
                 out[0, starts[seq]:starts[seq + 1]] = 0
                 lse[seq, :, :q_lens[seq]] = -np.inf
     return out, lse[:, :, :c.M]
+
+
+def _forward_planned(cupy, plan: plans.LaunchPlan, q, k, v, seed, offset, stream):
+    """A forward whose signature was seen before: allocate, point, launch (see plans.py)."""
+    sizes = plan.sizes
+    with _on_device(cupy, plan.device):
+        out = cupy.empty(sizes["out"], dtype=q.dtype)
+        lse = cupy.empty(sizes["lse"], dtype=cupy.float32)
+        accum = cupy.empty(sizes["out"], dtype=cupy.float32) if sizes["accum"] else None
+        plan.launch((q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, accum.data.ptr if accum is not None else 0,
+                     lse.data.ptr), seed or 0, offset, _stream_handle(cupy, stream))
+    return out, (lse if sizes["lse"][2] == sizes["M"] else lse[:, :, :sizes["M"]])
 
 
 def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requires_grad=False, causal=None,
@@ -584,9 +665,20 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
     ``bias_requires_grad`` (full [B, H, M, N]; sum over broadcast dims yourself).
 
     ``out`` and ``lse`` are what the forward returned for the same inputs and
-    options (same ``seed``/``offset`` when dropout is on).
+    options (same ``seed``/``offset`` when dropout is on).  From the second
+    call with the same shapes, strides and options on, dq, dk and dv are
+    contiguous arrays carved from one allocation (freed once all three are).
     """
     cupy = _cupy()
+    registry = registry or default_registry()
+    key = None
+    if attn_bias is None and not bias_requires_grad and cu_seqlens_q is None and cu_seqlens_k is None:
+        key = _plan_key(cupy, "bwd", (grad_out, q, k, v, out, lse), causal, scale, dropout_p, registry)
+        plan = plans.lookup(key) if key is not None else None
+        if plan is not None:
+            if dropout_p or seed is not None or offset:
+                _check_rng(dropout_p, seed, offset)
+            return _backward_planned(cupy, plan, grad_out, q, k, v, out, lse, seed, offset, stream)
     q, k, v = as_array(q, "q"), as_array(k, "k"), as_array(v, "v")
     grad_out, out, lse = as_array(grad_out, "grad_out"), as_array(out, "out"), as_array(lse, "lse")
     c = _common(q, k, v, causal, scale, dropout_p, seed, offset, cu_seqlens_q, cu_seqlens_k)
@@ -604,7 +696,6 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
         raise ValueError(f"lse is on GPU {lse.device.id}, q is on GPU {c.device}")
     if attn_bias is None and bias_requires_grad:
         raise ValueError("bias_requires_grad=True without attn_bias")
-    registry = registry or default_registry()
     bias = _bias(cupy, attn_bias, c, q, q.shape[1], k.shape[1])
     _check_varlen_bottom_right(c)
     if c.dtype != "f32" and (c.K % 8 or c.Kv % 8) and c.M and c.N:
@@ -651,12 +742,18 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
             return grads
         if _elem_strides(out)[1:] != (c.H * c.Kv, c.Kv, 1):
             out = cupy.ascontiguousarray(out)  # the kernel derives out's row stride from H * Kv
-        lse = _padded_lse(lse, c)
+            key = None  # a per-call copy: not a plan
         arrays = [q, k, v, out, grad_out] + ([bias] if bias is not None else [])
         req = Request("mem_eff_bwd", c.dtype, c.K, c.Kv, _alignment(arrays, (c.K, c.Kv)), c.dropout_p > 0,
                       bias is not None, device_info(c.device))
-        binary = _selector(registry).select(req)
+        prefer = _tuned(req, c)
+        binary = _selector(registry).select(req, prefer)
+        split_policy = prefer.splits if prefer is not None and prefer.matches(binary.spec) else "auto"
         kc = binary.constants
+        # lse is read a row block at a time: whole blocks of a unit-stride lse need no copy
+        pad_lse = c.seqstart_q is not None or c.M % kc["block_i"] or (c.M > 1 and lse.strides[2] != 4)
+        if pad_lse:
+            lse = _padded_lse(lse, c)
         if c.seqstart_q is not None:  # the kernel indexes delta as [H, total_q]
             total_q = q.shape[1]
             delta = cupy.empty((c.H, total_q), dtype=cupy.float32)
@@ -665,9 +762,8 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
             delta = cupy.empty((c.B, c.H, c.M), dtype=cupy.float32)
             delta_strides = (c.H * c.M, c.M)
         if not kc["kernel_computes_delta"]:
-            rowsum = (grad_out.astype(cupy.float32) * out.astype(cupy.float32)).sum(axis=-1)  # [B, M, H]
-            delta[...] = rowsum.transpose(0, 2, 1).reshape(delta.shape)
-        splits = num_splits_key(binary, c.batches, c.H, c.N, device_info(c.device), c.K, c.Kv)
+            _delta(grad_out, out, delta)
+        splits = num_splits_key(binary, c.batches, c.H, c.N, device_info(c.device), c.K, c.Kv, split_policy)
         ws_bytes = workspace_bytes(binary, c.batches, c.H, c.M, c.N, c.K, c.Kv, splits)
         workspace = None
         if ws_bytes:
@@ -699,8 +795,62 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
               gO_strideB=gos[0], gQ_strideB=_elem_strides(dq)[0], gK_strideB=_elem_strides(dk)[0],
               gV_strideB=_elem_strides(dv)[0], gB_strideB=gbs[0], gO_strideH=gos[2], gQ_strideH=c.K,
               gK_strideH=c.K, gV_strideH=c.Kv, gB_strideH=gbs[1])
-        _launch(registry, binary, c.device, (splits, c.H, c.batches), (kc["threads_per_block"], 1, 1), p, stream)
+        grid, block = (splits, c.H, c.batches), (kc["threads_per_block"], 1, 1)
+        _launch(registry, binary, c.device, grid, block, p, stream)
+        if key is not None:
+            plans.remember(key, plans.LaunchPlan.from_params(
+                _handle(registry, binary, c.device), c.device, grid, block, kc["shared_memory_bytes"], p,
+                ("query_ptr", "key_ptr", "value_ptr", "logsumexp_ptr", "output_ptr", "grad_output_ptr", "delta_ptr",
+                 "grad_query_ptr", "grad_key_ptr", "grad_value_ptr", "workspace"),
+                c.dropout_p > 0, {"delta": delta.shape, "delta_in_kernel": bool(kc["kernel_computes_delta"]),
+                                  "offsets": _packed_offsets(dq.nbytes, dk.nbytes, dv.nbytes, delta.nbytes, ws_bytes),
+                                  "workspace_bytes": ws_bytes, "zero_workspace": splits > 1,
+                                  "padded_lse": lse.shape if pad_lse else None, "M": c.M}))
     return grads
+
+
+def _delta(grad_out, out, delta):
+    """delta = rowsum(dO * O) as [B, H, M], for the kernels that do not compute it themselves."""
+    cupy = _cupy()
+    rowsum = (grad_out.astype(cupy.float32) * out.astype(cupy.float32)).sum(axis=-1)  # [B, M, H]
+    delta[...] = rowsum.transpose(0, 2, 1).reshape(delta.shape)
+
+
+def _packed_offsets(*sizes: int) -> tuple:
+    """Byte offsets of consecutive buffers (each 256-byte aligned) after the first, and the total."""
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(end)
+        end += -(-n // 256) * 256
+    return tuple(offsets[1:]) + (end,)
+
+
+def _backward_planned(cupy, plan: plans.LaunchPlan, grad_out, q, k, v, out, lse, seed, offset, stream):
+    """A backward whose signature was seen before: allocate, point, launch (see plans.py)."""
+    sizes = plan.sizes
+    with _on_device(cupy, plan.device):
+        if sizes["padded_lse"] is not None:  # as _padded_lse
+            padded = cupy.full(sizes["padded_lse"], np.inf, dtype=cupy.float32)
+            padded[:, :, :sizes["M"]] = lse[:, :, :sizes["M"]]
+            lse = padded
+        # dq, dk, dv, delta and the workspace in one allocation: four pool calls fewer per step
+        # (the gradients keep it alive together; each is still its own contiguous array)
+        at_dk, at_dv, at_delta, at_workspace, total = sizes["offsets"]
+        memory = cupy.empty(total, dtype=cupy.uint8).data
+        dq = cupy.ndarray(q.shape, q.dtype, memory)
+        dk = cupy.ndarray(k.shape, k.dtype, memory + at_dk)
+        dv = cupy.ndarray(v.shape, v.dtype, memory + at_dv)
+        delta_ptr = memory.ptr + at_delta
+        workspace_ptr = memory.ptr + at_workspace if sizes["workspace_bytes"] else 0
+        if not sizes["delta_in_kernel"]:
+            _delta(grad_out, out, cupy.ndarray(sizes["delta"], cupy.float32, memory + at_delta))
+        stream_handle = _stream_handle(cupy, stream)
+        if sizes["zero_workspace"]:
+            cupy.cuda.runtime.memsetAsync(workspace_ptr, 0, sizes["workspace_bytes"], stream_handle)
+        plan.launch((q.data.ptr, k.data.ptr, v.data.ptr, lse.data.ptr, out.data.ptr, grad_out.data.ptr,
+                     delta_ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, workspace_ptr), seed or 0, offset,
+                    stream_handle)
+    return dq, dk, dv
 
 
 def explain(q, k, v, *, backward=False, attn_bias=None, dropout_p=0.0, registry: Optional[Registry] = None):

@@ -21,6 +21,14 @@ r = np.random.default_rng(0)
 
 
 def call(dtype, B, M, N, H, K, Kv=None, offset=False, **opts):
+    """Forward and backward twice with new data: the first call takes the full path, the second
+    its launch plan (flashgen/runtime/plans.py)."""
+    for _ in range(2):
+        grads = call_once(dtype, B, M, N, H, K, Kv, offset, **dict(opts))
+    return grads
+
+
+def call_once(dtype, B, M, N, H, K, Kv=None, offset=False, **opts):
     Kv = Kv or K
     q, k, v = randn(r, (B, M, H, K), dtype), randn(r, (B, N, H, K), dtype), randn(r, (B, N, H, Kv), dtype)
     if offset:  # a 4-element offset: only the unaligned kernels accept it

@@ -1,0 +1,131 @@
+"""Launch plans: the part of a call that depends only on its signature.
+
+Validation, kernel choice, key-split count, workspace size and every ``Params``
+field except the pointers (and the dropout seed and offset) are functions of
+the inputs' shapes, strides, dtypes, devices and pointer alignment and of the
+options.  The first call with a signature takes the full path in ``api.py``,
+which leaves a plan here; a repeated call then only allocates its outputs,
+writes its pointers into a copy of the plan's ``Params`` bytes and launches.
+That is what keeps the per-call host cost near CuPy's own launch cost
+(BENCHMARKS.md, "Per-call overhead").
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+# Pointer alignment enters selection only through divisibility by 8, 4 and 2
+# elements (of at most 4 bytes): the pointer modulo 64 bytes is all a plan may depend on.
+_ALIGNMENT_BYTES = 64
+_MAX_PLANS = 512  # many distinct shapes (e.g. varying sequence lengths) evict the oldest plans
+
+_plans: Dict[tuple, "LaunchPlan"] = {}
+_lock = threading.Lock()
+
+
+def signature(arrays) -> tuple:
+    """What of the call's CuPy arrays a plan depends on: shapes, strides, dtypes, devices, and
+    the pointers' common alignment (the OR of all pointers modulo 64 bytes: its lowest set bit
+    is the largest power of two, up to 64, that divides every pointer)."""
+    parts, pointers = [], 0
+    for x in arrays:
+        mem = x.data
+        pointers |= mem.ptr
+        parts += (x.shape, x.strides, x.dtype, mem.device_id)
+    parts.append(pointers % _ALIGNMENT_BYTES)
+    return tuple(parts)
+
+
+def _driver_launch(handle: int, grid, block, shared_memory: int, stream: int, argv: int) -> None:
+    """cuLaunchKernel through CuPy's driver binding (a RawKernel call costs ~7 us more)."""
+    _driver().launchKernel(handle, *grid, *block, shared_memory, stream, argv, 0)
+
+
+def _driver():
+    global _cuda_driver
+    if _cuda_driver is None:
+        from cupy.cuda import driver
+
+        _cuda_driver = driver
+    return _cuda_driver
+
+
+_cuda_driver = None
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One kernel launch with everything fixed but its pointers.
+
+    ``params`` holds the packed ``Params`` bytes of the call that made the
+    plan; ``words`` are the 64-bit word indices of the per-call fields (the
+    pointers, in the order the plan was made with, then the dropout seed and
+    offset if any).  A launch copies ``params`` into the plan's own buffer,
+    writes those words and hands cuLaunchKernel a one-entry argument array
+    pointing at the buffer (the driver copies the bytes before it returns, so
+    a lock around the three steps is all the sharing between threads needs).
+    ``sizes`` holds what the caller allocates per call (shapes, flags).
+    """
+
+    handle: int  # CUfunction
+    device: int
+    grid: Tuple[int, int, int]
+    block: Tuple[int, int, int]
+    shared_memory: int
+    params: memoryview  # the first call's Params, as 64-bit words
+    words: Tuple[int, ...]
+    has_rng: bool
+    sizes: Mapping[str, object]
+    launcher: Callable = _driver_launch
+    buffer: memoryview = field(default=None, compare=False, repr=False)  # 64-bit words of a NumPy array
+    argv: np.ndarray = field(default=None, compare=False, repr=False)  # void *kernelParams[1] = {buffer}
+    argv_address: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+
+    @classmethod
+    def from_params(cls, handle: int, device: int, grid, block, shared_memory: int, params: np.ndarray,
+                    pointer_fields: Sequence[str], dropout: bool, sizes: Mapping[str, object],
+                    launcher: Callable = _driver_launch) -> "LaunchPlan":
+        """A plan from a filled ``Params`` record (the structured one-item array that launched)."""
+        assert params.dtype.itemsize % 8 == 0, "Params must be a whole number of 64-bit words"
+        fields = list(pointer_fields) + (["rng_engine_inputs_seed", "rng_engine_inputs_offset"] if dropout else [])
+        words = []
+        for name in fields:
+            dtype, offset = params.dtype.fields[name][:2]
+            assert dtype.itemsize == 8 and offset % 8 == 0, f"{name} is not an aligned 64-bit field"
+            words.append(offset // 8)
+        storage = np.zeros(params.dtype.itemsize, dtype=np.uint8)
+        argv = np.array([storage.__array_interface__["data"][0]], dtype=np.uint64)
+        return cls(handle, device, tuple(grid), tuple(block), shared_memory,
+                   memoryview(params.tobytes()).cast("Q"), tuple(words), dropout, dict(sizes), launcher,
+                   memoryview(storage).cast("Q"), argv, argv.__array_interface__["data"][0])
+
+    def launch(self, pointers: Sequence[int], seed: int, offset: int, stream: int) -> None:
+        """Launch on the CUDA stream handle ``stream`` with these pointers (and dropout seed/offset)."""
+        values = (*pointers, seed, offset) if self.has_rng else pointers
+        buffer = self.buffer
+        with self.lock:
+            buffer[:] = self.params
+            for index, value in zip(self.words, values):
+                buffer[index] = value
+            self.launcher(self.handle, self.grid, self.block, self.shared_memory, stream, self.argv_address)
+
+
+def lookup(key) -> Optional[LaunchPlan]:
+    return _plans.get(key)
+
+
+def remember(key, plan: LaunchPlan) -> None:
+    with _lock:
+        if len(_plans) >= _MAX_PLANS:
+            _plans.pop(next(iter(_plans)))
+        _plans[key] = plan
+
+
+def clear() -> None:
+    """Forget every plan (after the kernels or the tuning table in use change)."""
+    with _lock:
+        _plans.clear()

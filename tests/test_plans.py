@@ -1,0 +1,180 @@
+"""Launch plans (flashgen/runtime/plans.py): a repeated call must launch exactly what the full path would.
+
+The CPU part checks the Params bytes a plan writes; the GPU part runs the same
+signature through the full path and through its plan and compares results with
+each other (bitwise) and with the float64 reference.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from flashgen.runtime import plans
+from flashgen.spec.mem_eff_bwd import MemEffBwd
+from flashgen.spec.mem_eff_fwd import MemEffFwd
+
+
+class RecordingLauncher:
+    """Stands in for cuLaunchKernel: reads the Params bytes through the argument array, as the driver does."""
+
+    def __init__(self, size):
+        self.size, self.calls = size, []
+
+    def __call__(self, handle, grid, block, shared_memory, stream, argv):
+        params_address = ctypes.c_void_p.from_address(argv).value  # kernelParams[0]
+        self.calls.append((handle, grid, block, ctypes.string_at(params_address, self.size), shared_memory, stream))
+
+
+def filled(spec, **fields):
+    p = np.zeros(1, dtype=spec.params_dtype())
+    for name, value in fields.items():
+        p[name] = value
+    return p
+
+
+@pytest.mark.parametrize("spec, pointers", [
+    (MemEffFwd, ("query_ptr", "key_ptr", "value_ptr", "output_ptr", "output_accum_ptr", "logsumexp_ptr")),
+    (MemEffBwd, ("query_ptr", "key_ptr", "value_ptr", "logsumexp_ptr", "output_ptr", "grad_output_ptr", "delta_ptr",
+                 "grad_query_ptr", "grad_key_ptr", "grad_value_ptr", "workspace")),
+])
+def test_plan_writes_pointers_and_rng_and_keeps_every_other_field(spec, pointers):
+    first = filled(spec, scale=0.125, head_dim=64, num_heads=3, **{name: 1000 + i for i, name in enumerate(pointers)},
+                   rng_engine_inputs_seed=5, rng_engine_inputs_offset=6)
+    fn = RecordingLauncher(spec.params_dtype().itemsize)
+    plan = plans.LaunchPlan.from_params(77, 0, (2, 3, 4), (128, 1, 1), 4096, first, pointers, True, {}, fn)
+    new_pointers = [2**40 + 256 * i for i in range(len(pointers))]
+    plan.launch(new_pointers, 2**63 + 1, 77, 1234)
+    (handle, grid, block, raw, smem, stream), = fn.calls
+    assert (handle, grid, block, smem, stream) == (77, (2, 3, 4), (128, 1, 1), 4096, 1234)
+    got = np.frombuffer(raw, dtype=spec.params_dtype())[0]
+    want = filled(spec, scale=0.125, head_dim=64, num_heads=3, **dict(zip(pointers, new_pointers)),
+                  rng_engine_inputs_seed=2**63 + 1, rng_engine_inputs_offset=77)[0]
+    assert got.tobytes() == want.tobytes()
+    # every launch starts again from the first call's fields
+    plan.launch([0] * len(pointers), 0, 0, 0)
+    again = np.frombuffer(fn.calls[1][3], dtype=spec.params_dtype())[0]
+    assert again["scale"] == np.float32(0.125) and again["head_dim"] == 64 and again[pointers[0]] == 0
+    assert again["rng_engine_inputs_seed"] == 0
+
+
+def test_plan_without_dropout_leaves_rng_fields_alone():
+    p = filled(MemEffFwd, rng_engine_inputs_seed=0)
+    fn = RecordingLauncher(MemEffFwd.params_dtype().itemsize)
+    plan = plans.LaunchPlan.from_params(1, 0, (1, 1, 1), (32, 4, 1), 0, p, ("query_ptr",), False, {}, fn)
+    plan.launch([8], 123, 456, 0)
+    got = np.frombuffer(fn.calls[0][3], dtype=MemEffFwd.params_dtype())[0]
+    assert got["rng_engine_inputs_seed"] == 0 and got["rng_engine_inputs_offset"] == 0 and got["query_ptr"] == 8
+
+
+def test_plan_cache_is_bounded_and_evicts_the_oldest(monkeypatch):
+    monkeypatch.setattr(plans, "_plans", {})
+    monkeypatch.setattr(plans, "_MAX_PLANS", 3)
+    for i in range(5):
+        plans.remember(("k", i), i)
+    assert [plans.lookup(("k", i)) for i in range(5)] == [None, None, 2, 3, 4]
+    plans.clear()
+    assert plans.lookup(("k", 4)) is None
+
+
+# === on a GPU: the plan against the full path ====================================================
+
+try:
+    import cupy
+    HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:  # no CuPy or no driver: the CPU tests above still run
+    HAVE_GPU = False
+gpu = pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU")
+
+if HAVE_GPU:
+    import flashgen
+    from attention_reference import BWD_TOL, FWD_TOL, lse_err, poisoned_allocations, randn, reference, rel_err
+    from flashgen.runtime.api import _plan_key
+    from flashgen.runtime.registry import default_registry
+
+
+def run(dtype, B, M, N, H, K, seed=None, causal=None, dropout_p=0.0, offset_elems=0, r=None):
+    q = randn(r, (B * M * H * K + offset_elems,), dtype)[offset_elems:].reshape(B, M, H, K)
+    k, v, do = (randn(r, shape, dtype) for shape in ((B, N, H, K), (B, N, H, K), (B, M, H, K)))
+    opts = dict(causal=causal, dropout_p=dropout_p, seed=seed)
+    with poisoned_allocations():
+        out, lse = flashgen.attention_forward(q, k, v, **opts)
+        grads = flashgen.attention_backward(do, q, k, v, out, lse, **opts)
+    cupy.cuda.runtime.deviceSynchronize()
+    return (q, k, v, do), (out, lse) + tuple(grads)
+
+
+CASES = [  # dtype, B, M, N, H, K: one key block per split (B*H small), f32 (delta computed outside), odd sizes
+    ("f16", 1, 256, 1000, 2, 64),
+    ("bf16", 2, 128, 129, 3, 128),
+    ("f32", 1, 7, 300, 1, 32),
+    ("f16", 3, 1, 7, 2, 96),
+]
+
+
+@gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("causal", [None, "top_left"])
+def test_planned_calls_match_the_full_path_and_the_reference(case, causal):
+    dtype = case[0]
+    r = np.random.default_rng(7)
+    plans.clear()
+    inputs, full = run(*case, causal=causal, r=r)  # full path; leaves plans
+    (q, k, v, do) = inputs
+    fwd_key = _plan_key(cupy, "fwd", (q, k, v), causal, None, 0.0, default_registry())
+    assert plans.lookup(fwd_key) is not None
+    # same signature, new data: the planned path
+    q2, k2, v2, do2 = (x.copy() for x in inputs)
+    for x in (q2, k2, v2, do2):
+        x[...] = randn(r, x.shape, dtype)
+    with poisoned_allocations():
+        out, lse = flashgen.attention_forward(q2, k2, v2, causal=causal)
+        grads = flashgen.attention_backward(do2, q2, k2, v2, out, lse, causal=causal)
+    ref_out, ref_lse, ref_grads = reference(q2, k2, v2, causal=causal, grad_out=do2)
+    assert rel_err(out, ref_out) < FWD_TOL[dtype] and lse_err(lse, ref_lse) < FWD_TOL[dtype]
+    for g, want in zip(grads, ref_grads):
+        assert rel_err(g, want) < BWD_TOL[dtype]
+    # and bitwise what the full path computes for the same data
+    plans.clear()
+    with poisoned_allocations():
+        out_f, lse_f = flashgen.attention_forward(q2, k2, v2, causal=causal)
+        grads_f = flashgen.attention_backward(do2, q2, k2, v2, out_f, lse_f, causal=causal)
+    for planned, fresh in zip((out, lse) + tuple(grads), (out_f, lse_f) + tuple(grads_f)):
+        assert planned.shape == fresh.shape and planned.strides == fresh.strides
+    # the forward is deterministic; split-key backwards add dQ parts in any order (the reference checked them)
+    np.testing.assert_array_equal(cupy.asnumpy(out), cupy.asnumpy(out_f))
+    np.testing.assert_array_equal(cupy.asnumpy(lse), cupy.asnumpy(lse_f))
+
+
+@gpu
+def test_planned_dropout_uses_each_calls_seed():
+    r = np.random.default_rng(3)
+    inputs, _ = run("f16", 1, 64, 64, 2, 64, seed=1, dropout_p=0.5, r=r)
+    q, k, v, _ = inputs
+    planned = [flashgen.attention_forward(q, k, v, dropout_p=0.5, seed=s)[0] for s in (1, 2, 1)]
+    plans.clear()
+    fresh = flashgen.attention_forward(q, k, v, dropout_p=0.5, seed=2)[0]
+    a, b, c, f = (cupy.asnumpy(x) for x in planned + [fresh])
+    assert not np.array_equal(a, b)  # a new seed draws a new mask
+    np.testing.assert_array_equal(a, c)
+    np.testing.assert_array_equal(b, f)
+    with pytest.raises(ValueError, match="seed"):
+        flashgen.attention_forward(q, k, v, dropout_p=0.5, seed=-1)  # validated on the planned path too
+    with pytest.raises(ValueError, match="seed"):
+        flashgen.attention_forward(q, k, v, dropout_p=0.5)
+
+
+@gpu
+def test_pointer_alignment_is_part_of_the_signature():
+    """A 4-element offset pointer after an aligned call of the same shape must not reuse the
+    aligned kernel's plan (it needs the unaligned kernel)."""
+    r = np.random.default_rng(5)
+    run("f16", 1, 33, 40, 2, 64, r=r)
+    inputs, (out, lse, dq, dk, dv) = run("f16", 1, 33, 40, 2, 64, offset_elems=4, r=r)
+    q, k, v, do = inputs
+    assert q.data.ptr % 16 == 8
+    ref_out, ref_lse, ref_grads = reference(q, k, v, grad_out=do)
+    assert rel_err(out, ref_out) < FWD_TOL["f16"]
+    for g, want in zip((dq, dk, dv), ref_grads):
+        assert rel_err(g, want) < BWD_TOL["f16"]
