@@ -268,12 +268,56 @@ def list_(family, arch, dtype, max_k, kernels_glob, build_dir, as_json) -> None:
 @click.option("--seqlen", "seqlens", multiple=True, type=int, default=(512, 1024, 2048, 4096, 8192, 16384))
 @click.option("--tokens", type=int, default=16384, show_default=True, help="batch x seqlen")
 @click.option("--hidden", type=int, default=2048, show_default=True, help="heads x head dim")
-@click.option("--impl", "impls", multiple=True,
-              default=("flashgen", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"), show_default=True)
-@click.option("--repeats", type=int, default=20, show_default=True)
+@click.option("--repeats", type=int, default=10, show_default=True)
+@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Where to write the table [default: tuning-<gpu>-sm<cc>.json]; an existing table for this "
+                   "GPU is resumed.")
+def tune(dtypes, head_dims, seqlens, tokens, hidden, repeats, out_path) -> None:
+    """Time every kernel tile and key-split policy per shape bucket on this GPU; write a tuning table.
+
+    Use the table with FLASHGEN_TUNING=<path> (or flashgen.use_tuning_table), or
+    ship it in flashgen/tuning/ where the runtime finds it by GPU name.
+    """
+    from flashgen import tune as t
+
+    try:
+        import cupy
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        _fail(f"flashgen tune needs CuPy and a CUDA GPU ({type(e).__name__}: {e})")
+    from flashgen.runtime.device import device_info
+
+    device = device_info(cupy.cuda.runtime.getDevice())
+    grid = t.default_grid(dtypes, head_dims, hidden, tokens, seqlens)
+    click.echo(f"{device.name} (sm_{device.cc}): tuning {len(grid)} points x fwd/bwd", err=True)
+    slug = "".join(ch if ch.isalnum() else "_" for ch in device.name.lower()).strip("_")
+    out_path = out_path or Path(f"tuning-{slug}-sm{device.cc}.json")
+    try:
+        table = t.tune(grid, repeats, lambda line: click.echo(line, err=True), " ".join(["flashgen"] + sys.argv[1:]),
+                       out_path)
+    except ValueError as e:
+        _fail(str(e))
+    click.echo(f"{len(table.entries)} buckets where a choice beat the priority order by > "
+               f"{t.KEEP_DEFAULT:.0%}; table: {out_path}")
+
+
+@main.command()
+@click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["f16", "bf16"]), default=("f16", "bf16"))
+@click.option("--head-dim", "head_dims", multiple=True, type=int, default=(64, 128))
+@click.option("--seqlen", "seqlens", multiple=True, type=int, default=(512, 1024, 2048, 4096, 8192, 16384))
+@click.option("--tokens", type=int, default=16384, show_default=True, help="batch x seqlen")
+@click.option("--hidden", type=int, default=2048, show_default=True, help="heads x head dim")
+@click.option("--impl", "impls", multiple=True, type=click.Choice(["flashgen", "sdpa-flash", "sdpa-efficient",
+                                                                   "sdpa-cudnn", "flex"]),
+              default=("flashgen", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"), show_default=True,
+              help="flex: torch.compile'd flex_attention (compiles once per shape: slow to start).")
+@click.option("--all-instances", is_flag=True, help="Also time every flashgen kernel tile (and backward key-split "
+              "policy) that can serve each point, as flashgen[<tile>].")
+@click.option("--repeats", type=int, default=30, show_default=True,
+              help="Timed calls per implementation and direction, in 10 interleaved rounds.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def bench(dtypes, head_dims, seqlens, tokens, hidden, impls, repeats, json_path, plot_path) -> None:
+def bench(dtypes, head_dims, seqlens, tokens, hidden, impls, all_instances, repeats, json_path, plot_path) -> None:
     """Forward and backward TFLOP/s of flashgen and torch's SDPA backends, side by side."""
     from flashgen import bench as b
 
@@ -287,29 +331,39 @@ def bench(dtypes, head_dims, seqlens, tokens, hidden, impls, repeats, json_path,
     click.echo(f"{torch.cuda.get_device_name()}: {len(grid)} points x {len(impls)} implementations", err=True)
     results = []
     for n, point in enumerate(grid, 1):
-        rows = b.bench_point(point, list(impls), torch, repeats)
+        rows = b.bench_point(point, list(impls), torch, repeats, all_instances)
         results += rows
         summary = "  ".join(f"{r.impl}/{r.direction} {r.tflops:.0f}" for r in rows if r.tflops)
         click.echo(f"[{n}/{len(grid)}] {point.dtype} d{point.head_dim} {'causal ' if point.causal else ''}"
                    f"B{point.batch} S{point.seqlen}: {summary}", err=True)
-    header = ["dtype", "hdim", "causal", "seqlen", "dir"] + list(impls) + (
-        ["fg/efficient"] if "flashgen" in impls and "sdpa-efficient" in impls else [])
+    header = ["dtype", "hdim", "causal", "seqlen", "dir"] + list(impls) + (["best instance"] if all_instances else []) + (
+        ["fg/efficient", "noise"] if "flashgen" in impls and "sdpa-efficient" in impls else [])
     table = []
     for point in grid:
         for direction in ("fwd", "bwd"):
             got = {r.impl: r.tflops for r in results if r.point == point and r.direction == direction}
             row = [point.dtype, point.head_dim, "yes" if point.causal else "no", point.seqlen, direction]
             row += [f"{got[i]:.0f}" if got.get(i) else "-" for i in impls]
+            if all_instances:
+                tiles = {i: t for i, t in got.items() if i.startswith("flashgen[") and t}
+                best = max(tiles, key=tiles.get) if tiles else None
+                row.append(f"{tiles[best]:.0f} {best[len('flashgen['):-1]}" if best else "-")
             if len(header) > len(row):
                 ratio = got.get("flashgen") / got["sdpa-efficient"] if got.get("flashgen") and got.get("sdpa-efficient") else None
-                row.append(f"{ratio:.2f}" if ratio else "-")
+                noise = [r.spread for r in results if r.point == point and r.direction == direction
+                         and r.impl in ("flashgen", "sdpa-efficient") and r.spread is not None]
+                row += [f"{ratio:.2f}" if ratio else "-", f"{max(noise):.0%}" if noise else "-"]
             table.append(row)
     click.echo(_table(header, table))
     overhead = b.call_overhead_us(torch)
     for name, us in overhead.items():
         click.echo(f"call overhead, {name}: {us:.1f} us")
+    imports = b.import_times_ms()
+    for name, ms in imports.items():
+        click.echo(f"{name}: {ms:.1f} ms")
     if json_path:
         json_path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "overhead_us": overhead,
+                                         "import_ms": imports, "command": " ".join(["flashgen"] + sys.argv[1:]),
                                          "results": [r.as_dict() for r in results]}, indent=1))
     if plot_path:
         b.plot(results, plot_path)

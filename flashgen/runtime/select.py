@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Tuple
 from flashgen.errors import UnsupportedError
 from flashgen.runtime.arch import DeviceInfo
 from flashgen.runtime.registry import KernelBinary, Registry
+from flashgen.runtime.tuning import Choice
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class Selector:
 
     def __init__(self, registry: Registry):
         self.registry = registry
-        self._cache: Dict[Request, KernelBinary] = {}
+        self._cache: Dict[Tuple[Request, Optional[Choice]], KernelBinary] = {}
 
     def explain(self, req: Request) -> List[Tuple[str, str, str]]:
         """(kernel, target, verdict) for every candidate, in the order they are tried."""
@@ -80,13 +81,18 @@ class Selector:
                 rows.append((b.name, b.target, why or "not tried: an earlier kernel was selected"))
         return rows
 
-    def select(self, req: Request) -> KernelBinary:
-        hit = self._cache.get(req)
+    def select(self, req: Request, prefer: Optional[Choice] = None) -> KernelBinary:
+        """The first kernel that accepts ``req`` with ``prefer``'s tile (a tuning table's
+        choice), else the first that accepts it at all."""
+        hit = self._cache.get((req, prefer))
         if hit is not None:
             return hit
-        for b in self.registry.for_device(req.family, req.device):
+        candidates = self.registry.for_device(req.family, req.device)
+        if prefer is not None:
+            candidates = [b for b in candidates if prefer.matches(b.spec)] + candidates
+        for b in candidates:
             if rejection(b, req) is None:
-                self._cache[req] = b
+                self._cache[(req, prefer)] = b
                 return b
         listing = "\n".join(f"  {name} ({target}): {why}" for name, target, why in self.explain(req))
         hint = ""
@@ -103,25 +109,28 @@ def _align_up(x: int, m: int) -> int:
 
 
 def num_splits_key(binary: KernelBinary, batches: int, heads: int, num_keys: int, device: DeviceInfo,
-                   head_dim: int = 0, head_dim_value: int = 0) -> int:
-    """How many blocks share one (batch, head)'s keys.
+                   head_dim: int = 0, head_dim_value: int = 0, policy: str = "auto") -> int:
+    """How many blocks share one (batch, head)'s keys, by ``policy`` (tuning.SPLIT_POLICIES).
 
-    When B*H blocks already fill the GPU, one.  Otherwise every key block gets
-    its own block (the dQ contributions meet in the workspace): measured on an
-    H200 (BENCHMARKS.md), that beat splitting only as far as one wave of
-    resident blocks by 1.4-1.75x at 4k-16k keys (f16 backward, 73 -> 128
-    TFLOP/s at head dim 128, 16k).  When dK/dV also go through the workspace
-    its size grows with the split count, so it is capped, and the kernel sizes
-    that part in 32-bit arithmetic (``workspace_elements_gk/gv``): splits *
-    align(N, J) * align(K, I) must fit an int32.
+    "auto" (no tuning table): when B*H blocks already fill the GPU, one;
+    otherwise every key block gets its own block (the dQ contributions meet in
+    the workspace): measured on an H200 (BENCHMARKS.md), that beat splitting
+    only as far as one wave of resident blocks by 1.4-1.75x at 4k-16k keys
+    (f16 backward, 73 -> 128 TFLOP/s at head dim 128, 16k).  When dK/dV also
+    go through the workspace its size grows with the split count, so it is
+    capped, and the kernel sizes that part in 32-bit arithmetic
+    (``workspace_elements_gk/gv``): splits * align(N, J) * align(K, I) must
+    fit an int32.
     """
     c = binary.constants
-    if not c["enable_split_keys"]:
+    if not c["enable_split_keys"] or policy == "one":
         return 1
     resident = device.multiprocessors * max(1, c["min_blocks_per_sm"])
-    if batches * heads >= resident:
+    if policy == "auto" and batches * heads >= resident:
         return 1
     splits = max(1, math.ceil(num_keys / c["block_j"]))
+    if policy == "wave":
+        splits = min(splits, max(1, math.ceil(resident / (batches * heads))))
     if c["needs_accum_grad_k"] or c["needs_accum_grad_v"]:
         splits = min(splits, max(1, 200 // (batches * heads)))
         per_split = _align_up(num_keys, c["block_j"]) * _align_up(max(head_dim, head_dim_value, 1), c["block_i"])

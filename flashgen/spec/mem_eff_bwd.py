@@ -44,6 +44,8 @@ class MemEffBwd(KernelSpec):
         "max_k": (32, 64, 96, 128, 65536),
         "block_aligned": (False, True),
     }
+    # The tile and pipeline a tuning table may choose per shape bucket; the other axes follow from the call.
+    TUNED_AXES = ("block_i", "block_j", "max_k", "preload")
     RULES = (
         Rule("CUTLASS has no bf16 tensor-core MMA before sm80",
              lambda k: k.dtype == "bf16" and k.arch == "sm75"),

@@ -39,6 +39,8 @@ class MemEffFwd(KernelSpec):
         "dropout": (False, True),
         "bias": (False, True),
     }
+    # The tile a tuning table may choose per shape bucket; the other axes follow from the call.
+    TUNED_AXES = ("queries_per_block", "keys_per_block", "max_k")
     RULES = (
         Rule("CUTLASS has no bf16 tensor-core MMA before sm80",
              lambda k: k.dtype == "bf16" and k.arch == "sm75"),

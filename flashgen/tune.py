@@ -1,0 +1,162 @@
+"""``flashgen tune``: measure every choice the runtime could make per shape bucket, keep the fastest.
+
+For each point of a grid (``bench.default_grid`` by default) and each
+direction, every kernel tile that can serve the call on this GPU and, for the
+backward, every key-split policy that gives a different split count is timed
+through the public API with a one-entry table installed (so what is measured
+is exactly what the runtime would launch).  The fastest becomes the bucket's
+entry, unless the priority order's own choice is within ``KEEP_DEFAULT`` of it.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Dict, List, Optional, Tuple
+
+from flashgen.bench import Point, default_grid
+from flashgen.runtime import tuning
+from flashgen.runtime.select import Request, num_splits_key, rejection
+
+KEEP_DEFAULT = 0.01  # a choice must beat the priority order by more than 1% to be recorded
+FAMILY_OF = {"fwd": "mem_eff_fwd", "bwd": "mem_eff_bwd"}
+
+
+def time_ms(fn: Callable[[int], object], warmup: int = 3, repeats: int = 20) -> float:
+    """Median milliseconds of ``fn(i)`` between CUDA events on the current stream."""
+    import cupy
+
+    for i in range(warmup):
+        fn(i)
+    times = []
+    for i in range(repeats):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn(i)
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return statistics.median(times)
+
+
+def _cupy_dtype(name: str):
+    import numpy as np
+
+    if name == "bf16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise RuntimeError("bf16 inputs need ml_dtypes (pip install ml-dtypes), as CuPy's bfloat16 does") from None
+        return ml_dtypes.bfloat16
+    return {"f16": np.float16, "f32": np.float32}[name]
+
+
+def inputs(p: Point, sets: int = 3):
+    """``sets`` independent (q, k, v, grad_out) sets, [B, S, H, D] each, so repeats do not measure the cache."""
+    import cupy
+
+    dtype = _cupy_dtype(p.dtype)
+    shape = (p.batch, p.seqlen, p.heads, p.head_dim)
+    return [[cupy.random.standard_normal(shape, dtype=cupy.float32).astype(dtype) for _ in range(4)]
+            for _ in range(sets)]
+
+
+def bucket_of(p: Point, direction: str) -> tuning.Bucket:
+    return tuning.Bucket.of(FAMILY_OF[direction], p.dtype, p.head_dim, p.head_dim, p.causal, p.seqlen, p.seqlen,
+                            p.batch * p.heads)
+
+
+def candidates(registry, device, p: Point, direction: str) -> List[Tuple[str, tuning.Choice]]:
+    """(label, choice) for every distinct tile that accepts an aligned call at ``p`` (priority
+    order), times the split policies that change the backward's split count."""
+    family = FAMILY_OF[direction]
+    req = Request(family, p.dtype, p.head_dim, p.head_dim, 8, False, False, device)
+    found, seen = [], set()
+    for b in registry.for_device(family, device):
+        tile = tuning.tile_of(b.spec)
+        if tile in seen or rejection(b, req) is not None:
+            continue
+        seen.add(tile)
+        label = "_".join(f"{v}" for _, v in tile)
+        if direction == "fwd":
+            found.append((label, tuning.Choice(tile)))
+            continue
+        counts = {}
+        for policy in tuning.SPLIT_POLICIES:
+            n = num_splits_key(b, p.batch, p.heads, p.seqlen, device, p.head_dim, p.head_dim, policy)
+            counts.setdefault(n, policy)  # "auto" first: the label of a count it already gives
+        found += [(f"{label}/splits={n}({policy})", tuning.Choice(tile, policy)) for n, policy in counts.items()]
+    return found
+
+
+def run_call(api, direction: str, p: Point, sets) -> Callable[[int], object]:
+    causal = "top_left" if p.causal else None
+    if direction == "fwd":
+        return lambda i: api.attention_forward(*sets[i % len(sets)][:3], causal=causal)
+    outs = [api.attention_forward(q, k, v, causal=causal) for q, k, v, _ in sets]
+    return lambda i: api.attention_backward(sets[i % len(sets)][3], *sets[i % len(sets)][:3], *outs[i % len(sets)],
+                                            causal=causal)
+
+
+def measure_choices(p: Point, direction: str, registry, device, repeats: int,
+                    only: Optional[List[Tuple[str, tuning.Choice]]] = None) -> Dict[str, float]:
+    """Milliseconds per call for the priority order ("default") and each candidate at ``p``."""
+    import cupy
+
+    from flashgen.runtime import api
+
+    sets = inputs(p)
+    bucket = bucket_of(p, direction)
+    times = {}
+    try:
+        for label, choice in [("default", None)] + (only if only is not None else
+                                                     candidates(registry, device, p, direction)):
+            entries = {} if choice is None else {bucket: choice}
+            tuning.use_table(tuning.Table(device.name, device.cc, entries, {}))
+            times[label] = time_ms(run_call(api, direction, p, sets), repeats=repeats)
+    finally:
+        tuning.use_table(None)
+        del sets
+        cupy.get_default_memory_pool().free_all_blocks()
+    return times
+
+
+def tune(points: List[Point], repeats: int, progress: Callable[[str], None], command: str,
+         out_path) -> tuning.Table:
+    """Measure ``points`` and write the table to ``out_path`` after each one (atomically), so an
+    interrupted run loses at most one point; a run given an existing table for this GPU resumes
+    it, skipping the points it already holds."""
+    import cupy
+
+    import flashgen
+    from flashgen.runtime.device import device_info
+    from flashgen.runtime.registry import default_registry
+
+    registry, device = default_registry(), device_info(cupy.cuda.runtime.getDevice())
+    entries, measured = {}, []
+    if out_path.exists():
+        previous = tuning.Table.load(out_path)
+        if (previous.device_name, previous.cc) != (device.name, device.cc):
+            raise ValueError(f"{out_path} was measured on {previous.device_name} (sm_{previous.cc}), this is "
+                             f"{device.name} (sm_{device.cc}): pass another --out")
+        entries, measured = dict(previous.entries), list(previous.measured.get("points", []))
+    done = {(tuple(sorted(m["point"].items())), m["direction"]) for m in measured}
+    for n, p in enumerate(points, 1):
+        for direction in ("fwd", "bwd"):
+            if (tuple(sorted(vars(p).items())), direction) in done:
+                continue
+            options = candidates(registry, device, p, direction)
+            times = measure_choices(p, direction, registry, device, repeats, options)
+            best_label = min((label for label, _ in options), key=times.__getitem__)
+            # options[0] is the priority order's own tile with the "auto" split: the default itself
+            keep_default = best_label == options[0][0] or times["default"] <= times[best_label] * (1 + KEEP_DEFAULT)
+            if not keep_default:
+                entries[bucket_of(p, direction)] = dict(options)[best_label]
+            measured.append({"point": vars(p), "direction": direction, "ms": times,
+                             "chosen": "default" if keep_default else best_label})
+            table = tuning.Table(device.name, device.cc, entries,
+                                 {"command": command, "flashgen": flashgen.__version__, "repeats": repeats,
+                                  "cupy": cupy.__version__, "points": measured})
+            table.save(out_path)
+            progress(f"[{n}/{len(points)}] {direction} {p.dtype} d{p.head_dim} {'causal ' if p.causal else ''}"
+                     f"b{p.batch} h{p.heads} s{p.seqlen}: default {times['default']:.3f} ms, best {best_label} "
+                     f"{times[best_label]:.3f} ms -> {'default' if keep_default else best_label}")
+    return tuning.Table.load(out_path)

@@ -1,0 +1,139 @@
+"""Tuning tables (flashgen/runtime/tuning.py): buckets, the file format, which table applies,
+and how a table's choice steers selection and the key-split count.  No GPU needed."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flashgen.runtime import plans, tuning
+from flashgen.runtime.registry import Registry
+from flashgen.runtime.select import Selector, num_splits_key
+from test_runtime_cpu import (  # noqa: F401 (fixture helpers, not fixtures)
+    BWD_SMEM, F16_K64, F16_K64_DROP, F16_K128, F16_K128_BIG, FWD_SMEM, H100, K64, K128_BIG, RTX3090, constants, req,
+    write_build,
+)
+
+
+@pytest.fixture(scope="module")
+def reg(tmp_path_factory):
+    d = tmp_path_factory.mktemp("kernels")
+    specs = {**BWD_SMEM, **FWD_SMEM}
+    write_build(d, [(s, {t: constants(s, smem) for t in ("sm80", "sm90")}) for s, smem in specs.items()])
+    return Registry([d])
+
+
+@pytest.fixture(autouse=True)
+def no_table_installed(monkeypatch):
+    monkeypatch.delenv("FLASHGEN_TUNING", raising=False)
+    yield
+    tuning.use_table(None)
+
+
+def bucket(**overrides):
+    args = dict(family="mem_eff_bwd", dtype="f16", head_dim=64, head_dim_value=64, causal=False, num_queries=4096,
+                num_keys=4096, batch_heads=64)
+    args.update(overrides)
+    return tuning.Bucket.of(**args)
+
+
+@pytest.mark.parametrize("K,Kv,tier", [(1, 1, 32), (32, 32, 32), (33, 8, 64), (64, 96, 96), (128, 128, 128),
+                                       (129, 64, 256), (256, 256, 256), (257, 64, 0)])
+def test_head_dim_tiers_cover_both_head_dims(K, Kv, tier):
+    assert bucket(head_dim=K, head_dim_value=Kv).head_dim == tier
+
+
+def test_sequence_and_parallelism_round_up_to_powers_of_two():
+    b = bucket(num_queries=1000, num_keys=3000, batch_heads=17)
+    assert (b.seqlen, b.batch_heads) == (4096, 32)
+    assert bucket(num_queries=4096, num_keys=4096, batch_heads=16) == bucket(num_queries=2049, num_keys=1,
+                                                                             batch_heads=9)
+    assert bucket(num_queries=0, num_keys=0, batch_heads=0).seqlen == 1
+
+
+def table(entries, device=H100):
+    return tuning.Table(device.name, device.cc, entries, {"command": "test"})
+
+
+def test_table_round_trips_through_its_file(tmp_path):
+    entries = {bucket(): tuning.Choice(tuning.tile_of(F16_K128), "one"),
+               bucket(family="mem_eff_fwd", causal=True): tuning.Choice((("queries_per_block", 32),
+                                                                        ("keys_per_block", 128), ("max_k", 128)))}
+    path = tmp_path / "t.json"
+    table(entries).save(path)
+    loaded = tuning.Table.load(path)
+    assert loaded.entries == entries and (loaded.device_name, loaded.cc) == (H100.name, 90)
+    assert not list(tmp_path.glob(".*tmp"))  # written through a temporary file and renamed
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda d: d.update(schema=2), "schema 2, this flashgen reads 1"),
+    (lambda d: d["entries"][0].update(splits="sometimes"), "unknown split policy 'sometimes'"),
+    (lambda d: d["entries"][0].pop("seqlen"), "malformed entry"),
+    (lambda d: d["entries"][0]["tile"].pop("preload"), "malformed entry"),
+])
+def test_bad_tables_are_refused_naming_the_file(tmp_path, mutate, match):
+    data = table({bucket(): tuning.Choice(tuning.tile_of(F16_K128))}).to_json()
+    mutate(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=match) as e:
+        tuning.Table.load(path)
+    assert str(path) in str(e.value) and "flashgen tune" in str(e.value)
+
+
+def test_truncated_table_is_refused(tmp_path):
+    path = tmp_path / "cut.json"
+    path.write_text(json.dumps(table({}).to_json())[:20])
+    with pytest.raises(ValueError, match="cannot read it"):
+        tuning.Table.load(path)
+
+
+def test_a_table_applies_only_to_its_own_gpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(tuning, "_shipped", [])
+    choice = tuning.Choice(tuning.tile_of(F16_K128))
+    tuning.use_table(table({bucket(): choice}))
+    assert tuning.choice(H100, bucket()) == choice
+    assert tuning.choice(RTX3090, bucket()) is None  # another GPU: priority order
+    assert tuning.choice(H100, bucket(causal=True)) is None  # a bucket it did not measure
+    monkeypatch.setenv("FLASHGEN_TUNING", "off")
+    assert tuning.choice(H100, bucket()) is None
+
+
+def test_env_names_a_table_and_shipped_tables_are_the_fallback(tmp_path, monkeypatch):
+    shipped = table({bucket(): tuning.Choice(tuning.tile_of(F16_K128))})
+    monkeypatch.setattr(tuning, "_shipped", [shipped])
+    assert tuning.choice(H100, bucket()).tile == tuning.tile_of(F16_K128)
+    path = tmp_path / "mine.json"
+    table({bucket(): tuning.Choice(tuning.tile_of(F16_K64), "one")}).save(path)
+    monkeypatch.setenv("FLASHGEN_TUNING", str(path))
+    assert tuning.choice(H100, bucket()) == tuning.Choice(tuning.tile_of(F16_K64), "one")
+
+
+def test_installing_a_table_forgets_every_launch_plan():
+    plans.remember(("some", "call"), object())
+    tuning.use_table(table({}))
+    assert plans.lookup(("some", "call")) is None
+
+
+def test_a_tuned_tile_wins_over_the_priority_order_when_it_accepts_the_call(reg):
+    sel = Selector(reg)
+    r = req(head_dim=64)
+    assert sel.select(r).spec == F16_K64  # priority order: smallest kMaxK that fits
+    prefer = tuning.Choice(tuning.tile_of(F16_K128_BIG))
+    assert sel.select(r, prefer).spec == F16_K128_BIG
+    # the tile the table names cannot serve dropout: the dropout kernel of the priority order serves it
+    assert sel.select(req(head_dim=64, dropout=True), prefer).spec == F16_K64_DROP
+    # and where the tuned tile does not fit the device (sm86: 99 KB), the priority order again
+    assert sel.select(req(head_dim=64, device=RTX3090), prefer).spec == F16_K64
+
+
+def test_split_policies():
+    assert num_splits_key(K64, 4, 1, 4096, H100, policy="auto") == 64  # 4096 / 64 key blocks
+    assert num_splits_key(K64, 4, 1, 4096, H100, policy="key_blocks") == 64
+    assert num_splits_key(K64, 4, 1, 4096, H100, policy="one") == 1
+    assert num_splits_key(K64, 4, 1, 4096, H100, policy="wave") == 64  # one wave is 99 blocks: 64 key blocks
+    assert num_splits_key(K64, 4, 1, 16384, H100, policy="wave") == 99  # ceil(132 SMs * 3 blocks / 4)
+    assert num_splits_key(K64, 1000, 1, 4096, H100, policy="auto") == 1  # B*H fills the GPU
+    assert num_splits_key(K64, 1000, 1, 4096, H100, policy="key_blocks") == 64  # the table may still split
+    assert num_splits_key(K128_BIG, 4, 1, 4096, H100, policy="wave") == 32  # 4096 / 128 < ceil(132 / 4)
