@@ -13,10 +13,13 @@ torch for the peers (and for the inputs); flashgen itself runs through CuPy.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional
 
 TORCH_BACKENDS = ("flash", "efficient", "cudnn")
@@ -40,6 +43,7 @@ class Result:
     ms: Optional[float]  # None: not applicable here
     tflops: Optional[float]
     note: str = ""
+    spread: Optional[float] = None  # run-to-run noise: (slowest - fastest round median) / median
 
     def as_dict(self) -> dict:
         return dict(asdict(self), point=asdict(self.point))
@@ -56,19 +60,58 @@ def flops(p: Point, direction: str) -> float:
     return f * (2.5 if direction == "bwd" else 1.0)
 
 
-def time_ms(fn: Callable[[int], None], torch, warmup: int = 3, repeats: int = 20) -> float:
-    """Median milliseconds of ``fn(i)`` (i picks the input set) between CUDA events."""
-    for i in range(warmup):
-        fn(i)
-    times = []
-    for i in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(i)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+@dataclass
+class Timed:
+    """One implementation and direction at one point, timed in interleaved rounds."""
+
+    impl: str
+    direction: str
+    fn: Callable[[int], object]  # i picks the input set
+    context: Callable[[], object] = contextlib.nullcontext
+    times: List[float] = field(default_factory=list)
+    round_medians: List[float] = field(default_factory=list)
+    error: Optional[str] = None
+
+
+def time_interleaved(entries: List[Timed], torch, rounds: int = 10, repeats: int = 30, warmup: int = 3) -> None:
+    """Time every entry in ``rounds`` rounds, each visiting the entries in a new random order, so
+    clock ramps, thermal drift and the after-effects of the previous implementation (a hot
+    cuDNN kernel lowers the clocks for the next one) fall on every implementation alike.  Each
+    call is timed alone between CUDA events (host work before the launch counts, as it does
+    for a user)."""
+    for e in entries:
+        try:
+            with e.context():
+                for i in range(warmup):
+                    e.fn(i)
+            torch.cuda.synchronize()
+        except Exception as ex:  # a peer that does not support this point
+            torch.cuda.synchronize()
+            e.error = f"{type(ex).__name__}: {str(ex)[:80]}"
+    live = [e for e in entries if e.error is None]
+    per_round = max(1, repeats // rounds)
+    order = random.Random(0)
+    for r in range(rounds):
+        order.shuffle(live)
+        for e in live:
+            times = []
+            with e.context():
+                for i in range(per_round):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    e.fn(r * per_round + i)
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end))
+            e.times += times
+            e.round_medians.append(statistics.median(times))
+
+
+def spread(e: Timed) -> Optional[float]:
+    """Run-to-run noise of an entry: (slowest - fastest round median) / overall median."""
+    if not e.times:
+        return None
+    return (max(e.round_medians) - min(e.round_medians)) / statistics.median(e.times)
 
 
 def _inputs(torch, p: Point, sets: int = 3):
@@ -77,32 +120,27 @@ def _inputs(torch, p: Point, sets: int = 3):
     return [[torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4)] for _ in range(sets)]  # q k v dO
 
 
-def bench_point(p: Point, impls: List[str], torch, repeats: int = 20) -> List[Result]:
+def bench_point(p: Point, impls: List[str], torch, repeats: int = 30, all_instances: bool = False) -> List[Result]:
     import cupy
 
     from flashgen.runtime import api
 
     sets = _inputs(torch, p)
     causal = "top_left" if p.causal else None
-    results = []
-
-    def record(impl, direction, fn, note=""):
-        try:
-            ms = time_ms(fn, torch, repeats=repeats)
-            results.append(Result(impl, direction, p, ms, flops(p, direction) / ms / 1e9, note))
-        except Exception as e:  # a peer that does not support this point
-            torch.cuda.synchronize()
-            results.append(Result(impl, direction, p, None, None, f"{type(e).__name__}: {str(e)[:80]}"))
-
+    entries: List[Timed] = []
     if "flashgen" in impls:
         stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
         cp_sets = [[cupy.from_dlpack(t) for t in s] for s in sets]
         with stream:
             fwd_out = [api.attention_forward(q, k, v, causal=causal) for q, k, v, _ in cp_sets]
-            record("flashgen", "fwd", lambda i: api.attention_forward(*cp_sets[i % 3][:3], causal=causal))
-            record("flashgen", "bwd", lambda i: api.attention_backward(
-                cp_sets[i % 3][3], *cp_sets[i % 3][:3], *fwd_out[i % 3], causal=causal))
+        entries.append(Timed("flashgen", "fwd", lambda i: api.attention_forward(*cp_sets[i % 3][:3], causal=causal),
+                             lambda: stream))
+        entries.append(Timed("flashgen", "bwd", lambda i: api.attention_backward(
+            cp_sets[i % 3][3], *cp_sets[i % 3][:3], *fwd_out[i % 3], causal=causal), lambda: stream))
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    # SDPA takes [B, H, S, D]: transposed views of the same BMHK buffers
+    t_sets = [[t.transpose(1, 2).requires_grad_(j < 3) if j < 3 else t.transpose(1, 2) for j, t in enumerate(s)]
+              for s in sets]
     for backend in TORCH_BACKENDS:
         impl = f"sdpa-{backend}"
         if impl not in impls:
@@ -110,39 +148,88 @@ def bench_point(p: Point, impls: List[str], torch, repeats: int = 20) -> List[Re
         kind = {"flash": torch.nn.attention.SDPBackend.FLASH_ATTENTION,
                 "efficient": torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION,
                 "cudnn": torch.nn.attention.SDPBackend.CUDNN_ATTENTION}[backend]
-        # SDPA takes [B, H, S, D]: transposed views of the same BMHK buffers
-        t_sets = [[t.transpose(1, 2).requires_grad_(j < 3) if j < 3 else t.transpose(1, 2)
-                   for j, t in enumerate(s)] for s in sets]
-        with torch.nn.attention.sdpa_kernel(kind):
-            record(impl, "fwd", lambda i: sdpa(*t_sets[i % 3][:3], is_causal=p.causal))
-            try:
-                outs = [sdpa(*s[:3], is_causal=p.causal) for s in t_sets]
-            except Exception as e:
-                results.append(Result(impl, "bwd", p, None, None, f"{type(e).__name__}: {str(e)[:80]}"))
-                continue
-            record(impl, "bwd", lambda i: torch.autograd.grad(outs[i % 3], t_sets[i % 3][:3], t_sets[i % 3][3],
-                                                              retain_graph=True))
-    del sets
+        context = functools.partial(torch.nn.attention.sdpa_kernel, kind)
+        entries.append(Timed(impl, "fwd", lambda i: sdpa(*t_sets[i % 3][:3], is_causal=p.causal), context))
+        entries.append(Timed(impl, "bwd", _autograd_backward(lambda s: sdpa(*s[:3], is_causal=p.causal), t_sets,
+                                                             torch), context))
+    if "flex" in impls:
+        entries += _flex_entries(p, t_sets, torch)
+    time_interleaved(entries, torch, repeats=repeats)
+    results = [Result(e.impl, e.direction, p, None, None, e.error) if e.error else
+               Result(e.impl, e.direction, p, statistics.median(e.times),
+                      flops(p, e.direction) / statistics.median(e.times) / 1e9, spread=spread(e))
+               for e in entries]
+    del sets, t_sets
+    if all_instances:  # every tile (and split policy) the runtime could pick here, through a one-entry table
+        from flashgen import tune
+        from flashgen.runtime.device import device_info
+        from flashgen.runtime.registry import default_registry
+
+        device = device_info(cupy.cuda.runtime.getDevice())
+        for direction in ("fwd", "bwd"):
+            times = tune.measure_choices(p, direction, default_registry(), device, repeats)
+            for label, ms in times.items():
+                if label != "default":
+                    results.append(Result(f"flashgen[{label}]", direction, p, ms, flops(p, direction) / ms / 1e9))
     torch.cuda.empty_cache()
     cupy.get_default_memory_pool().free_all_blocks()
     return results
 
 
+def _autograd_backward(forward, t_sets, torch):
+    """The cheapest honest path to a torch backward: one retained forward graph per input set
+    (built during warm-up), then ``torch.autograd.grad`` with the set's dO."""
+    outs = []
+
+    def backward(i):
+        if not outs:
+            outs.extend(forward(s) for s in t_sets)
+        return torch.autograd.grad(outs[i % 3], t_sets[i % 3][:3], t_sets[i % 3][3], retain_graph=True)
+
+    return backward
+
+
+_flex = None
+
+
+def _flex_entries(p: Point, t_sets, torch) -> List[Timed]:
+    """torch.compile'd flex_attention: Triton kernels generated for the shape and mask, compiled
+    once per shape (during warm-up); backward through autograd like SDPA."""
+    global _flex
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if _flex is None:
+        _flex = torch.compile(flex_attention, dynamic=False)
+    mask = None
+    if p.causal:
+        mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, p.seqlen, p.seqlen, device="cuda")
+    return [Timed("flex", "fwd", lambda i: _flex(*t_sets[i % 3][:3], block_mask=mask)),
+            Timed("flex", "bwd", _autograd_backward(lambda s: _flex(*s[:3], block_mask=mask), t_sets, torch))]
+
+
 def call_overhead_us(torch, calls: int = 2000) -> Dict[str, float]:
-    """Host microseconds per call on a tiny problem (selection, packing, launch), vs SDPA's call."""
+    """Host microseconds per call on a tiny problem (1 x 128 x 1 x 64, f16), against SDPA's call.
+
+    flashgen's calls repeat one signature, so they take the planned path (runtime/plans.py)
+    as a training loop does after its first step.  The GPU work is negligible; each figure is
+    wall time per call over ``calls`` back-to-back calls.
+    """
     import cupy
 
     from flashgen.runtime import api
 
-    q = torch.randn(1, 64, 1, 64, device="cuda", dtype=torch.float16)
+    q = torch.randn(1, 128, 1, 64, device="cuda", dtype=torch.float16)
     cq = cupy.from_dlpack(q)
     out, lse = api.attention_forward(cq, cq, cq)
-    tq = q.transpose(1, 2)
+    tq = q.transpose(1, 2).detach().requires_grad_()
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    t_out = sdpa(tq, tq, tq)
+    t_grad = torch.ones_like(t_out)
     cases = {
         "flashgen.attention_forward": lambda: api.attention_forward(cq, cq, cq),
         "flashgen.attention_backward": lambda: api.attention_backward(out, cq, cq, cq, out, lse),
-        "torch sdpa (forward)": lambda: sdpa(tq, tq, tq),
+        "torch sdpa forward": lambda: sdpa(tq, tq, tq),
+        "torch sdpa backward (autograd.grad)": lambda: torch.autograd.grad(t_out, tq, t_grad, retain_graph=True),
     }
     result = {}
     for name, fn in cases.items():
@@ -154,6 +241,22 @@ def call_overhead_us(torch, calls: int = 2000) -> Dict[str, float]:
             fn()
         result[name] = (time.perf_counter() - start) / calls * 1e6
         torch.cuda.synchronize()
+    return result
+
+
+def import_times_ms() -> Dict[str, float]:
+    """Median wall milliseconds of ``import flashgen``, of its runtime and of CuPy (which the
+    runtime imports on its first call), each in a fresh interpreter; none touches the GPU."""
+    import subprocess
+    import sys
+
+    result = {}
+    for name, stmt in (("import flashgen", "import flashgen"), ("import flashgen.runtime", "import flashgen.runtime"),
+                       ("import cupy", "import cupy")):
+        code = f"import time; t = time.perf_counter(); {stmt}; print((time.perf_counter() - t) * 1e3)"
+        runs = [float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                     text=True).stdout) for _ in range(5)]
+        result[name] = statistics.median(runs)
     return result
 
 
