@@ -262,12 +262,22 @@ def list_(family, arch, dtype, max_k, kernels_glob, build_dir, as_json) -> None:
         sys.exit(1)
 
 
+def _grid_options(command):
+    """The benchmark grid (bench.default_grid), shared by tune and bench."""
+    options = [
+        click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["f16", "bf16"]), default=("f16", "bf16")),
+        click.option("--head-dim", "head_dims", multiple=True, type=int, default=(64, 128)),
+        click.option("--seqlen", "seqlens", multiple=True, type=int, default=(512, 1024, 2048, 4096, 8192, 16384)),
+        click.option("--tokens", type=int, default=16384, show_default=True, help="batch x seqlen"),
+        click.option("--hidden", type=int, default=2048, show_default=True, help="heads x head dim"),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @main.command()
-@click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["f16", "bf16"]), default=("f16", "bf16"))
-@click.option("--head-dim", "head_dims", multiple=True, type=int, default=(64, 128))
-@click.option("--seqlen", "seqlens", multiple=True, type=int, default=(512, 1024, 2048, 4096, 8192, 16384))
-@click.option("--tokens", type=int, default=16384, show_default=True, help="batch x seqlen")
-@click.option("--hidden", type=int, default=2048, show_default=True, help="heads x head dim")
+@_grid_options
 @click.option("--repeats", type=int, default=10, show_default=True)
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Where to write the table [default: tuning-<gpu>-sm<cc>.json]; an existing table for this "
@@ -302,11 +312,7 @@ def tune(dtypes, head_dims, seqlens, tokens, hidden, repeats, out_path) -> None:
 
 
 @main.command()
-@click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["f16", "bf16"]), default=("f16", "bf16"))
-@click.option("--head-dim", "head_dims", multiple=True, type=int, default=(64, 128))
-@click.option("--seqlen", "seqlens", multiple=True, type=int, default=(512, 1024, 2048, 4096, 8192, 16384))
-@click.option("--tokens", type=int, default=16384, show_default=True, help="batch x seqlen")
-@click.option("--hidden", type=int, default=2048, show_default=True, help="heads x head dim")
+@_grid_options
 @click.option("--impl", "impls", multiple=True, type=click.Choice(["flashgen", "sdpa-flash", "sdpa-efficient",
                                                                    "sdpa-cudnn", "flex"]),
               default=("flashgen", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"), show_default=True,

@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from flashgen.bench import Point, default_grid
 from flashgen.runtime import tuning
-from flashgen.runtime.select import Request, num_splits_key, rejection
+from flashgen.runtime.select import Request, num_splits_key, rejection, seq_multiples
 
 KEEP_DEFAULT = 0.01  # a choice must beat the priority order by more than 1% to be recorded
 FAMILY_OF = {"fwd": "mem_eff_fwd", "bwd": "mem_eff_bwd"}
@@ -68,7 +68,8 @@ def candidates(registry, device, p: Point, direction: str) -> List[Tuple[str, tu
     """(label, choice) for every distinct tile that accepts an aligned call at ``p`` (priority
     order), times the split policies that change the backward's split count."""
     family = FAMILY_OF[direction]
-    req = Request(family, p.dtype, p.head_dim, p.head_dim, 8, False, False, device)
+    req = Request(family, p.dtype, p.head_dim, p.head_dim, 8, False, False, device,
+                  seq_multiples(p.seqlen, p.seqlen, False))
     found, seen = [], set()
     for b in registry.for_device(family, device):
         tile = tuning.tile_of(b.spec)

@@ -28,3 +28,9 @@ def test_bench_without_torch_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
     result = CliRunner().invoke(main, ["bench"])
     assert result.exit_code == 1 and "needs torch" in result.output
+
+
+def test_tune_without_cupy_says_what_it_needs(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
+    result = CliRunner().invoke(main, ["tune", "--seqlen", "512"])
+    assert result.exit_code == 1 and "needs CuPy and a CUDA GPU" in result.output

@@ -41,10 +41,12 @@ def test_list_filters_combine():
         "mem_eff_bwd_bf16_aligned_b128x64_k128_preload_sm80",
         "mem_eff_bwd_bf16_aligned_b128x128_k128_preload_dropout_sm80",
         "mem_eff_bwd_bf16_aligned_b128x64_k128_preload_dropout_sm80",
+        "mem_eff_bwd_bf16_aligned_b128x128_k128_preload_blockaligned_sm80",
+        "mem_eff_bwd_bf16_aligned_b128x64_k128_preload_blockaligned_sm80",
     ])
     sm75 = json.loads(run("list", "--json", "--arch", "sm_75").output)
     assert sm75 and all(r["params"]["arch"] == "sm75" for r in sm75)
-    assert len(json.loads(run("list", "--json", "--arch", "sm86").output)) == 58
+    assert len(json.loads(run("list", "--json", "--arch", "sm86").output)) == 68
     globbed = json.loads(run("list", "--json", "--kernels", "*unaligned*dropout*").output)
     assert globbed and all("unaligned" in r["name"] and "dropout" in r["name"] for r in globbed)
 
@@ -52,7 +54,7 @@ def test_list_filters_combine():
 def test_list_table_counts_instances_per_family():
     result = run("list")
     assert result.exit_code == 0
-    assert "mem_eff_fwd: 40 kernels" in result.output and "mem_eff_bwd: 46 kernels" in result.output
+    assert "mem_eff_fwd: 40 kernels" in result.output and "mem_eff_bwd: 56 kernels" in result.output
     assert "nothing built" in result.output
 
 

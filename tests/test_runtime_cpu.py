@@ -177,9 +177,9 @@ def reg(kernel_dir):
 
 
 def req(dtype="f16", head_dim=64, head_dim_value=None, alignment=8, dropout=False, device=H100,
-        family="mem_eff_bwd", bias=False):
+        family="mem_eff_bwd", bias=False, seq_multiples=(0, 0)):
     return Request(family, dtype, head_dim, head_dim if head_dim_value is None else head_dim_value,
-                   alignment, dropout, bias, device)
+                   alignment, dropout, bias, device, seq_multiples)
 
 
 def binary(reg, spec, target="sm90"):
@@ -566,6 +566,32 @@ def test_forward_selection(reg):
     assert sel.select(req(head_dim=64, dropout=True, **fam)).spec == FWD_K64_DROP
     assert select.required_alignment(binary(reg, FWD_K64)) == 8
     assert select.required_alignment(binary(reg, FWD_UNALIGNED)) == 4
+
+
+@pytest.mark.parametrize("M,N,varlen,expected", [
+    (256, 256, False, (128, 128)),
+    (256, 192, False, (128, 64)),
+    (200, 256, False, (8, 128)),
+    (7, 1, False, (1, 1)),
+    (256, 256, True, (0, 0)),  # cu_seqlens: the kernels see per-sequence lengths
+])
+def test_seq_multiples(M, N, varlen, expected):
+    assert select.seq_multiples(M, N, varlen) == expected
+
+
+def test_block_aligned_kernels_only_serve_block_multiples(tmp_path):
+    aligned_twin = MemEffBwd(arch="sm80", dtype="f16", aligned=True, dropout=False, preload=True, block_i=128,
+                             block_j=64, max_k=128, block_aligned=True)
+    general = bwd(block_i=128, block_j=64, max_k=128)
+    write_build(tmp_path, [(s, {"sm90": constants(s, 91648)}) for s in (general, aligned_twin)])
+    sel = Selector(Registry([tmp_path]))
+    assert sel.select(req(head_dim=128, seq_multiples=(128, 64))).spec == aligned_twin  # first in priority
+    assert sel.select(req(head_dim=128, seq_multiples=(128, 128))).spec == aligned_twin
+    for multiples in ((64, 128), (128, 32), (0, 0)):  # M % 128, N % 64 or varlen: the general kernel
+        r = req(head_dim=128, seq_multiples=multiples)
+        assert sel.select(r).spec == general
+        assert "block-aligned: needs M % 128 == N % 64 == 0" in rejection(binary(Registry([tmp_path]), aligned_twin),
+                                                                             r)
 
 
 # === 4. split keys and workspace =============================================================

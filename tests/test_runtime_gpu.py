@@ -77,6 +77,23 @@ def test_matches_float64_reference(dtype, K, M, N, causal):
     check_forward_backward(rng, dtype, B=2, M=M, N=N, H=3, K=K, Kv=K, causal=causal)
 
 
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("K,M,N,causal", [(64, 256, 256, None), (128, 128, 384, "top_left"),
+                                          (96, 384, 128, "bottom_right"), (32, 64, 64, None)])
+def test_block_aligned_backward_kernels(dtype, K, M, N, causal):
+    """M and N multiples of the block: the backward takes a block-aligned kernel (no bounds
+    checks), and it matches the reference; one row more and it takes the general kernel."""
+    r = np.random.default_rng(M + N + K)
+
+    def chosen(rows):
+        q, k = randn(r, (2, rows, 2, K), dtype), randn(r, (2, N, 2, K), dtype)
+        return [name for name, _, verdict in flashgen.explain(q, k, k, backward=True) if verdict == "selected"][0]
+
+    assert "blockaligned" in chosen(M)
+    check_forward_backward(r, dtype, 2, M, N, 2, K, K, causal=causal)
+    assert "blockaligned" not in chosen(M + 1)
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("K,Kv", [(64, 128), (128, 40), (32, 256)])
 def test_head_dim_value_differs(dtype, K, Kv):

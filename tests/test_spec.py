@@ -40,9 +40,9 @@ def test_default_sets_match_the_declared_rules():
 
 def test_default_set_sizes_are_what_the_readme_says():
     assert len(MemEffFwd.default_set()) == 40
-    assert len(MemEffBwd.default_set()) == 46
+    assert len(MemEffBwd.default_set()) == 56
     sm80 = [k for k in default_kernels() if k.runs_on("sm80")]
-    assert len(sm80) == 58
+    assert len(sm80) == 68
 
 
 @pytest.mark.parametrize("cls", FAMILIES.values())
@@ -61,12 +61,17 @@ def test_backward_half_tiers_and_sm86_fallback():
     for dtype in ("f16", "bf16"):
         for dropout in (False, True):
             ks = [k for k in MemEffBwd.default_set()
-                  if k.arch == "sm80" and k.dtype == dtype and k.dropout == dropout and k.aligned]
+                  if k.arch == "sm80" and k.dtype == dtype and k.dropout == dropout and k.aligned
+                  and not k.block_aligned]
             assert sorted({k.max_k for k in ks}) == [32, 64, 96, 128, 65536]
             k128 = sorted((k.block_i, k.block_j) for k in ks if k.max_k == 128)
             assert k128 == [(128, 64), (128, 128)]
             # preload wherever the template allows it
             assert all(k.preload == (k.max_k <= k.block_i) for k in ks)
+            # and a block-aligned twin of every preload kernel for the training fast path (no dropout)
+            twins = {(k.block_i, k.block_j, k.max_k) for k in MemEffBwd.default_set()
+                     if k.arch == "sm80" and k.dtype == dtype and k.dropout == dropout and k.block_aligned}
+            assert twins == (set() if dropout else {(k.block_i, k.block_j, k.max_k) for k in ks if k.preload})
 
 
 def test_rules_encode_the_templates_static_asserts():
@@ -82,12 +87,18 @@ def test_priority_order():
     first_unaligned = min(pos[k.name] for k in ks if not k.aligned)
     assert all(pos[k.name] < first_unaligned for k in ks if k.aligned)
     aligned = [k for k in ks if k.aligned]
-    first_dropout = min(i for i, k in enumerate(aligned) if k.dropout)
-    assert not any(k.dropout for k in aligned[:first_dropout])
-    no_dropout = [k for k in aligned if not k.dropout]
-    assert [k.max_k for k in no_dropout] == sorted(k.max_k for k in no_dropout)
-    k128 = [(k.block_i, k.block_j) for k in no_dropout if k.max_k == 128]
-    assert k128 == [(128, 128), (128, 64)]  # larger tile first; the runtime skips it where smem is short
+    general = [k for k in aligned if not k.block_aligned]
+    first_dropout = min(i for i, k in enumerate(general) if k.dropout)
+    assert not any(k.dropout for k in general[:first_dropout])
+    # block-aligned kernels first (the runtime offers them only calls with M % I == N % J == 0)
+    first_general = min(i for i, k in enumerate(aligned) if not k.block_aligned)
+    assert all(k.block_aligned for k in aligned[:first_general])
+    assert not any(k.block_aligned for k in aligned[first_general:])
+    for block_aligned in (True, False):
+        no_dropout = [k for k in aligned if not k.dropout and k.block_aligned == block_aligned]
+        assert [k.max_k for k in no_dropout] == sorted(k.max_k for k in no_dropout)
+        k128 = [(k.block_i, k.block_j) for k in no_dropout if k.max_k == 128]
+        assert k128 == [(128, 128), (128, 64)]  # larger tile first; the runtime skips it where smem is short
 
 
 def test_names_are_unique_readable_and_stable():

@@ -137,3 +137,68 @@ def test_split_policies():
     assert num_splits_key(K64, 1000, 1, 4096, H100, policy="auto") == 1  # B*H fills the GPU
     assert num_splits_key(K64, 1000, 1, 4096, H100, policy="key_blocks") == 64  # the table may still split
     assert num_splits_key(K128_BIG, 4, 1, 4096, H100, policy="wave") == 32  # 4096 / 128 < ceil(132 / 4)
+
+
+# === flashgen tune's bookkeeping, with the measurements faked ===================================
+
+@pytest.fixture
+def fake_measurements(monkeypatch):
+    """tune() with a fake CuPy and device, two candidates per direction and scripted timings."""
+    import sys
+    import types
+
+    from flashgen import tune as tune_module
+    from flashgen.runtime import device as device_module
+
+    fake = types.ModuleType("cupy")
+    fake.__version__ = "fake"
+    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(device_module, "device_info", lambda index: H100)
+    monkeypatch.setattr("flashgen.runtime.registry.default_registry", lambda: None)
+    tiles = {"fwd": [("prio", tuning.Choice((("queries_per_block", 64), ("keys_per_block", 64), ("max_k", 64)))),
+                     ("other", tuning.Choice((("queries_per_block", 32), ("keys_per_block", 128), ("max_k", 128))))],
+             "bwd": [("prio", tuning.Choice(tuning.tile_of(F16_K64))),
+                     ("split1", tuning.Choice(tuning.tile_of(F16_K64), "one"))]}
+    monkeypatch.setattr(tune_module, "candidates", lambda registry, device, p, direction: tiles[direction])
+    measured = []
+
+    def measure(p, direction, registry, device, repeats, options):
+        measured.append((p.seqlen, direction))
+        # the backward's "one" split is 10% faster at seqlen 1024 and a tie elsewhere
+        fast = direction == "bwd" and p.seqlen == 1024
+        return {"default": 1.0, "prio": 1.0, "other": 1.0, "split1": 0.9 if fast else 0.995}
+
+    monkeypatch.setattr(tune_module, "measure_choices", measure)
+    return tune_module, measured
+
+
+def test_tune_records_only_clear_wins_and_saves_after_every_point(fake_measurements, tmp_path, monkeypatch):
+    tune_module, measured = fake_measurements
+    out = tmp_path / "table.json"
+    points = tune_module.default_grid(dtypes=("f16",), head_dims=(64,), seqlens=(512, 1024))
+    saves = []
+    real_save = tuning.Table.save
+    monkeypatch.setattr(tuning.Table, "save", lambda self, path: (saves.append(len(self.measured["points"])),
+                                                                  real_save(self, path)))
+    table = tune_module.tune(points, 3, lambda line: None, "flashgen tune", out)
+    assert saves == list(range(1, 2 * len(points) + 1))  # written after every point and direction
+    assert len(measured) == 2 * len(points)
+    # only the backward at 1024 beat the priority order by more than 1% (0.995 is within it)
+    assert {(b.family, b.seqlen, c.splits) for b, c in table.entries.items()} == {("mem_eff_bwd", 1024, "one")}
+    assert tuning.Table.load(out).entries == table.entries
+
+
+def test_tune_resumes_and_refuses_another_gpus_table(fake_measurements, tmp_path):
+    tune_module, measured = fake_measurements
+    out = tmp_path / "table.json"
+    points = tune_module.default_grid(dtypes=("f16",), head_dims=(64,), seqlens=(512, 1024))
+    tune_module.tune(points[:2], 3, lambda line: None, "flashgen tune", out)  # "interrupted" after two points
+    done = len(measured)
+    table = tune_module.tune(points, 3, lambda line: None, "flashgen tune", out)
+    assert len(measured) - done == 2 * (len(points) - 2)  # only the points the file did not hold
+    assert len(table.measured["points"]) == 2 * len(points)
+    other = tmp_path / "other.json"
+    tuning.Table(RTX3090.name, RTX3090.cc, {}, {"points": []}).save(other)
+    with pytest.raises(ValueError, match="RTX 3090.*pass another --out"):
+        tune_module.tune(points, 3, lambda line: None, "flashgen tune", other)

@@ -20,7 +20,7 @@ from flashgen.errors import UnsupportedError
 from flashgen.runtime import plans, tuning
 from flashgen.runtime.device import device_info
 from flashgen.runtime.registry import KernelBinary, Registry, default_registry
-from flashgen.runtime.select import Request, Selector, num_splits_key, workspace_bytes
+from flashgen.runtime.select import Request, Selector, num_splits_key, seq_multiples, workspace_bytes
 from flashgen.spec.mem_eff_bwd import MemEffBwd
 from flashgen.spec.mem_eff_fwd import MemEffFwd
 
@@ -745,7 +745,7 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
             key = None  # a per-call copy: not a plan
         arrays = [q, k, v, out, grad_out] + ([bias] if bias is not None else [])
         req = Request("mem_eff_bwd", c.dtype, c.K, c.Kv, _alignment(arrays, (c.K, c.Kv)), c.dropout_p > 0,
-                      bias is not None, device_info(c.device))
+                      bias is not None, device_info(c.device), seq_multiples(c.M, c.N, c.seqstart_q is not None))
         prefer = _tuned(req, c)
         binary = _selector(registry).select(req, prefer)
         split_policy = prefer.splits if prefer is not None and prefer.matches(binary.spec) else "auto"
@@ -862,5 +862,5 @@ def explain(q, k, v, *, backward=False, attn_bias=None, dropout_p=0.0, registry:
     arrays = [q, k, v] + ([bias] if bias is not None else [])
     family = "mem_eff_bwd" if backward else "mem_eff_fwd"
     req = Request(family, c.dtype, c.K, c.Kv, _alignment(arrays, (c.K, c.Kv)), c.dropout_p > 0,
-                  bias is not None, device_info(c.device))
+                  bias is not None, device_info(c.device), seq_multiples(c.M, c.N, False))
     return _selector(registry or default_registry()).explain(req)

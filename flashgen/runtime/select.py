@@ -31,6 +31,15 @@ class Request:
     dropout: bool
     bias: bool
     device: DeviceInfo
+    # largest powers of two up to 128 dividing M and N (0, 0 with cu_seqlens): whether a
+    # block-aligned kernel (no bounds checks) may serve the call
+    seq_multiples: Tuple[int, int] = (0, 0)
+
+
+def seq_multiples(num_queries: int, num_keys: int, varlen: bool) -> Tuple[int, int]:
+    if varlen:
+        return (0, 0)
+    return (math.gcd(num_queries, 128), math.gcd(num_keys, 128))
 
 
 def required_alignment(binary: KernelBinary) -> int:
@@ -53,6 +62,10 @@ def rejection(binary: KernelBinary, req: Request) -> Optional[str]:
         return "built without dropout"
     if req.bias and not getattr(spec, "bias", True):
         return "built without bias"
+    if getattr(spec, "block_aligned", False):
+        rows, keys = req.seq_multiples
+        if not rows or rows % spec.block_i or keys % spec.block_j:
+            return (f"block-aligned: needs M % {spec.block_i} == N % {spec.block_j} == 0 and no cu_seqlens")
     need = required_alignment(binary)
     if req.alignment % need:
         return f"needs {need}-element alignment of pointers, strides and head dims; the call has {req.alignment}"

@@ -51,8 +51,9 @@ class MemEffBwd(KernelSpec):
              lambda k: k.dtype == "bf16" and k.arch == "sm75"),
         Rule("the template's static_assert: preload needs f16/bf16, sm80 and dK/dV in registers (kMaxK <= block I)",
              lambda k: k.preload and not (_half(k) and k.arch == "sm80" and k.max_k <= k.block_i)),
-        Rule("keys/queries-aligned-to-block is only correct when M % I == N % J == 0 without varlen: opt-in, not shipped",
-             lambda k: k.block_aligned),
+        Rule("block-aligned variants (no bounds checks; the runtime uses them only when M % I == N % J == 0 "
+             "without cu_seqlens) only for the training fast path: aligned f16/bf16 sm80 preload kernels, no dropout",
+             lambda k: k.block_aligned and not (k.aligned and k.preload and not k.dropout)),
         Rule("misaligned inputs get one catch-all kernel (64x64, kMaxK 65536): a correctness fallback, not a fast path",
              lambda k: not k.aligned and (k.block_i, k.block_j, k.max_k) != (64, 64, 65536)),
         Rule("sm75 allows 64 KB of shared memory per block: 64x64 is the tile that fits every dtype",

@@ -1,6 +1,7 @@
 """A representative set of forward+backward calls for compute-sanitizer (see run.sh beside this).
 
-Covers both families, each dtype, aligned and 4-aligned (unaligned kernels),
+Covers both families, each dtype, aligned and 4-aligned (unaligned kernels), the
+block-aligned backward kernels (M and N multiples of the block),
 dropout, the largest kMaxK tier (head dim 320), split keys > 1 (few batch x
 heads, many keys), causal kinds, bias with its gradient, and varlen.  Sizes are
 small: the sanitizer slows kernels down a hundredfold.
@@ -50,6 +51,8 @@ for dtype in ("f32", "f16", "bf16"):
     call(dtype, 2, 17, 29, 2, 36, offset=True)                         # unaligned kernels
     call(dtype, 1, 64, 64, 2, 64, dropout_p=0.3, seed=7)               # dropout
     call(dtype, 1, 50, 20, 2, 64, causal="bottom_right", bias=True)    # rows without keys, bias gradient
+    call(dtype, 1, 128, 256, 2, 128, causal="top_left")                # M, N block multiples: block-aligned (f16/bf16)
+    call(dtype, 2, 64, 64, 2, 64)
 cu_q, cu_k = np.array([0, 5, 5, 40], np.int32), np.array([0, 0, 30, 70], np.int32)
 q = randn(r, (1, 40, 2, 64), "f16")
 kv = randn(r, (1, 70, 2, 64), "f16")
