@@ -66,6 +66,15 @@ def test_installed_package_lists_its_kernels_verified(installed):
         assert row["targets"]["compute80"]["constants"] == row["targets"]["sm80"]["constants"]
 
 
+def test_installed_package_carries_the_shipped_tuning_tables(installed):
+    _, bin_dir, tmp = installed
+    code = ("from flashgen.runtime import tuning; "
+            "print(sorted((t.device_name, t.cc, len(t.entries)) for t in tuning._shipped_tables()))")
+    result = _run(bin_dir, tmp, "python", "-c", code)
+    assert result.returncode == 0, result.stderr
+    assert "('NVIDIA H200', 90," in result.stdout
+
+
 def test_tampered_cubin_is_reported(installed):
     _, bin_dir, tmp = installed
     package = Path(_run(bin_dir, tmp, "python", "-c", "import flashgen; print(flashgen.__file__)").stdout.strip()).parent
