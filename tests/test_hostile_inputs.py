@@ -715,17 +715,23 @@ def test_alignment_of_offset_views():
     assert api._alignment([odd_byte], (64, 64)) == 1
 
 
+def _varlen(cu, name, total, device):
+    """cu_seqlens as _common reads them: (device offsets, longest sequence)."""
+    cu, host = api._read_offsets(cu, name, total)
+    return api._offsets_on_device(cu, host, device), int(np.diff(host).max())
+
+
 def test_varlen_copies_what_the_kernel_cannot_read(fake_cupy):
     packed = FakeDevArray((3,), np.int32, host=np.array([0, 20, 40], np.int32))
-    dev, longest = api._varlen(packed, "cu_seqlens_q", 40, 0)
+    dev, longest = _varlen(packed, "cu_seqlens_q", 40, 0)
     assert dev is packed and longest == 20  # used in place: no copy
     strided = FakeDevArray((3,), np.int32, strides=(2,), host=np.array([0, 20, 40], np.int32))
-    dev, _ = api._varlen(strided, "cu_seqlens_q", 40, 0)
+    dev, _ = _varlen(strided, "cu_seqlens_q", 40, 0)
     assert dev is not strided and dev.flags.c_contiguous and list(dev.host) == [0, 20, 40]
     elsewhere = FakeDevArray((3,), np.int32, device=1, host=np.array([0, 20, 40], np.int32))
-    assert api._varlen(elsewhere, "cu_seqlens_q", 40, 0)[0] is not elsewhere
+    assert _varlen(elsewhere, "cu_seqlens_q", 40, 0)[0] is not elsewhere
     # a GPU tensor of another library (np.asarray refuses it) is read through as_array
-    dev, longest = api._varlen(CudaOnlyTensor([0, 7, 40]), "cu_seqlens_k", 40, 0)
+    dev, longest = _varlen(CudaOnlyTensor([0, 7, 40]), "cu_seqlens_k", 40, 0)
     assert list(dev.host) == [0, 7, 40] and longest == 33
 
 

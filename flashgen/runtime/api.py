@@ -8,6 +8,7 @@ given or current CuPy stream with no host synchronisation.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import threading
@@ -234,12 +235,6 @@ def _offsets_on_device(cu, host, device):
         return cu
     with cupy.cuda.Device(device):
         return cupy.asarray(host)
-
-
-def _varlen(cu, name, total, device):
-    """(device offsets, longest sequence) for one cu_seqlens argument."""
-    cu, host = _read_offsets(cu, name, total)
-    return _offsets_on_device(cu, host, device), int(np.diff(host).max())
 
 
 def _check_scale(scale) -> float:
@@ -481,15 +476,7 @@ def _on_device(cupy, device: int):
     return _NO_SWITCH if cupy.cuda.runtime.getDevice() == device else cupy.cuda.Device(device)
 
 
-class _NoSwitch:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NO_SWITCH = _NoSwitch()
+_NO_SWITCH = contextlib.nullcontext()  # stateless, so one instance serves every call
 
 
 def _params_buffer(cls):
@@ -531,8 +518,9 @@ def _check_varlen_bottom_right(c: _Common) -> None:
 _LSE_ROW_BLOCK = 128  # the largest backward block I: the kernel reads lse a whole row block at a time
 
 
-def _padded_lse(lse, c: _Common):
-    """lse as the backward reads it: every row block complete, +inf past each sequence's last query.
+def _padded_lse(lse, batches: int, heads: int, rows: int, seq_rows=None):
+    """lse as the backward reads it: every row block complete, +inf past each sequence's last query
+    (``seq_rows``: each packed sequence's query count with cu_seqlens, else None).
 
     The kernel loads lse for all rows of a block and relies on exp(s - inf) = 0 for rows that
     do not exist; the forward pads only to 32 rows, so a 64- or 128-row block would read past
@@ -540,13 +528,13 @@ def _padded_lse(lse, c: _Common):
     NaN gradients).  A copy of B*H*M floats costs nothing next to the backward itself.
     """
     cupy = _cupy()
-    padded = cupy.full((c.batches, c.H, -(-max(c.M, 1) // _LSE_ROW_BLOCK) * _LSE_ROW_BLOCK), np.inf,
+    padded = cupy.full((batches, heads, -(-max(rows, 1) // _LSE_ROW_BLOCK) * _LSE_ROW_BLOCK), np.inf,
                        dtype=cupy.float32)
-    if c.seqstart_q is None:
-        padded[:, :, :c.M] = lse[:, :, :c.M]
+    if seq_rows is None:
+        padded[:, :, :rows] = lse[:, :, :rows]
     else:  # rows past a sequence's own length were never written by the forward
-        for seq, rows in enumerate(_varlen_lengths(c)[1]):
-            padded[seq, :, :rows] = lse[seq, :, :rows]
+        for seq, n in enumerate(seq_rows):
+            padded[seq, :, :n] = lse[seq, :, :n]
     return padded
 
 
@@ -753,7 +741,8 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
         # lse is read a row block at a time: whole blocks of a unit-stride lse need no copy
         pad_lse = c.seqstart_q is not None or c.M % kc["block_i"] or (c.M > 1 and lse.strides[2] != 4)
         if pad_lse:
-            lse = _padded_lse(lse, c)
+            lse = _padded_lse(lse, c.batches, c.H, c.M,
+                              None if c.seqstart_q is None else _varlen_lengths(c)[1])
         if c.seqstart_q is not None:  # the kernel indexes delta as [H, total_q]
             total_q = q.shape[1]
             delta = cupy.empty((c.H, total_q), dtype=cupy.float32)
@@ -805,7 +794,7 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
                 c.dropout_p > 0, {"delta": delta.shape, "delta_in_kernel": bool(kc["kernel_computes_delta"]),
                                   "offsets": _packed_offsets(dq.nbytes, dk.nbytes, dv.nbytes, delta.nbytes, ws_bytes),
                                   "workspace_bytes": ws_bytes, "zero_workspace": splits > 1,
-                                  "padded_lse": lse.shape if pad_lse else None, "M": c.M}))
+                                  "pad_lse": (c.batches, c.H, c.M) if pad_lse else None}))
     return grads
 
 
@@ -829,10 +818,8 @@ def _backward_planned(cupy, plan: plans.LaunchPlan, grad_out, q, k, v, out, lse,
     """A backward whose signature was seen before: allocate, point, launch (see plans.py)."""
     sizes = plan.sizes
     with _on_device(cupy, plan.device):
-        if sizes["padded_lse"] is not None:  # as _padded_lse
-            padded = cupy.full(sizes["padded_lse"], np.inf, dtype=cupy.float32)
-            padded[:, :, :sizes["M"]] = lse[:, :, :sizes["M"]]
-            lse = padded
+        if sizes["pad_lse"] is not None:
+            lse = _padded_lse(lse, *sizes["pad_lse"])
         # dq, dk, dv, delta and the workspace in one allocation: four pool calls fewer per step
         # (the gradients keep it alive together; each is still its own contiguous array)
         at_dk, at_dv, at_delta, at_workspace, total = sizes["offsets"]

@@ -149,9 +149,12 @@ def table_for(device: DeviceInfo) -> Optional[Table]:
     setting = os.environ.get("FLASHGEN_TUNING", "")
     if setting.lower() == "off":
         return None
-    tables = [_override] if _override is not None else []
-    if setting and _override is None:
+    if _override is not None:
+        tables = [_override]
+    elif setting:
         tables = [_env_table(setting)]
+    else:
+        tables = []
     tables += _shipped_tables()
     return next((t for t in tables if t.device_name == device.name and t.cc == device.cc), None)
 
