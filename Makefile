@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 ARCH ?= sm80
 # Targets packed into `make wheel` (FLASHGEN_KERNELS=glob and FLASHGEN_PTX=1 are honoured too).
-ARCHS ?= sm80,sm90
+ARCHS ?= sm80,sm90a
 BIN := $(VENV)/bin
 
 .PHONY: setup generate check build test wheel clean

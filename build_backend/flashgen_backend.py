@@ -7,8 +7,10 @@ targets in ``FLASHGEN_ARCHS`` (default below), optionally filtered by
 ``flashgen/kernels/`` as package data.  Editable installs and sdists carry no
 kernels and need no CUDA tooling.
 
-Default targets: sm80 and sm90.  An sm80 cubin runs on every 8.x GPU (A100,
-A10, RTX 30xx/40xx, L4, L40); sm90 covers H100/H200 natively.  Blackwell and
+Default targets: sm80 and sm90a.  An sm80 cubin runs on every 8.x GPU (A100,
+A10, RTX 30xx/40xx, L4, L40); sm90a covers H100/H200 natively, with
+flashgen's own wgmma family (sm_90a code runs on 9.0 only, which is every
+Hopper part).  Blackwell and
 later get PTX with FLASHGEN_PTX=1, or a wheel built with FLASHGEN_ARCHS=...,sm100,sm120.
 """
 from __future__ import annotations
@@ -33,7 +35,7 @@ from setuptools.build_meta import (  # noqa: F401  (re-exported hooks)
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ROOT / "flashgen" / "kernels"
-DEFAULT_ARCHS = "sm80,sm90"
+DEFAULT_ARCHS = "sm80,sm90a"
 BUILD_TOOLING = ["numpy>=1.22", "click>=8.0", "rich>=13.0", "jinja2>=3.0", "ninja>=1.11",
                  "nvidia-cutlass==4.2.0.0", "nvidia-curand>=10.4"]
 PIP_NVCC = ["nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt", "nvidia-cuda-runtime"]

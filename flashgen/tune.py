@@ -18,6 +18,19 @@ from flashgen.runtime.select import Request, num_splits_key, rejection, seq_mult
 
 KEEP_DEFAULT = 0.01  # a choice must beat the priority order by more than 1% to be recorded
 FAMILY_OF = {"fwd": "mem_eff_fwd", "bwd": "mem_eff_bwd"}
+HOPPER_FAMILY_OF = {"fwd": "sm90_fwd"}  # tried first on 9.0 GPUs where built (api._sm90_request)
+
+
+def family_for(direction: str, registry, device) -> str:
+    """The family the runtime serves an aligned, bias- and dropout-free call from on ``device``."""
+    hopper = HOPPER_FAMILY_OF.get(direction)
+    if hopper is not None and device.cc == 90:
+        try:
+            registry.for_device(hopper, device)
+            return hopper
+        except Exception:  # UnsupportedError: not built for this GPU
+            pass
+    return FAMILY_OF[direction]
 
 
 def time_ms(fn: Callable[[int], object], warmup: int = 3, repeats: int = 20) -> float:
@@ -59,17 +72,17 @@ def inputs(p: Point, sets: int = 3):
             for _ in range(sets)]
 
 
-def bucket_of(p: Point, direction: str) -> tuning.Bucket:
-    return tuning.Bucket.of(FAMILY_OF[direction], p.dtype, p.head_dim, p.head_dim, p.causal, p.seqlen, p.seqlen,
+def bucket_of(p: Point, family: str) -> tuning.Bucket:
+    return tuning.Bucket.of(family, p.dtype, p.head_dim, p.head_dim, p.causal, p.seqlen, p.seqlen,
                             p.batch * p.heads)
 
 
 def candidates(registry, device, p: Point, direction: str) -> List[Tuple[str, tuning.Choice]]:
     """(label, choice) for every distinct tile that accepts an aligned call at ``p`` (priority
     order), times the split policies that change the backward's split count."""
-    family = FAMILY_OF[direction]
+    family = family_for(direction, registry, device)
     req = Request(family, p.dtype, p.head_dim, p.head_dim, 8, False, False, device,
-                  seq_multiples(p.seqlen, p.seqlen, False))
+                  seq_multiples(p.seqlen, p.seqlen, False), causal=p.causal)
     found, seen = [], set()
     for b in registry.for_device(family, device):
         tile = tuning.tile_of(b.spec)
@@ -105,7 +118,7 @@ def measure_choices(p: Point, direction: str, registry, device, repeats: int,
     from flashgen.runtime import api
 
     sets = inputs(p)
-    bucket = bucket_of(p, direction)
+    bucket = bucket_of(p, family_for(direction, registry, device))
     times = {}
     try:
         for label, choice in [("default", None)] + (only if only is not None else
@@ -150,7 +163,7 @@ def tune(points: List[Point], repeats: int, progress: Callable[[str], None], com
             # options[0] is the priority order's own tile with the "auto" split: the default itself
             keep_default = best_label == options[0][0] or times["default"] <= times[best_label] * (1 + KEEP_DEFAULT)
             if not keep_default:
-                entries[bucket_of(p, direction)] = dict(options)[best_label]
+                entries[bucket_of(p, family_for(direction, registry, device))] = dict(options)[best_label]
             measured.append({"point": vars(p), "direction": direction, "ms": times,
                              "chosen": "default" if keep_default else best_label})
             table = tuning.Table(device.name, device.cc, entries,

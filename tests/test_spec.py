@@ -10,6 +10,7 @@ from flashgen.spec import FAMILIES, default_kernels, family
 from flashgen.spec.core import normalize_target, target_cc
 from flashgen.spec.mem_eff_bwd import MemEffBwd
 from flashgen.spec.mem_eff_fwd import MemEffFwd
+from flashgen.spec.sm90_fwd import Sm90Fwd
 
 ALL_RULES = [(cls, rule) for cls in FAMILIES.values() for rule in cls.RULES]
 
@@ -43,9 +44,20 @@ def test_default_set_sizes_are_what_the_readme_says():
     assert len(MemEffBwd.default_set()) == 56
     sm80 = [k for k in default_kernels() if k.runs_on("sm80")]
     assert len(sm80) == 68
+    assert len(Sm90Fwd.default_set()) == 32
+    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 32
+    assert len([k for k in default_kernels() if k.runs_on("sm90")]) == 68, "plain sm90 cannot build wgmma code"
 
 
-@pytest.mark.parametrize("cls", FAMILIES.values())
+def test_sm90_forward_covers_dtypes_head_dims_and_masks():
+    kernels = Sm90Fwd.default_set()
+    for dtype in ("f16", "bf16"):
+        for causal in (False, True):
+            assert {k.max_k for k in kernels if k.dtype == dtype and k.causal == causal} == {64, 96, 128}
+    assert all(k.runs_on("sm90a") and not k.runs_on("sm90") and not k.runs_on("sm80") for k in kernels)
+
+
+@pytest.mark.parametrize("cls", [MemEffFwd, MemEffBwd])
 def test_default_set_covers_dtypes_head_dims_and_dropout_on_sm80(cls):
     kernels = [k for k in cls.default_set() if k.arch == "sm80"]
     for dtype in ("f32", "f16", "bf16"):

@@ -18,12 +18,13 @@ from typing import Optional
 import numpy as np
 
 from flashgen.errors import UnsupportedError
-from flashgen.runtime import plans, tuning
+from flashgen.runtime import plans, tensormap, tuning
 from flashgen.runtime.device import device_info
 from flashgen.runtime.registry import KernelBinary, Registry, default_registry
 from flashgen.runtime.select import Request, Selector, num_splits_key, seq_multiples, workspace_bytes
 from flashgen.spec.mem_eff_bwd import MemEffBwd
 from flashgen.spec.mem_eff_fwd import MemEffFwd
+from flashgen.spec.sm90_fwd import Sm90Fwd
 
 _MASKS = {None: 0, "top_left": 1, "bottom_right": 2}
 _INT32_MAX = 2**31 - 1
@@ -324,8 +325,8 @@ def _check_head_broadcast(c: _Common, q, k, v):
     kernel for any query block holding a single query (kernel_forward.h:336-352): it iterates
     over heads instead of queries, drops the causal mask and writes lse (and reads a bias, draws
     dropout) for the wrong heads.  Refuse the layouts where that changes a result."""
-    if _elem_strides(k)[2] != 0 or _elem_strides(v)[2] != 0:
-        return
+    if _elem_strides(k)[2] != 0 or _elem_strides(v)[2] != 0 or k.shape[2] != c.H:
+        return  # (grouped-query k/v reach example 41 repeated, with real head strides)
     if c.H == 1 and c.mask != _MASKS["top_left"]:
         return  # one head: iterating over heads is iterating over that one query; nothing changes
     # the query tile is 32 or 64 rows: a block holds a single query where a length is 1 mod 32
@@ -363,8 +364,11 @@ def _common(q, k, v, causal, scale, dropout_p, seed, offset, cu_seqlens_q, cu_se
         raise ValueError(f"batch sizes differ: q {B}, k {k.shape[0]}, v {v.shape[0]}")
     if k.shape[1] != v.shape[1]:
         raise ValueError(f"k and v have different sequence lengths: {k.shape[1]} and {v.shape[1]}")
-    if k.shape[2] != H or v.shape[2] != H:
+    if k.shape[2] != v.shape[2]:
         raise ValueError(f"head counts differ: q {H}, k {k.shape[2]}, v {v.shape[2]}")
+    if k.shape[2] != H and (k.shape[2] == 0 or H % k.shape[2]):
+        raise ValueError(f"q has {H} heads, k and v {k.shape[2]}: grouped-query attention needs q's head count "
+                         f"to be a multiple of k's (each k/v head serves H / Hk consecutive q heads)")
     if k.shape[3] != K:
         raise ValueError(f"q and k head dims differ: {K} and {k.shape[3]}")
     N, Kv = k.shape[1], v.shape[3]
@@ -483,7 +487,8 @@ def _params_buffer(cls):
     """A per-thread Params buffer, so a call allocates nothing on the host after warm-up."""
     buf = getattr(_params, cls.FAMILY, None)
     if buf is None:
-        buf = np.zeros(1, dtype=cls.params_dtype())
+        dtype = cls.params_dtype()
+        buf = tensormap.aligned_buffer(dtype.itemsize).view(dtype)  # tensor maps need 64-byte alignment
         setattr(_params, cls.FAMILY, buf)
     return buf
 
@@ -495,7 +500,19 @@ def _fill(buf, **fields):
     unknown = fields.keys() - set(names)
     if unknown:
         raise AssertionError(f"not Params fields: {sorted(unknown)}")  # a bug in this module, not the caller's
-    buf[0] = tuple(fields.get(name, 0) for name in names)
+    zero = _zero_record(buf.dtype)
+    buf[0] = tuple(fields[name] if name in fields else zero[name] for name in names)
+
+
+_zero_records = {}
+
+
+def _zero_record(dtype):
+    """An all-zero record of ``dtype`` (its void fields, the tensor maps, need bytes, not 0)."""
+    zero = _zero_records.get(dtype)
+    if zero is None:
+        zero = _zero_records[dtype] = np.zeros(1, dtype=dtype)[0]
+    return zero
 
 
 def _varlen_lengths(c: _Common):
@@ -592,6 +609,14 @@ def attention_forward(q, k, v, *, attn_bias=None, causal=None, scale=None, dropo
             out.fill(0)
             lse.fill(-np.inf)  # softmax over no keys: empty sum
             return out, lse[:, :, :c.M]
+        hopper = _sm90_request(c, q, k, v, bias)
+        binary = _selector(registry).find(hopper, _tuned(hopper, c)) if hopper is not None else None
+        if binary is not None:
+            _forward_sm90(registry, binary, c, q, k, v, out, lse, stream, key)
+            return out, lse[:, :, :c.M]
+        if k.shape[2] != c.H:  # grouped-query attention: the example-41 kernels need one k/v head per q head
+            k, v = _repeat_heads(k, c.H), _repeat_heads(v, c.H)
+            key = None  # a per-call copy: not a plan
         arrays = [q, k, v] + ([bias] if bias is not None else [])
         req = Request("mem_eff_fwd", c.dtype, c.K, c.Kv, _alignment(arrays, (c.K, c.Kv)), c.dropout_p > 0,
                       bias is not None, device_info(c.device))
@@ -634,12 +659,67 @@ def attention_forward(q, k, v, *, attn_bias=None, causal=None, scale=None, dropo
     return out, lse[:, :, :c.M]
 
 
+def _repeat_heads(x, heads: int):
+    """[B, S, Hk, D] -> [B, S, heads, D], each k/v head repeated for its group of q heads."""
+    return _cupy().repeat(x, heads // x.shape[2], axis=2)
+
+
+def _sum_groups(grad, heads_kv: int):
+    """The gradient of ``_repeat_heads``: [B, S, H, D] summed over each group -> [B, S, heads_kv, D]."""
+    B, S, H, D = grad.shape
+    cupy = _cupy()
+    return cupy.ascontiguousarray(grad.reshape(B, S, heads_kv, H // heads_kv, D).astype(cupy.float32).sum(axis=3)
+                                  .astype(grad.dtype))
+
+
+def _sm90_request(c: _Common, q, k, v, bias) -> Optional[Request]:
+    """The request for flashgen's Hopper forward, or None when the call needs what only the
+    example-41 kernels have (bias, dropout, cu_seqlens, float32, different q/v head dims,
+    strides the TMA engine cannot describe) or the GPU is not a 9.0 one."""
+    if bias is not None or c.dropout_p > 0 or c.seqstart_q is not None or c.dtype == "f32" or c.K != c.Kv:
+        return None
+    info = device_info(c.device)
+    if info.cc != 90 or any(tensormap.bmhk_problem(x) for x in (q, k, v)):
+        return None
+    return Request(Sm90Fwd.FAMILY, c.dtype, c.K, c.Kv, _alignment((q, k, v), (c.K, c.Kv)), False, False, info,
+                   causal=c.mask != 0)
+
+
+def _forward_sm90(registry, binary: KernelBinary, c: _Common, q, k, v, out, lse, stream, key):
+    """Launch an sm90_fwd kernel: Params with three TMA tensor maps (see spec/sm90_fwd.py)."""
+    kc = binary.constants
+    lse_rows = lse.shape[2]
+    _check_int32(lse_stride_b=c.H * lse_rows)
+    p = _params_buffer(Sm90Fwd)
+    _fill(p, out_ptr=out.data.ptr, lse_ptr=lse.data.ptr, out_stride_b=c.M * c.H * c.Kv, out_stride_m=c.H * c.Kv,
+          out_stride_h=c.Kv, lse_stride_b=c.H * lse_rows, lse_stride_h=lse_rows, lse_rows=lse_rows,
+          num_queries=c.M, num_keys=c.N, head_dim=c.K, head_group=c.H // k.shape[2],
+          diagonal_offset=c.N - c.M if c.mask == _MASKS["bottom_right"] else 0, scale_log2=c.scale * math.log2(math.e))
+    raw = p.view(np.uint8)
+    maps = ("q_map", "k_map", "v_map")
+    for name, x, rows in zip(maps, (q, k, v), (kc["block_m"], kc["block_n"], kc["block_n"])):
+        at = p.dtype.fields[name][1]
+        tensormap.encode_bmhk(raw[at:at + tensormap.TENSOR_MAP_BYTES], x, c.dtype, kc["box_cols"], rows,
+                              kc["swizzle_bytes"])
+    grid, block = (-(-c.M // kc["block_m"]), c.H, c.B), (kc["threads_per_block"], 1, 1)
+    _launch(registry, binary, c.device, grid, block, p, stream)
+    if key is not None:
+        plans.remember(key, plans.LaunchPlan.from_params(
+            _handle(registry, binary, c.device), c.device, grid, block, kc["shared_memory_bytes"], p,
+            ("out_ptr", "lse_ptr"), False, {"out": out.shape, "lse": lse.shape, "M": c.M, "tma": True},
+            tensor_maps=maps))
+
+
 def _forward_planned(cupy, plan: plans.LaunchPlan, q, k, v, seed, offset, stream):
     """A forward whose signature was seen before: allocate, point, launch (see plans.py)."""
     sizes = plan.sizes
     with _on_device(cupy, plan.device):
         out = cupy.empty(sizes["out"], dtype=q.dtype)
         lse = cupy.empty(sizes["lse"], dtype=cupy.float32)
+        if sizes.get("tma"):
+            plan.launch((q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr), 0, 0,
+                        _stream_handle(cupy, stream))
+            return out, (lse if sizes["lse"][2] == sizes["M"] else lse[:, :, :sizes["M"]])
         accum = cupy.empty(sizes["out"], dtype=cupy.float32) if sizes["accum"] else None
         plan.launch((q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, accum.data.ptr if accum is not None else 0,
                      lse.data.ptr), seed or 0, offset, _stream_handle(cupy, stream))
@@ -686,6 +766,13 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
         raise ValueError("bias_requires_grad=True without attn_bias")
     bias = _bias(cupy, attn_bias, c, q, q.shape[1], k.shape[1])
     _check_varlen_bottom_right(c)
+    if k.shape[2] != c.H:  # grouped-query attention: gradients of the repeated k/v, summed per group
+        with cupy.cuda.Device(c.device):
+            grads = attention_backward(
+                grad_out, q, _repeat_heads(k, c.H), _repeat_heads(v, c.H), out, lse, attn_bias=attn_bias,
+                bias_requires_grad=bias_requires_grad, causal=causal, scale=c.scale, dropout_p=dropout_p, seed=seed,
+                offset=offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, stream=stream, registry=registry)
+            return (grads[0], _sum_groups(grads[1], k.shape[2]), _sum_groups(grads[2], k.shape[2])) + tuple(grads[3:])
     if c.dtype != "f32" and (c.K % 8 or c.Kv % 8) and c.M and c.N:
         # The f16/bf16 backward writes dQ/dK/dV rows in 16-byte pieces whatever its alignment
         # (compute-sanitizer: misaligned stores for head dims that are not multiples of 8), so
@@ -840,14 +927,24 @@ def _backward_planned(cupy, plan: plans.LaunchPlan, grad_out, q, k, v, out, lse,
     return dq, dk, dv
 
 
-def explain(q, k, v, *, backward=False, attn_bias=None, dropout_p=0.0, registry: Optional[Registry] = None):
-    """Every candidate kernel for this call, in the order tried, with why it was rejected or chosen."""
+def explain(q, k, v, *, backward=False, attn_bias=None, dropout_p=0.0, causal=None,
+            registry: Optional[Registry] = None):
+    """Every candidate kernel for this call, in the order tried, with why it was rejected or chosen
+    (on a 9.0 GPU the forward tries flashgen's sm90_fwd kernels first)."""
     cupy = _cupy()
     q, k, v = as_array(q, "q"), as_array(k, "k"), as_array(v, "v")
-    c = _common(q, k, v, None, None, dropout_p, 0 if dropout_p else None, 0, None, None)
+    c = _common(q, k, v, causal, None, dropout_p, 0 if dropout_p else None, 0, None, None)
     bias = _bias(cupy, attn_bias, c, q, q.shape[1], k.shape[1])
     arrays = [q, k, v] + ([bias] if bias is not None else [])
     family = "mem_eff_bwd" if backward else "mem_eff_fwd"
     req = Request(family, c.dtype, c.K, c.Kv, _alignment(arrays, (c.K, c.Kv)), c.dropout_p > 0,
                   bias is not None, device_info(c.device), seq_multiples(c.M, c.N, False))
-    return _selector(registry or default_registry()).explain(req)
+    selector = _selector(registry or default_registry())
+    rows = []
+    hopper = None if backward else _sm90_request(c, q, k, v, bias)
+    if hopper is not None and selector.find(hopper) is not None:  # tried first on 9.0 GPUs
+        rows = selector.explain(hopper)
+    later = selector.explain(req)
+    if any(verdict == "selected" for _, _, verdict in rows):
+        later = [(name, target, "not tried: an earlier kernel was selected") for name, target, _ in later]
+    return rows + later

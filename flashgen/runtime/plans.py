@@ -17,6 +17,8 @@ from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from flashgen.runtime import tensormap
+
 # Pointer alignment enters selection only through divisibility by 8, 4 and 2
 # elements (of at most 4 bytes): the pointer modulo 64 bytes is all a plan may depend on.
 _ALIGNMENT_BYTES = 64
@@ -68,6 +70,9 @@ class LaunchPlan:
     pointing at the buffer (the driver copies the bytes before it returns, so
     a lock around the three steps is all the sharing between threads needs).
     ``sizes`` holds what the caller allocates per call (shapes, flags).
+    ``tensor_maps`` are the byte offsets of TMA descriptors in ``Params``: the
+    first pointers of a launch replace their global addresses (the buffer is
+    64-byte aligned, as the driver wants it).
     """
 
     handle: int  # CUfunction
@@ -80,6 +85,7 @@ class LaunchPlan:
     has_rng: bool
     sizes: Mapping[str, object]
     launcher: Callable = _driver_launch
+    tensor_maps: Tuple[int, ...] = ()
     buffer: memoryview = field(default=None, compare=False, repr=False)  # 64-bit words of a NumPy array
     argv: np.ndarray = field(default=None, compare=False, repr=False)  # void *kernelParams[1] = {buffer}
     argv_address: int = 0
@@ -88,8 +94,9 @@ class LaunchPlan:
     @classmethod
     def from_params(cls, handle: int, device: int, grid, block, shared_memory: int, params: np.ndarray,
                     pointer_fields: Sequence[str], dropout: bool, sizes: Mapping[str, object],
-                    launcher: Callable = _driver_launch) -> "LaunchPlan":
-        """A plan from a filled ``Params`` record (the structured one-item array that launched)."""
+                    launcher: Callable = _driver_launch, tensor_maps: Sequence[str] = ()) -> "LaunchPlan":
+        """A plan from a filled ``Params`` record (the structured one-item array that launched);
+        a launch takes the pointers for ``tensor_maps`` (field names), then ``pointer_fields``."""
         assert params.dtype.itemsize % 8 == 0, "Params must be a whole number of 64-bit words"
         fields = list(pointer_fields) + (["rng_engine_inputs_seed", "rng_engine_inputs_offset"] if dropout else [])
         words = []
@@ -97,18 +104,22 @@ class LaunchPlan:
             dtype, offset = params.dtype.fields[name][:2]
             assert dtype.itemsize == 8 and offset % 8 == 0, f"{name} is not an aligned 64-bit field"
             words.append(offset // 8)
-        storage = np.zeros(params.dtype.itemsize, dtype=np.uint8)
-        argv = np.array([storage.__array_interface__["data"][0]], dtype=np.uint64)
+        storage = tensormap.aligned_buffer(params.dtype.itemsize)
+        argv = np.array([storage.ctypes.data], dtype=np.uint64)
+        maps = tuple(params.dtype.fields[name][1] for name in tensor_maps)
         return cls(handle, device, tuple(grid), tuple(block), shared_memory,
-                   memoryview(params.tobytes()).cast("Q"), tuple(words), dropout, dict(sizes), launcher,
+                   memoryview(params.tobytes()).cast("Q"), tuple(words), dropout, dict(sizes), launcher, maps,
                    memoryview(storage).cast("Q"), argv, argv.__array_interface__["data"][0])
 
     def launch(self, pointers: Sequence[int], seed: int, offset: int, stream: int) -> None:
         """Launch on the CUDA stream handle ``stream`` with these pointers (and dropout seed/offset)."""
-        values = (*pointers, seed, offset) if self.has_rng else pointers
+        maps = len(self.tensor_maps)
+        values = (*pointers[maps:], seed, offset) if self.has_rng else pointers[maps:]
         buffer = self.buffer
         with self.lock:
             buffer[:] = self.params
+            if maps:
+                tensormap.replace_addresses(int(self.argv[0]), self.tensor_maps, pointers[:maps])
             for index, value in zip(self.words, values):
                 buffer[index] = value
             self.launcher(self.handle, self.grid, self.block, self.shared_memory, stream, self.argv_address)

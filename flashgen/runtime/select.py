@@ -34,6 +34,7 @@ class Request:
     # largest powers of two up to 128 dividing M and N (0, 0 with cu_seqlens): whether a
     # block-aligned kernel (no bounds checks) may serve the call
     seq_multiples: Tuple[int, int] = (0, 0)
+    causal: bool = False  # any causal mask: families that compile it in (sm90_fwd) must match
 
 
 def seq_multiples(num_queries: int, num_keys: int, varlen: bool) -> Tuple[int, int]:
@@ -45,6 +46,8 @@ def seq_multiples(num_queries: int, num_keys: int, varlen: bool) -> Tuple[int, i
 def required_alignment(binary: KernelBinary) -> int:
     """Elements every pointer, stride and head dim must be a multiple of for this kernel."""
     c = binary.constants
+    if "alignment" in c:
+        return c["alignment"]
     if binary.spec.FAMILY == "mem_eff_fwd":
         return max(c["alignment_q"], c["alignment_k"])
     return c["optimal_alignment"] if binary.spec.aligned else c["minimum_alignment"]
@@ -62,6 +65,8 @@ def rejection(binary: KernelBinary, req: Request) -> Optional[str]:
         return "built without dropout"
     if req.bias and not getattr(spec, "bias", True):
         return "built without bias"
+    if getattr(spec, "causal", req.causal) != req.causal:
+        return f"built {'with' if spec.causal else 'without'} the causal mask"
     if getattr(spec, "block_aligned", False):
         rows, keys = req.seq_multiples
         if not rows or rows % spec.block_i or keys % spec.block_j:
@@ -80,7 +85,7 @@ class Selector:
 
     def __init__(self, registry: Registry):
         self.registry = registry
-        self._cache: Dict[Tuple[Request, Optional[Choice]], KernelBinary] = {}
+        self._cache: Dict[Tuple[Request, Optional[Choice]], Optional[KernelBinary]] = {}
 
     def explain(self, req: Request) -> List[Tuple[str, str, str]]:
         """(kernel, target, verdict) for every candidate, in the order they are tried."""
@@ -94,19 +99,28 @@ class Selector:
                 rows.append((b.name, b.target, why or "not tried: an earlier kernel was selected"))
         return rows
 
-    def select(self, req: Request, prefer: Optional[Choice] = None) -> KernelBinary:
+    def find(self, req: Request, prefer: Optional[Choice] = None) -> Optional[KernelBinary]:
         """The first kernel that accepts ``req`` with ``prefer``'s tile (a tuning table's
-        choice), else the first that accepts it at all."""
-        hit = self._cache.get((req, prefer))
-        if hit is not None:
-            return hit
-        candidates = self.registry.for_device(req.family, req.device)
+        choice), else the first that accepts it at all, else None (also when the registry
+        has no kernel of the family for the device)."""
+        key = (req, prefer)
+        if key in self._cache:
+            return self._cache[key]
+        try:
+            candidates = self.registry.for_device(req.family, req.device)
+        except UnsupportedError:
+            candidates = []
         if prefer is not None:
             candidates = [b for b in candidates if prefer.matches(b.spec)] + candidates
-        for b in candidates:
-            if rejection(b, req) is None:
-                self._cache[(req, prefer)] = b
-                return b
+        found = next((b for b in candidates if rejection(b, req) is None), None)
+        self._cache[key] = found
+        return found
+
+    def select(self, req: Request, prefer: Optional[Choice] = None) -> KernelBinary:
+        """``find``, or an UnsupportedError listing every candidate and why it was rejected."""
+        found = self.find(req, prefer)
+        if found is not None:
+            return found
         listing = "\n".join(f"  {name} ({target}): {why}" for name, target, why in self.explain(req))
         hint = ""
         if req.alignment < 4:

@@ -1,6 +1,6 @@
 """A representative set of forward+backward calls for compute-sanitizer (see run.sh beside this).
 
-Covers both families, each dtype, aligned and 4-aligned (unaligned kernels), the
+Covers every family, each dtype, aligned and 4-aligned (unaligned kernels), the
 block-aligned backward kernels (M and N multiples of the block),
 dropout, the largest kMaxK tier (head dim 320), split keys > 1 (few batch x
 heads, many keys), causal kinds, bias with its gradient, and varlen.  Sizes are
@@ -31,7 +31,8 @@ def call(dtype, B, M, N, H, K, Kv=None, offset=False, **opts):
 
 def call_once(dtype, B, M, N, H, K, Kv=None, offset=False, **opts):
     Kv = Kv or K
-    q, k, v = randn(r, (B, M, H, K), dtype), randn(r, (B, N, H, K), dtype), randn(r, (B, N, H, Kv), dtype)
+    Hk = opts.pop("heads_kv", H)
+    q, k, v = randn(r, (B, M, H, K), dtype), randn(r, (B, N, Hk, K), dtype), randn(r, (B, N, Hk, Kv), dtype)
     if offset:  # a 4-element offset: only the unaligned kernels accept it
         q = randn(r, (B * M * H * K + 4,), dtype)[4:].reshape(B, M, H, K)
     bias = opts.pop("bias", None)
@@ -53,6 +54,12 @@ for dtype in ("f32", "f16", "bf16"):
     call(dtype, 1, 50, 20, 2, 64, causal="bottom_right", bias=True)    # rows without keys, bias gradient
     call(dtype, 1, 128, 256, 2, 128, causal="top_left")                # M, N block multiples: block-aligned (f16/bf16)
     call(dtype, 2, 64, 64, 2, 64)
+# flashgen's Hopper forward (9.0 GPUs; the f16/bf16 calls above take it too): several key
+# blocks with partial tiles, a head dim below its tier, grouped-query k/v
+for dtype in ("f16", "bf16"):
+    call(dtype, 1, 300, 260, 4, 96, causal="bottom_right")
+    call(dtype, 2, 129, 200, 2, 40)
+    call(dtype, 1, 200, 333, 8, 128, heads_kv=2, causal="top_left")
 cu_q, cu_k = np.array([0, 5, 5, 40], np.int32), np.array([0, 0, 30, 70], np.int32)
 q = randn(r, (1, 40, 2, 64), "f16")
 kv = randn(r, (1, 70, 2, 64), "f16")

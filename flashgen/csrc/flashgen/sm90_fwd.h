@@ -1,0 +1,374 @@
+// flashgen's Hopper attention forward (sm_90a): TMA loads, wgmma, one producer warp.
+//
+// One CTA computes a block of kBlockM queries of one (batch, head).  Warps
+// 0 .. 4*kConsumerWarpGroups-1 are consumer warpgroups, each owning 64 query
+// rows; the warp after them is the producer: its lane 0 issues every TMA load
+// (Q once, then K and V tiles through a kStages-deep ring of shared-memory
+// buffers).  Each buffer has a "full" mbarrier (TMA transaction count) and an
+// "empty" one (one arrival per consumer warp), so the warpgroups never wait
+// for each other, only for data.
+//
+// Per key block a consumer warpgroup computes S = Q K^T with wgmma (both
+// operands in shared memory), updates the running row max and sum (softmax in
+// the log2 domain), rescales its output accumulator and adds P V with wgmma
+// (P from registers: the S accumulator layout is the A-operand register layout,
+// so P is converted in place).  Out-of-range rows and keys come from TMA as
+// zeros; keys past num_keys and above the causal diagonal are masked to -inf.
+//
+// The output is written from registers; the log-sum-exp (natural log, of the
+// scaled scores) goes to lse[batch, head, row] like the example-41 forward, so
+// either backward family can consume it.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap
+
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_types.h>
+
+namespace flashgen {
+namespace sm90 {
+
+// What the runtime passes by value (as a __grid_constant__ parameter, which the
+// tensor maps require).  The tensor maps describe q, k, v as 4-D tensors
+// (head_dim, seq, heads, batch), strides in bytes, boxes of
+// (kBoxCols, kBlockM or kBlockN, 1, 1) with the swizzle the kernel's shared
+// layouts use (see FwdKernel::kSwizzleBytes).
+struct FwdParams {
+  CUtensorMap q_map;
+  CUtensorMap k_map;
+  CUtensorMap v_map;
+  void* out_ptr;
+  float* lse_ptr;
+  long long out_stride_b;  // elements
+  int out_stride_m;
+  int out_stride_h;
+  int lse_stride_b;       // floats
+  int lse_stride_h;
+  int lse_rows;           // rows in [num_queries, lse_rows) get +inf (padding, as example 41 writes it)
+  int num_queries;
+  int num_keys;
+  int head_dim;           // <= kHeadDim, a multiple of 8: columns past it are zeros from TMA, never stored
+  int head_group;         // query heads per key/value head (1: MHA; H: MQA)
+  int diagonal_offset;    // causal: key j is visible to query i iff j <= i + diagonal_offset
+  float scale_log2;       // softmax scale * log2(e)
+};
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+// One warpgroup-wide wgmma GEMM over the K modes of a and b, accumulating into c
+// (or overwriting it when kZeroInit), waited for before returning.  kARegisters:
+// a is a register fragment (fenced like c), not shared-memory descriptors.
+template <bool kZeroInit, bool kARegisters, class TiledMma, class TensorA, class TensorB, class TensorC>
+__device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TensorA const& a, TensorB const& b, TensorC& c) {
+  using namespace cute;
+  warpgroup_fence_operand(c);
+  if constexpr (kARegisters) {
+    warpgroup_fence_operand(const_cast<TensorA&>(a));
+  }
+  warpgroup_arrive();
+  mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(c);
+  if constexpr (kARegisters) {
+    warpgroup_fence_operand(const_cast<TensorA&>(a));
+  }
+}
+
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_>
+struct FwdKernel {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr bool kCausal = kCausal_;
+
+  static_assert(sizeof(Element) == 2, "f16 or bf16");
+  static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 32 == 0, "wgmma tile shapes");
+  static constexpr int kConsumerWarpGroups = kBlockM / 64;
+  static constexpr int kConsumerWarps = 4 * kConsumerWarpGroups;
+  static constexpr int kProducerWarp = kConsumerWarps;
+  static constexpr int kThreads = 32 * (kConsumerWarps + 1);
+  static constexpr int kMinBlocksPerSm = 1;  // the register file is sized for one block per SM
+
+  // A TMA box row is one swizzle span: 128 bytes where the head dim allows, else 64.
+  static constexpr int kSwizzleBytes = kHeadDim % 64 == 0 ? 128 : 64;
+  static constexpr int kBoxCols = kSwizzleBytes / sizeof(Element);
+  static constexpr int kBoxesPerRow = kHeadDim / kBoxCols;
+
+  using AtomK = std::conditional_t<kSwizzleBytes == 128, cute::GMMA::Layout_K_SW128_Atom<Element>,
+                                   cute::GMMA::Layout_K_SW64_Atom<Element>>;
+  using AtomMN = std::conditional_t<kSwizzleBytes == 128, cute::GMMA::Layout_MN_SW128_Atom<Element>,
+                                    cute::GMMA::Layout_MN_SW64_Atom<Element>>;
+  // Each layout is a stack of TMA boxes (kBoxCols wide, all rows of the tile),
+  // box after box along the head dim, then stage after stage.
+  using SmemLayoutQ = decltype(cute::tile_to_shape(AtomK{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutK = decltype(cute::tile_to_shape(
+      AtomK{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+  // V seen as the B operand of O = P V: (head dim, keys), head dim contiguous.
+  using SmemLayoutV = decltype(cute::tile_to_shape(
+      AtomMN{}, cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{},
+      cute::Step<cute::_2, cute::_1, cute::_3>{}));
+
+  using TiledMmaS = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::_64, cute::Int<kBlockN>, cute::Int<kHeadDim>>>(),
+      cute::Layout<cute::Shape<cute::Int<kConsumerWarpGroups>, cute::_1, cute::_1>>{}));
+  using TiledMmaO = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float,
+                                 cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockN>>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+      cute::Layout<cute::Shape<cute::Int<kConsumerWarpGroups>, cute::_1, cute::_1>>{}));
+
+  struct SharedStorage {
+    alignas(1024) Element q[kBlockM * kHeadDim];
+    alignas(1024) Element k[kStages * kBlockN * kHeadDim];
+    alignas(1024) Element v[kStages * kBlockN * kHeadDim];
+    alignas(8) uint64_t q_full;
+    uint64_t k_full[kStages];
+    uint64_t v_full[kStages];
+    uint64_t k_empty[kStages];
+    uint64_t v_empty[kStages];
+  };
+  // Dynamic shared memory is only guaranteed 16-byte aligned; the swizzled
+  // layouts need 1024, so the kernel rounds its base up inside this slack.
+  static constexpr int kSharedBytes = int(sizeof(SharedStorage)) + 1024;
+  static_assert(kSharedBytes <= 227 * 1024, "the Q tile and K/V rings exceed the shared memory of a Hopper block");
+
+  // Key blocks this query block visits: all, or up to the causal diagonal.
+  static __device__ int key_blocks(FwdParams const& p, int m_block) {
+    int n = (p.num_keys + kBlockN - 1) / kBlockN;
+    if (kCausal) {
+      int last_visible = (m_block + 1) * kBlockM - 1 + p.diagonal_offset;  // for the block's last row
+      n = last_visible < 0 ? 0 : min(n, last_visible / kBlockN + 1);
+    }
+    return n;
+  }
+
+  // One tile (rows x kHeadDim) of a tensor map, box by box along the head dim, into `smem`;
+  // `full` completes when all its bytes have landed.
+  static __device__ void load_tile(CUtensorMap const* map, uint64_t* full, Element* smem, int rows, int row0,
+                                   int head, int batch) {
+    constexpr uint64_t kHint = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, rows * kHeadDim * int(sizeof(Element)));
+    CUTE_UNROLL
+    for (int c = 0; c < kBoxesPerRow; ++c) {
+      cute::SM90_TMA_LOAD_4D::copy(map, full, kHint, smem + c * rows * kBoxCols, c * kBoxCols, row0, head, batch);
+    }
+  }
+
+  static __device__ void produce(FwdParams const& p, SharedStorage& s, int m_block, int head, int batch,
+                                 int n_blocks) {
+    using Barrier = cutlass::arch::ClusterBarrier;
+    int const head_kv = head / p.head_group;
+    load_tile(&p.q_map, &s.q_full, s.q, kBlockM, m_block * kBlockM, head, batch);
+    for (int j = 0; j < n_blocks; ++j) {
+      int const stage = j % kStages;
+      int const round = j / kStages;  // the ring's round: buffers are reused from the second on
+      if (round > 0) {
+        Barrier::wait(&s.k_empty[stage], (round - 1) & 1);
+      }
+      load_tile(&p.k_map, &s.k_full[stage], s.k + stage * kBlockN * kHeadDim, kBlockN, j * kBlockN, head_kv, batch);
+      if (round > 0) {
+        Barrier::wait(&s.v_empty[stage], (round - 1) & 1);
+      }
+      load_tile(&p.v_map, &s.v_full[stage], s.v + stage * kBlockN * kHeadDim, kBlockN, j * kBlockN, head_kv, batch);
+    }
+  }
+
+  static __device__ void consume(FwdParams const& p, SharedStorage& s, int m_block, int head, int batch,
+                                 int n_blocks) {
+    using namespace cute;
+    using Barrier = cutlass::arch::ClusterBarrier;
+    int const tid = threadIdx.x;  // 0 .. 128 * kConsumerWarpGroups - 1
+    int const lane = tid % 32;
+
+    TiledMmaS mma_s;
+    TiledMmaO mma_o;
+    auto thr_s = mma_s.get_thread_slice(tid);
+    auto thr_o = mma_o.get_thread_slice(tid);
+    Tensor sQ = make_tensor(make_smem_ptr(s.q), SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(s.k), SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(s.v), SmemLayoutV{});
+    Tensor tSrQ = thr_s.partition_fragment_A(sQ);  // (MMA, MMA_M, MMA_K) descriptors
+    Tensor tSrK = thr_s.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_K, stages)
+    Tensor tOrV = thr_o.partition_fragment_B(sV);  // (MMA, MMA_N, MMA_K, stages)
+    Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    static_assert(size(tSrS) == kBlockN / 2 && size(tOrO) == kHeadDim / 2, "one 64-row wgmma tile per warpgroup");
+    // P as the A operand of O = P V: the S accumulator's registers in the same order,
+    // grouped per 16 keys (2 x 2 x 2 values: key + 1, row + 8, key + 8).
+    Tensor tOrP = make_tensor<Element>(
+        Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockN / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>{});
+    clear(tOrO);
+
+    // Register r of an accumulator row pair holds row (r / 2) % 2 * 8 + row0, column
+    // (r / 4) * 8 + 2 * (lane % 4) + r % 2 of the warpgroup's 64-row tile.
+    int const row0 = m_block * kBlockM + 64 * (tid / 128) + 16 * ((tid / 32) % 4) + lane / 4;
+    int const col0 = 2 * (lane % 4);
+    float row_max[2] = {-INFINITY, -INFINITY};
+    float row_sum[2] = {0.f, 0.f};
+
+    Barrier::wait(&s.q_full, 0);
+    for (int j = 0; j < n_blocks; ++j) {
+      int const stage = j % kStages;
+      int const phase = (j / kStages) & 1;
+      Barrier::wait(&s.k_full[stage], phase);
+      warpgroup_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, stage), tSrS);
+      __syncwarp();
+      if (lane == 0) {
+        Barrier::arrive(&s.k_empty[stage]);
+      }
+
+      int const key0 = j * kBlockN;
+      bool const partial = key0 + kBlockN > p.num_keys;
+      bool const diagonal = kCausal && key0 + kBlockN - 1 > m_block * kBlockM + p.diagonal_offset;
+      if (partial || diagonal) {
+        CUTE_UNROLL
+        for (int r = 0; r < size(tSrS); ++r) {
+          int const row = row0 + ((r / 2) % 2) * 8;
+          int const key = key0 + (r / 4) * 8 + col0 + r % 2;
+          if (key >= p.num_keys || (kCausal && key > row + p.diagonal_offset)) {
+            tSrS(r) = -INFINITY;
+          }
+        }
+      }
+
+      float scaled_max[2];
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        float m = row_max[h];
+        CUTE_UNROLL
+        for (int r = 2 * h; r < size(tSrS); r += (r % 2 == 0 ? 1 : 3)) {
+          m = fmaxf(m, tSrS(r));
+        }
+        m = quad_max(m);
+        // a row that has seen no key yet keeps max -inf: subtract 0 so exp2 gives 0, not NaN
+        scaled_max[h] = m == -INFINITY ? 0.f : m * p.scale_log2;
+        float const correction = exp2_approx(row_max[h] * p.scale_log2 - scaled_max[h]);
+        row_max[h] = m;
+        row_sum[h] *= correction;
+        CUTE_UNROLL
+        for (int r = 2 * h; r < size(tOrO); r += (r % 2 == 0 ? 1 : 3)) {
+          tOrO(r) *= correction;
+        }
+      }
+      CUTE_UNROLL
+      for (int r = 0; r < size(tSrS); ++r) {
+        int const h = (r / 2) % 2;
+        float const e = exp2_approx(fmaf(tSrS(r), p.scale_log2, -scaled_max[h]));
+        row_sum[h] += e;
+        tOrP(r) = static_cast<Element>(e);
+      }
+
+      Barrier::wait(&s.v_full[stage], phase);
+      warpgroup_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, stage), tOrO);
+      __syncwarp();
+      if (lane == 0) {
+        Barrier::arrive(&s.v_empty[stage]);
+      }
+    }
+    store(p, tOrO, row_max, row_sum, row0, col0, head, batch);
+  }
+
+  template <class Accumulator>
+  static __device__ void store(FwdParams const& p, Accumulator const& acc, float const (&row_max)[2],
+                               float (&row_sum)[2], int row0, int col0, int head, int batch) {
+    using namespace cute;
+    int const lane = threadIdx.x % 32;
+    Element* out = static_cast<Element*>(p.out_ptr) + batch * p.out_stride_b + head * (long long)p.out_stride_h;
+    float* lse = p.lse_ptr + batch * (long long)p.lse_stride_b + head * (long long)p.lse_stride_h;
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      int const row = row0 + 8 * h;
+      float const sum = quad_sum(row_sum[h]);
+      float const inv = sum > 0.f ? 1.f / sum : 0.f;  // no visible key: output 0
+      if (row < p.num_queries) {
+        Element* out_row = out + row * (long long)p.out_stride_m;
+        CUTE_UNROLL
+        for (int r = 2 * h; r < size(acc); r += 4) {
+          int const col = (r / 4) * 8 + col0;
+          if (col >= p.head_dim) {  // a head dim below the tier: the zero columns TMA added
+            continue;
+          }
+          cutlass::Array<Element, 2> pair;
+          pair[0] = static_cast<Element>(acc(r) * inv);
+          pair[1] = static_cast<Element>(acc(r + 1) * inv);
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(out_row + col) = pair;
+        }
+        if (lane % 4 == 0) {
+          lse[row] = sum > 0.f ? (row_max[h] * p.scale_log2 + __log2f(sum)) * 0.69314718055994531f : -INFINITY;
+        }
+      } else if (row < p.lse_rows && lane % 4 == 0) {
+        lse[row] = INFINITY;
+      }
+    }
+  }
+
+  static __device__ void run(FwdParams const& p, char* smem_raw) {
+    SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                                         ~uintptr_t(1023));
+    int const m_block = gridDim.x - 1 - blockIdx.x;  // the longest causal rows first
+    int const head = blockIdx.y;
+    int const batch = blockIdx.z;
+    int const warp = threadIdx.x / 32;
+    int const n_blocks = key_blocks(p, m_block);
+
+    if (threadIdx.x == 0) {
+      using Barrier = cutlass::arch::ClusterBarrier;
+      Barrier::init(&s.q_full, 1);
+      CUTE_UNROLL
+      for (int i = 0; i < kStages; ++i) {
+        Barrier::init(&s.k_full[i], 1);
+        Barrier::init(&s.v_full[i], 1);
+        Barrier::init(&s.k_empty[i], kConsumerWarps);
+        Barrier::init(&s.v_empty[i], kConsumerWarps);
+      }
+      cutlass::arch::fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (warp == kProducerWarp) {
+      if (threadIdx.x % 32 == 0 && n_blocks > 0) {
+        produce(p, s, m_block, head, batch, n_blocks);
+      }
+    } else if (n_blocks > 0) {
+      consume(p, s, m_block, head, batch, n_blocks);
+    } else {  // no key visible to any row of the block
+      auto zeros = cute::make_tensor<float>(cute::Int<kHeadDim / 2>{});
+      cute::clear(zeros);
+      float row_max[2] = {-INFINITY, -INFINITY};
+      float row_sum[2] = {0.f, 0.f};
+      int const lane = threadIdx.x % 32;
+      store(p, zeros, row_max, row_sum,
+            m_block * kBlockM + 64 * (threadIdx.x / 128) + 16 * (warp % 4) + lane / 4, 2 * (lane % 4), head, batch);
+    }
+  }
+};
+
+}  // namespace sm90
+}  // namespace flashgen

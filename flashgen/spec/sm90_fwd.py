@@ -1,0 +1,108 @@
+"""``sm90_fwd``: flashgen's own Hopper forward (``flashgen/csrc/flashgen/sm90_fwd.h``).
+
+Template: ``flashgen::sm90::FwdKernel<Element, kHeadDim, kBlockM, kBlockN,
+kStages, kCausal>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
+K/V streamed by TMA through a ``kStages``-deep shared-memory ring, one
+producer warp.  Launch: block (threads_per_block, 1, 1), grid
+(ceil(M / block_m), heads, batch), dynamic shared memory
+``shared_memory_bytes``.  Built only for ``sm_90a`` (wgmma and setmaxnreg do
+not exist in plain sm_90 code).
+
+Inputs reach the kernel as TMA tensor maps (``runtime/tensormap.py``): every
+pointer and every stride of a dimension longer than 1 must be a multiple of 16
+bytes.  A head dim below the kernel's ``max_k`` works (TMA reads the missing
+columns as zeros and the kernel does not store them) as long as it is a multiple
+of 8.  The lse is written like the example-41 forward's: [B, H, rows padded to
+32], +inf in the padding, so the mem-eff backward takes it as it is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flashgen.spec.core import DTYPES, Constant, Field, KernelSpec, Rule, cpp_bool, normalize_target
+
+@dataclass(frozen=True)
+class Sm90Fwd(KernelSpec):
+    arch: str
+    dtype: str
+    max_k: int
+    block_m: int
+    block_n: int
+    stages: int
+    causal: bool
+
+    FAMILY = "sm90_fwd"
+    TEMPLATE = "sm90_fwd.cu.j2"
+    HEADER = "flashgen/sm90_fwd.h"
+    AXES = {
+        "arch": ("sm90a",),
+        "dtype": ("f16", "bf16"),
+        "max_k": (64, 96, 128),
+        "block_m": (128, 192),
+        "block_n": (128,),
+        "stages": (2, 3),
+        "causal": (False, True),
+    }
+    TUNED_AXES = ("block_m", "block_n", "stages")
+    RULES = (
+        Rule("192 query rows are three consumer warpgroups (416 threads): at most 152 registers each, "
+             "which only head dim 64 fits without spilling",
+             lambda k: k.block_m == 192 and k.max_k > 64),
+    )
+
+    def runs_on(self, target: str) -> bool:
+        """Only the arch-specific sm_90a target has wgmma; plain sm90 (and PTX) builds skip it."""
+        return normalize_target(target) == "sm90a"
+
+    @property
+    def name(self) -> str:
+        parts = [self.FAMILY, self.dtype, f"k{self.max_k}", f"q{self.block_m}x{self.block_n}", f"s{self.stages}"]
+        parts += ["causal"] if self.causal else []
+        return "_".join(parts + [self.arch])
+
+    @property
+    def priority(self) -> tuple:
+        # the smallest head-dim tier that fits, then the default tile (tuning tables pick per bucket):
+        # 192 query rows where they exist (head dim 64: +5-15% from 512 to 16k tokens on an H200,
+        # within noise of 128 for causal 1k), two stages (a third never won by more than noise)
+        return (tuple(DTYPES).index(self.dtype), self.causal, self.max_k, -self.block_m, self.stages, self.block_n)
+
+    @property
+    def cpp_type(self) -> str:
+        return (f"flashgen::sm90::FwdKernel<{DTYPES[self.dtype]}, {self.max_k}, {self.block_m}, {self.block_n}, "
+                f"{self.stages}, {cpp_bool(self.causal)}>")
+
+    # `flashgen::sm90::FwdParams`
+    ABI = (
+        Field("q_map", "tensor_map"),
+        Field("k_map", "tensor_map"),
+        Field("v_map", "tensor_map"),
+        Field("out_ptr", "ptr"),
+        Field("lse_ptr", "ptr"),
+        Field("out_stride_b", "i64"),
+        Field("out_stride_m", "i32"),
+        Field("out_stride_h", "i32"),
+        Field("lse_stride_b", "i32"),
+        Field("lse_stride_h", "i32"),
+        Field("lse_rows", "i32"),
+        Field("num_queries", "i32"),
+        Field("num_keys", "i32"),
+        Field("head_dim", "i32"),
+        Field("head_group", "i32"),
+        Field("diagonal_offset", "i32"),
+        Field("scale_log2", "f32"),
+    )
+
+    CONSTANTS = (
+        Constant("threads_per_block", "Kernel::kThreads"),
+        Constant("min_blocks_per_sm", "Kernel::kMinBlocksPerSm"),
+        Constant("shared_memory_bytes", "Kernel::kSharedBytes"),
+        Constant("block_m", "Kernel::kBlockM"),
+        Constant("block_n", "Kernel::kBlockN"),
+        Constant("max_k", "Kernel::kHeadDim"),
+        Constant("stages", "Kernel::kStages"),
+        Constant("box_cols", "Kernel::kBoxCols"),
+        Constant("swizzle_bytes", "Kernel::kSwizzleBytes"),
+        Constant("alignment", "16 / sizeof(Kernel::Element)"),
+        Constant("params_bytes", "sizeof(flashgen::sm90::FwdParams)"),
+    )

@@ -1,0 +1,214 @@
+"""flashgen's Hopper forward (sm90_fwd) on a 9.0 GPU against a float64 reference.
+
+Needs CuPy, an H100/H200 and the family built for it on FLASHGEN_KERNEL_PATH
+(`flashgen build --arch sm90a`); skipped cleanly otherwise.  Outputs come from
+poisoned (NaN) memory, so an element the kernel forgot to write fails.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+try:
+    HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:  # no driver at all
+    HAVE_GPU = False
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU")]
+
+import flashgen  # noqa: E402
+from attention_reference import (  # noqa: E402
+    BWD_TOL, FWD_TOL, lse_err, make_input, poisoned_allocations, randn, reference, rel_err,
+)
+from flashgen.runtime import api, plans  # noqa: E402
+from flashgen.runtime.device import device_info  # noqa: E402
+from flashgen.runtime.registry import default_registry  # noqa: E402
+from flashgen.spec.sm90_fwd import Sm90Fwd  # noqa: E402
+
+
+def _sm90_kernels():
+    if not HAVE_GPU or device_info(0).cc != 90:
+        return []
+    try:
+        return default_registry().for_device(Sm90Fwd.FAMILY, device_info(0))
+    except flashgen.UnsupportedError:
+        return []
+
+
+def _example41_kernels() -> bool:
+    try:
+        return HAVE_GPU and bool(default_registry().for_device("mem_eff_fwd", device_info(0)))
+    except flashgen.UnsupportedError:
+        return False
+
+
+KERNELS = _sm90_kernels()
+needs_kernels = pytest.mark.skipif(not _example41_kernels(), reason="no example-41 kernels built for this GPU")
+needs_sm90 = pytest.mark.skipif(not KERNELS, reason="needs a 9.0 GPU and sm90_fwd kernels (flashgen build --arch sm90a)")
+
+
+def selected(q, k, v, **options):
+    return next(name for name, _, verdict in flashgen.explain(q, k, v, **options) if verdict == "selected")
+
+
+def check_forward(rng, dtype, B, M, N, H, K, causal=None, layout="contiguous"):
+    q = make_input(rng, (B, M, H, K), dtype, layout)
+    k = make_input(rng, (B, N, H, K), dtype, layout)
+    v = make_input(rng, (B, N, H, K), dtype, layout)
+    assert selected(q, k, v, causal=causal).startswith("sm90_fwd_"), "the call did not take the sm90 path"
+    with poisoned_allocations():
+        out, lse = flashgen.attention_forward(q, k, v, causal=causal)
+    ref_out, ref_lse = reference(q, k, v, causal=causal)
+    assert out.shape == (B, M, H, K) and lse.shape == (B, H, M)
+    errors = {"out": rel_err(out, ref_out), "lse": lse_err(lse, ref_lse)}
+    assert errors["out"] < FWD_TOL[dtype] and errors["lse"] < FWD_TOL[dtype], errors
+    return q, k, v, out, lse
+
+
+SIZES = ((1, 1), (7, 129), (129, 7), (1000, 129), (129, 1000), (1000, 1000), (1, 1000), (4096, 4096))
+HEAD_DIMS = (8, 40, 64, 80, 96, 128)
+GRID = [(dtype, K, *SIZES[(i + j) % len(SIZES)], causal)
+        for i, dtype in enumerate(("f16", "bf16")) for j, K in enumerate(HEAD_DIMS)
+        for causal in (None, "top_left", "bottom_right")]
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype,K,M,N,causal", GRID, ids=[f"{d}-k{k}-{m}x{n}-{c}" for d, k, m, n, c in GRID])
+def test_matches_float64_reference(dtype, K, M, N, causal):
+    check_forward(np.random.default_rng([K, M, N, len(dtype)]), dtype, B=2, M=M, N=N, H=3, K=K, causal=causal)
+
+
+@needs_sm90
+@pytest.mark.parametrize("layout", ["bhsk", "padded"])
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+def test_strided_inputs(layout, causal):
+    check_forward(np.random.default_rng(7), "f16", B=2, M=129, N=1000, H=4, K=64, causal=causal, layout=layout)
+
+
+@needs_sm90
+@pytest.mark.parametrize("binary", KERNELS, ids=[b.name for b in KERNELS])
+def test_every_instance(binary):
+    """Each built kernel (not only the ones the priority order picks) on odd sizes, M != N."""
+    spec = binary.spec
+    rng = np.random.default_rng(abs(hash(spec.name)) % 2**32)
+    causal = "bottom_right" if spec.causal else None
+    for (M, N), K in (((129, 1000), spec.max_k), ((1000, 1000), spec.max_k - 24), ((7, 7), spec.max_k)):
+        q, k, v = (randn(rng, (2, S, 3, K), spec.dtype) for S in (M, N, N))
+        c = api._common(q, k, v, causal, None, 0.0, None, 0, None, None)
+        with poisoned_allocations():
+            out = cupy.empty(q.shape, dtype=q.dtype)
+            lse = cupy.empty((2, 3, -(-M // 32) * 32), dtype=cupy.float32)
+        api._forward_sm90(default_registry(), binary, c, q, k, v, out, lse, None, None)
+        ref_out, ref_lse = reference(q, k, v, causal=causal)
+        assert rel_err(out, ref_out) < FWD_TOL[spec.dtype], (M, N, K)
+        assert lse_err(lse[:, :, :M], ref_lse) < FWD_TOL[spec.dtype], (M, N, K)
+        assert bool((lse[:, :, M:] == np.inf).all()), "lse padding rows must be +inf, as example 41 writes them"
+
+
+@needs_sm90
+def test_lse_feeds_the_backward():
+    """The forward's lse layout is the one the mem-eff backward reads."""
+    rng = np.random.default_rng(3)
+    B, M, N, H, K = 2, 1000, 129, 3, 64
+    q, k, v = (randn(rng, (B, S, H, K), "bf16") for S in (M, N, N))
+    do = randn(rng, (B, M, H, K), "bf16")
+    assert selected(q, k, v, causal="top_left").startswith("sm90_fwd_")
+    with poisoned_allocations():
+        out, lse = flashgen.attention_forward(q, k, v, causal="top_left")
+        grads = flashgen.attention_backward(do, q, k, v, out, lse, causal="top_left")
+    _, _, ref_grads = reference(q, k, v, causal="top_left", grad_out=do)
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) < BWD_TOL["bf16"]
+
+
+@needs_sm90
+def test_planned_repeat_uses_the_new_inputs():
+    """The second call with a signature goes through its launch plan, whose tensor maps must
+    point at the new arrays (not the first call's)."""
+    rng = np.random.default_rng(11)
+    plans.clear()
+    shape = (2, 257, 4, 128)
+    first = [randn(rng, shape, "f16") for _ in range(3)]
+    flashgen.attention_forward(*first, causal="top_left")
+    second = [randn(rng, shape, "f16") for _ in range(3)]
+    with poisoned_allocations():
+        out, lse = flashgen.attention_forward(*second, causal="top_left")
+    assert len(plans._plans) == 1 and next(iter(plans._plans.values())).tensor_maps, "no tensor-map plan was made"
+    ref_out, ref_lse = reference(*second, causal="top_left")
+    assert rel_err(out, ref_out) < FWD_TOL["f16"] and lse_err(lse, ref_lse) < FWD_TOL["f16"]
+    full, full_lse = flashgen.attention_forward(*[cupy.array(x) for x in second], causal="top_left")
+    assert bool((full == out).all()) and bool((full_lse == lse).all()), "planned and full paths differ"
+
+
+@needs_sm90
+def test_falls_back_where_the_family_has_no_kernel():
+    """float32, dropout, cu_seqlens-free calls with different q/v head dims and TMA-hostile strides
+    go to the example-41 kernels and stay correct."""
+    rng = np.random.default_rng(5)
+    q, k, v = (randn(rng, (1, 130, 2, 64), "f16") for _ in range(3))
+    assert selected(q.astype(cupy.float32), k.astype(cupy.float32), v.astype(cupy.float32)).startswith("mem_eff")
+    assert selected(q, k, v, dropout_p=0.1).startswith("mem_eff")
+    assert selected(q, k, randn(rng, (1, 130, 2, 32), "f16")).startswith("mem_eff")
+    odd = randn(rng, (1, 130, 2, 68), "f16")[..., :60]  # row stride 136 elements: not 16-byte aligned
+    assert selected(odd, odd, odd).startswith("mem_eff")
+    out, lse = flashgen.attention_forward(odd, odd, odd)
+    ref_out, _ = reference(odd, odd, odd)
+    assert rel_err(out, ref_out) < FWD_TOL["f16"]
+
+
+@needs_sm90
+def test_kernel_choice_follows_head_dim_tier_and_mask():
+    rng = np.random.default_rng(1)
+    for K, tier in ((40, 64), (64, 64), (80, 96), (96, 96), (120, 128), (128, 128)):
+        q = randn(rng, (1, 64, 2, K), "bf16")
+        for causal in (None, "top_left"):
+            name = selected(q, q, q, causal=causal)
+            assert f"_k{tier}_" in name and name.startswith("sm90_fwd_bf16") and ("causal" in name) == bool(causal)
+    big = randn(rng, (1, 64, 2, 136), "f16")
+    assert selected(big, big, big).startswith("mem_eff"), "no sm90 tier above 128: example 41 serves it"
+
+
+def _gqa_reference(q, k, v, causal, grad_out):
+    """Grouped-query attention as plain attention on repeated k/v; dk/dv summed back per group."""
+    group = q.shape[2] // k.shape[2]
+    k_rep, v_rep = (cupy.repeat(x, group, axis=2) for x in (k, v))
+    out, lse, (dq, dk, dv, _) = reference(q, k_rep, v_rep, causal=causal, grad_out=grad_out)
+    fold = lambda g: g.reshape(*k.shape[:2], k.shape[2], group, k.shape[3]).sum(axis=3)  # noqa: E731
+    return out, lse, (dq, fold(dk), fold(dv))
+
+
+@needs_kernels
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+def test_grouped_query_attention(group, causal):
+    """k/v with H / group heads: the sm90 forward reads them in place (no repeated copy), the
+    backward sums the gradients of each group; both against a float64 reference."""
+    rng = np.random.default_rng([group, causal is None])
+    B, M, N, H, K = 2, 129, 1000, 8, 64
+    q = randn(rng, (B, M, H, K), "bf16")
+    k, v = (randn(rng, (B, N, H // group, K), "bf16") for _ in range(2))
+    do = randn(rng, (B, M, H, K), "bf16")
+    if KERNELS:
+        assert selected(q, k, v, causal=causal).startswith("sm90_fwd_")
+    with poisoned_allocations():
+        out, lse = flashgen.attention_forward(q, k, v, causal=causal)
+        grads = flashgen.attention_backward(do, q, k, v, out, lse, causal=causal)
+    ref_out, ref_lse, ref_grads = _gqa_reference(q, k, v, causal, do)
+    assert rel_err(out, ref_out) < FWD_TOL["bf16"] and lse_err(lse, ref_lse) < FWD_TOL["bf16"]
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert g.shape == r.shape, name
+        assert rel_err(g, r) < BWD_TOL["bf16"], name
+
+
+@needs_kernels
+def test_grouped_query_attention_on_the_example41_path():
+    """float32 has no sm90 kernel: the runtime repeats k/v for the example-41 forward."""
+    rng = np.random.default_rng(2)
+    q = randn(rng, (1, 65, 4, 32), "f32")
+    k, v = (randn(rng, (1, 70, 1, 32), "f32") for _ in range(2))
+    assert selected(q, k, v).startswith("mem_eff_fwd")
+    out, lse = flashgen.attention_forward(q, k, v, causal="top_left")
+    ref_out, ref_lse = reference(q, cupy.repeat(k, 4, axis=2), cupy.repeat(v, 4, axis=2), causal="top_left")
+    assert rel_err(out, ref_out) < FWD_TOL["f32"] and lse_err(lse, ref_lse) < FWD_TOL["f32"]
