@@ -18,7 +18,7 @@ from flashgen.runtime.select import Request, num_splits_key, rejection, seq_mult
 
 KEEP_DEFAULT = 0.01  # a choice must beat the priority order by more than 1% to be recorded
 FAMILY_OF = {"fwd": "mem_eff_fwd", "bwd": "mem_eff_bwd"}
-HOPPER_FAMILY_OF = {"fwd": "sm90_fwd"}  # tried first on 9.0 GPUs where built (api._sm90_request)
+HOPPER_FAMILY_OF = {"fwd": "sm90_fwd", "bwd": "sm90_bwd"}  # tried first on 9.0 GPUs where built (api._sm90_request)
 
 
 def family_for(direction: str, registry, device) -> str:
@@ -90,7 +90,7 @@ def candidates(registry, device, p: Point, direction: str) -> List[Tuple[str, tu
             continue
         seen.add(tile)
         label = "_".join(f"{v}" for _, v in tile)
-        if direction == "fwd":
+        if direction == "fwd" or family in HOPPER_FAMILY_OF.values():  # no key splits to choose
             found.append((label, tuning.Choice(tile)))
             continue
         counts = {}

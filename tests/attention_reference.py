@@ -1,7 +1,9 @@
 """float64 attention reference and test inputs, shared by the GPU suite and the fuzzer.
 
-Imported only where CuPy and a GPU exist.  Conventions: [B, M, H, K] inputs;
-a row that sees no key has output 0, lse -inf and no gradient.
+Imported only where CuPy exists (a GPU module imports it after
+``pytest.importorskip("cupy")`` and takes its marks from ``gpu_marks``).
+Conventions: [B, M, H, K] inputs; a row that sees no key has output 0, lse
+-inf and no gradient.
 """
 from __future__ import annotations
 
@@ -12,6 +14,20 @@ import cupy
 import numpy as np
 
 import flashgen
+
+
+
+def gpu_marks():
+    """(whether a GPU is there, the marks of a GPU test module): marked `gpu`, skipped cleanly
+    where CuPy finds no device or no driver."""
+    import pytest
+
+    try:
+        have = cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no driver at all
+        have = False
+    return have, [pytest.mark.gpu, pytest.mark.skipif(not have, reason="needs a CUDA GPU")]
+
 
 DTYPES = {"f32": np.float32, "f16": np.float16}
 try:

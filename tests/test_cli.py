@@ -31,7 +31,7 @@ def test_list_json_has_every_kernel():
     assert result.exit_code == 0, result.output
     rows = json.loads(result.output)
     assert [r["name"] for r in rows] == [k.name for k in default_kernels()]
-    assert {r["family"] for r in rows} == {"mem_eff_fwd", "mem_eff_bwd", "sm90_fwd"}
+    assert {r["family"] for r in rows} == {"mem_eff_fwd", "mem_eff_bwd", "sm90_fwd", "sm90_bwd"}
 
 
 def test_list_filters_combine():

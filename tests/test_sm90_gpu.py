@@ -12,20 +12,16 @@ import numpy as np
 import pytest
 
 cupy = pytest.importorskip("cupy")
-try:
-    HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:  # no driver at all
-    HAVE_GPU = False
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU")]
-
 import flashgen  # noqa: E402
 from attention_reference import (  # noqa: E402
-    BWD_TOL, FWD_TOL, lse_err, make_input, poisoned_allocations, randn, reference, rel_err,
+    BWD_TOL, FWD_TOL, lse_err, make_input, poisoned_allocations, randn, reference, rel_err, gpu_marks,
 )
 from flashgen.runtime import api, plans  # noqa: E402
 from flashgen.runtime.device import device_info  # noqa: E402
 from flashgen.runtime.registry import default_registry  # noqa: E402
 from flashgen.spec.sm90_fwd import Sm90Fwd  # noqa: E402
+
+HAVE_GPU, pytestmark = gpu_marks()
 
 
 def _sm90_kernels():

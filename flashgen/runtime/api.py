@@ -24,6 +24,7 @@ from flashgen.runtime.registry import KernelBinary, Registry, default_registry
 from flashgen.runtime.select import Request, Selector, num_splits_key, seq_multiples, workspace_bytes
 from flashgen.spec.mem_eff_bwd import MemEffBwd
 from flashgen.spec.mem_eff_fwd import MemEffFwd
+from flashgen.spec.sm90_bwd import Sm90Bwd
 from flashgen.spec.sm90_fwd import Sm90Fwd
 
 _MASKS = {None: 0, "top_left": 1, "bottom_right": 2}
@@ -438,12 +439,13 @@ def _tuned(req: Request, c: _Common) -> Optional[tuning.Choice]:
     return tuning.choice(req.device, bucket)
 
 
-def _launch(registry, binary: KernelBinary, device: int, grid, block, params, stream):
+def _launch(registry, binary: KernelBinary, device: int, grid, block, params, stream, entry: str = ""):
     """Launch with ``Params`` passed by value.  CuPy is handed the record's bytes as one opaque
-    void item: describing the 60-field structured dtype on every launch cost ~50 us."""
-    fn = registry.function(binary, device)
+    void item: describing the 60-field structured dtype on every launch cost ~50 us.  ``entry``
+    names a helper kernel of the instance (no dynamic shared memory)."""
+    fn = registry.function(binary, device, entry)
     raw = params.view(np.dtype((np.void, params.dtype.itemsize)))
-    fn(grid, block, (raw,), shared_mem=binary.constants["shared_memory_bytes"], stream=stream)
+    fn(grid, block, (raw,), shared_mem=0 if entry else binary.constants["shared_memory_bytes"], stream=stream)
 
 
 def _plan_key(cupy, direction: str, arrays, *options):
@@ -463,9 +465,9 @@ def _plan_key(cupy, direction: str, arrays, *options):
     return key
 
 
-def _handle(registry: Registry, binary: KernelBinary, device: int) -> int:
+def _handle(registry: Registry, binary: KernelBinary, device: int, entry: str = "") -> int:
     """The CUfunction behind the registry's CuPy kernel on ``device`` (for plans.LaunchPlan)."""
-    fn = registry.function(binary, device)
+    fn = registry.function(binary, device, entry)
     with _cupy().cuda.Device(device):
         return getattr(fn, "kernel", fn).ptr  # RawKernel.kernel: its Function on the current device
 
@@ -672,16 +674,18 @@ def _sum_groups(grad, heads_kv: int):
                                   .astype(grad.dtype))
 
 
-def _sm90_request(c: _Common, q, k, v, bias) -> Optional[Request]:
-    """The request for flashgen's Hopper forward, or None when the call needs what only the
-    example-41 kernels have (bias, dropout, cu_seqlens, float32, different q/v head dims,
-    strides the TMA engine cannot describe) or the GPU is not a 9.0 one."""
+def _sm90_request(c: _Common, q, k, v, bias, family: str = Sm90Fwd.FAMILY, more=()) -> Optional[Request]:
+    """The request for one of flashgen's Hopper families, or None when the call needs what only
+    the example-41 kernels have (bias, dropout, cu_seqlens, float32, different q/v head dims,
+    strides the TMA engine cannot describe; ``more``: other arrays with the same needs) or the
+    GPU is not a 9.0 one."""
     if bias is not None or c.dropout_p > 0 or c.seqstart_q is not None or c.dtype == "f32" or c.K != c.Kv:
         return None
     info = device_info(c.device)
-    if info.cc != 90 or any(tensormap.bmhk_problem(x) for x in (q, k, v)):
+    arrays = (q, k, v) + tuple(more)
+    if info.cc != 90 or any(tensormap.bmhk_problem(x) for x in arrays):
         return None
-    return Request(Sm90Fwd.FAMILY, c.dtype, c.K, c.Kv, _alignment((q, k, v), (c.K, c.Kv)), False, False, info,
+    return Request(family, c.dtype, c.K, c.Kv, _alignment(arrays, (c.K, c.Kv)), False, False, info,
                    causal=c.mask != 0)
 
 
@@ -728,7 +732,7 @@ def _forward_planned(cupy, plan: plans.LaunchPlan, q, k, v, seed, offset, stream
 
 def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requires_grad=False, causal=None,
                        scale=None, dropout_p=0.0, seed=None, offset=0, cu_seqlens_q=None, cu_seqlens_k=None,
-                       stream=None, registry: Optional[Registry] = None):
+                       deterministic=False, stream=None, registry: Optional[Registry] = None):
     """Gradients of ``attention_forward``: returns ``(dq, dk, dv)``, plus ``dbias`` when
     ``bias_requires_grad`` (full [B, H, M, N]; sum over broadcast dims yourself).
 
@@ -736,16 +740,22 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
     options (same ``seed``/``offset`` when dropout is on).  From the second
     call with the same shapes, strides and options on, dq, dk and dv are
     contiguous arrays carved from one allocation (freed once all three are).
+    ``deterministic=True``: dq adds up in a fixed order, so repeated calls give the same bits
+    (the example-41 kernels then run without key splits).
     """
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     cupy = _cupy()
     registry = registry or default_registry()
     key = None
     if attn_bias is None and not bias_requires_grad and cu_seqlens_q is None and cu_seqlens_k is None:
-        key = _plan_key(cupy, "bwd", (grad_out, q, k, v, out, lse), causal, scale, dropout_p, registry)
+        key = _plan_key(cupy, "bwd", (grad_out, q, k, v, out, lse), causal, scale, dropout_p, deterministic, registry)
         plan = plans.lookup(key) if key is not None else None
         if plan is not None:
             if dropout_p or seed is not None or offset:
                 _check_rng(dropout_p, seed, offset)
+            if plan.sizes.get("sm90"):
+                return _backward_sm90_planned(cupy, plan, grad_out, q, k, v, out, lse, stream)
             return _backward_planned(cupy, plan, grad_out, q, k, v, out, lse, seed, offset, stream)
     q, k, v = as_array(q, "q"), as_array(k, "k"), as_array(v, "v")
     grad_out, out, lse = as_array(grad_out, "grad_out"), as_array(out, "out"), as_array(lse, "lse")
@@ -766,12 +776,17 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
         raise ValueError("bias_requires_grad=True without attn_bias")
     bias = _bias(cupy, attn_bias, c, q, q.shape[1], k.shape[1])
     _check_varlen_bottom_right(c)
+    hopper = _sm90_request(c, q, k, v, bias, Sm90Bwd.FAMILY, (out, grad_out)) if not bias_requires_grad else None
+    binary = _selector(registry).find(hopper, _tuned(hopper, c)) if hopper is not None else None
+    if binary is not None and c.M and c.N:
+        return _backward_sm90(registry, binary, c, grad_out, q, k, v, out, lse, deterministic, stream, key)
     if k.shape[2] != c.H:  # grouped-query attention: gradients of the repeated k/v, summed per group
         with cupy.cuda.Device(c.device):
             grads = attention_backward(
                 grad_out, q, _repeat_heads(k, c.H), _repeat_heads(v, c.H), out, lse, attn_bias=attn_bias,
                 bias_requires_grad=bias_requires_grad, causal=causal, scale=c.scale, dropout_p=dropout_p, seed=seed,
-                offset=offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, stream=stream, registry=registry)
+                offset=offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, deterministic=deterministic,
+                stream=stream, registry=registry)
             return (grads[0], _sum_groups(grads[1], k.shape[2]), _sum_groups(grads[2], k.shape[2])) + tuple(grads[3:])
     if c.dtype != "f32" and (c.K % 8 or c.Kv % 8) and c.M and c.N:
         # The f16/bf16 backward writes dQ/dK/dV rows in 16-byte pieces whatever its alignment
@@ -783,7 +798,7 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
                 pad(grad_out, c.Kv), pad(q, c.K), pad(k, c.K), pad(v, c.Kv), pad(out, c.Kv), lse,
                 attn_bias=attn_bias, bias_requires_grad=bias_requires_grad, causal=causal, scale=c.scale,
                 dropout_p=dropout_p, seed=seed, offset=offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                stream=stream, registry=registry)
+                deterministic=deterministic, stream=stream, registry=registry)
         return (grads[0][..., :c.K], grads[1][..., :c.K], grads[2][..., :c.Kv]) + tuple(grads[3:])
     skip = _rows_without_keys(c, q, k)
     if skip:  # see _rows_without_keys: the first `skip` queries see no key and get no gradient
@@ -792,8 +807,8 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
         part = attention_backward(
             grad_out[:, skip:], q[:, skip:], k, v, out[:, skip:], part_lse,
             attn_bias=None if bias is None else bias[:, :, skip:], bias_requires_grad=bias_requires_grad,
-            causal=causal, scale=c.scale, dropout_p=dropout_p, seed=seed, offset=offset, stream=stream,
-            registry=registry)
+            causal=causal, scale=c.scale, dropout_p=dropout_p, seed=seed, offset=offset, deterministic=deterministic,
+            stream=stream, registry=registry)
         with cupy.cuda.Device(c.device):
             dq = cupy.zeros((c.B, c.M, c.H, c.K), dtype=q.dtype)
             dq[:, skip:] = part[0]
@@ -824,6 +839,8 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
         prefer = _tuned(req, c)
         binary = _selector(registry).select(req, prefer)
         split_policy = prefer.splits if prefer is not None and prefer.matches(binary.spec) else "auto"
+        if deterministic:  # split keys meet in the workspace in no fixed order
+            split_policy = "one"
         kc = binary.constants
         # lse is read a row block at a time: whole blocks of a unit-stride lse need no copy
         pad_lse = c.seqstart_q is not None or c.M % kc["block_i"] or (c.M > 1 and lse.strides[2] != 4)
@@ -927,10 +944,95 @@ def _backward_planned(cupy, plan: plans.LaunchPlan, grad_out, q, k, v, out, lse,
     return dq, dk, dv
 
 
+_SM90_BWD_MAPS = ("q_map", "k_map", "v_map", "do_map")
+# per-call pointers after the four tensor maps' (q, k, v, grad_out), in Params order
+_SM90_BWD_POINTERS = ("out_ptr", "dout_ptr", "lse_ptr", "lse_log2_ptr", "delta_ptr", "dq_accum_ptr",
+                      "dq_semaphore_ptr", "dq_ptr", "dk_ptr", "dv_ptr")
+
+
+def _sm90_bwd_layout(kc, c: _Common, k, deterministic: bool):
+    """(rows_padded, byte offsets of dk, dv, lse_log2, delta, dq accumulator, semaphores, total) of
+    one allocation holding an sm90_bwd call's outputs and workspace (spec/sm90_bwd.py)."""
+    rows = -(-c.M // kc["block_m"]) * kc["block_m"]
+    heads_rows = c.batches * c.H * rows
+    dq_bytes = c.batches * c.M * c.H * c.K * 2
+    dkv_bytes = c.batches * c.N * k.shape[2] * c.K * 2
+    semaphores = heads_rows // kc["block_m"] * kc["warp_groups"] * 4 if deterministic else 0
+    return (rows,) + _packed_offsets(dq_bytes, dkv_bytes, dkv_bytes, heads_rows * 4, heads_rows * 4,
+                                     heads_rows * kc["max_k"] * 4, semaphores)
+
+
+def _backward_sm90(registry, binary: KernelBinary, c: _Common, grad_out, q, k, v, out, lse, deterministic, stream,
+                   key):
+    """Launch an sm90_bwd instance's three kernels (prep, main, convert; see spec/sm90_bwd.py)."""
+    cupy = _cupy()
+    kc = binary.constants
+    with cupy.cuda.Device(c.device):
+        if c.M > 1 and lse.strides[2] != 4:
+            lse = cupy.ascontiguousarray(lse)  # the prep kernel reads a row's lse with unit stride
+            key = None  # a per-call copy: not a plan
+        rows, at_dk, at_dv, at_lse2, at_delta, at_accum, at_sem, total = _sm90_bwd_layout(kc, c, k, deterministic)
+        memory = cupy.empty(total, dtype=cupy.uint8).data
+        dq = cupy.ndarray(q.shape, q.dtype, memory)
+        dk = cupy.ndarray(k.shape, k.dtype, memory + at_dk)
+        dv = cupy.ndarray(v.shape, v.dtype, memory + at_dv)
+        os_, gos, ls = _elem_strides(out), _elem_strides(grad_out), _elem_strides(lse)
+        _check_int32(out_stride_m=os_[1], out_stride_h=os_[2], dout_stride_m=gos[1], dout_stride_h=gos[2],
+                     lse_stride_b=ls[0], lse_stride_h=ls[1], rows_padded=rows * c.H * c.batches)
+        p = _params_buffer(Sm90Bwd)
+        base = memory.ptr
+        _fill(p, out_ptr=out.data.ptr, dout_ptr=grad_out.data.ptr, lse_ptr=lse.data.ptr,
+              lse_log2_ptr=base + at_lse2, delta_ptr=base + at_delta, dq_accum_ptr=base + at_accum,
+              dq_semaphore_ptr=base + at_sem if deterministic else 0, dq_ptr=dq.data.ptr, dk_ptr=dk.data.ptr,
+              dv_ptr=dv.data.ptr, out_stride_b=os_[0], dout_stride_b=gos[0], dq_stride_b=c.M * c.H * c.K,
+              dkv_stride_b=k.shape[1] * k.shape[2] * c.K, out_stride_m=os_[1], out_stride_h=os_[2],
+              dout_stride_m=gos[1], dout_stride_h=gos[2], dq_stride_m=c.H * c.K, dq_stride_h=c.K,
+              dkv_stride_n=k.shape[2] * c.K, dkv_stride_h=c.K, lse_stride_b=ls[0], lse_stride_h=ls[1],
+              num_queries=c.M, num_keys=c.N, num_heads=c.H, head_dim=c.K, head_group=c.H // k.shape[2],
+              diagonal_offset=c.N - c.M if c.mask == _MASKS["bottom_right"] else 0, rows_padded=rows,
+              deterministic=int(deterministic), scale=c.scale, scale_log2=c.scale * math.log2(math.e))
+        raw = p.view(np.uint8)
+        for name, x, rows_per_box in zip(_SM90_BWD_MAPS, (q, k, v, grad_out),
+                                         (kc["block_m"], kc["block_n"], kc["block_n"], kc["block_m"])):
+            at = p.dtype.fields[name][1]
+            tensormap.encode_bmhk(raw[at:at + tensormap.TENSOR_MAP_BYTES], x, c.dtype, kc["box_cols"], rows_per_box,
+                                  kc["swizzle_bytes"])
+        aux_grid, aux_block = (rows // kc["block_m"], c.H, c.batches), (kc["aux_threads"], 1, 1)
+        grid, block = (-(-c.N // kc["block_n"]), k.shape[2], c.batches), (kc["threads_per_block"], 1, 1)
+        _launch(registry, binary, c.device, aux_grid, aux_block, p, stream, "_prep")
+        _launch(registry, binary, c.device, grid, block, p, stream)
+        _launch(registry, binary, c.device, aux_grid, aux_block, p, stream, "_convert")
+        if key is not None:
+            handle = lambda entry: _handle(registry, binary, c.device, entry)  # noqa: E731
+            plans.remember(key, plans.LaunchPlan.from_params(
+                handle(""), c.device, grid, block, kc["shared_memory_bytes"], p, _SM90_BWD_POINTERS, False,
+                {"sm90": True, "layout": (at_dk, at_dv, at_lse2, at_delta, at_accum, at_sem, total),
+                 "deterministic": deterministic}, tensor_maps=_SM90_BWD_MAPS,
+                before=[(handle("_prep"), aux_grid, aux_block)], after=[(handle("_convert"), aux_grid, aux_block)]))
+    return dq, dk, dv
+
+
+def _backward_sm90_planned(cupy, plan: plans.LaunchPlan, grad_out, q, k, v, out, lse, stream):
+    """An sm90 backward whose signature was seen before: one allocation, three launches."""
+    at_dk, at_dv, at_lse2, at_delta, at_accum, at_sem, total = plan.sizes["layout"]
+    with _on_device(cupy, plan.device):
+        memory = cupy.empty(total, dtype=cupy.uint8).data
+        base = memory.ptr
+        dq = cupy.ndarray(q.shape, q.dtype, memory)
+        dk = cupy.ndarray(k.shape, k.dtype, memory + at_dk)
+        dv = cupy.ndarray(v.shape, v.dtype, memory + at_dv)
+        pointers = (out.data.ptr, grad_out.data.ptr, lse.data.ptr, base + at_lse2, base + at_delta,
+                    base + at_accum, base + at_sem if plan.sizes["deterministic"] else 0, dq.data.ptr,
+                    dk.data.ptr, dv.data.ptr)
+        plan.launch((q.data.ptr, k.data.ptr, v.data.ptr, grad_out.data.ptr) + pointers, 0, 0,
+                    _stream_handle(cupy, stream))
+    return dq, dk, dv
+
+
 def explain(q, k, v, *, backward=False, attn_bias=None, dropout_p=0.0, causal=None,
             registry: Optional[Registry] = None):
     """Every candidate kernel for this call, in the order tried, with why it was rejected or chosen
-    (on a 9.0 GPU the forward tries flashgen's sm90_fwd kernels first)."""
+    (on a 9.0 GPU flashgen's sm90_fwd / sm90_bwd kernels are tried first)."""
     cupy = _cupy()
     q, k, v = as_array(q, "q"), as_array(k, "k"), as_array(v, "v")
     c = _common(q, k, v, causal, None, dropout_p, 0 if dropout_p else None, 0, None, None)
@@ -941,7 +1043,7 @@ def explain(q, k, v, *, backward=False, attn_bias=None, dropout_p=0.0, causal=No
                   bias is not None, device_info(c.device), seq_multiples(c.M, c.N, False))
     selector = _selector(registry or default_registry())
     rows = []
-    hopper = None if backward else _sm90_request(c, q, k, v, bias)
+    hopper = _sm90_request(c, q, k, v, bias, Sm90Bwd.FAMILY if backward else Sm90Fwd.FAMILY)
     if hopper is not None and selector.find(hopper) is not None:  # tried first on 9.0 GPUs
         rows = selector.explain(hopper)
     later = selector.explain(req)

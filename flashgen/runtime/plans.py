@@ -60,19 +60,25 @@ _cuda_driver = None
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """One kernel launch with everything fixed but its pointers.
+    """One kernel launch (or a main kernel and its helpers) with everything fixed but its pointers.
 
-    ``params`` holds the packed ``Params`` bytes of the call that made the
-    plan; ``words`` are the 64-bit word indices of the per-call fields (the
+    ``words`` are the 64-bit word indices of the per-call fields (the
     pointers, in the order the plan was made with, then the dropout seed and
-    offset if any).  A launch copies ``params`` into the plan's own buffer,
-    writes those words and hands cuLaunchKernel a one-entry argument array
-    pointing at the buffer (the driver copies the bytes before it returns, so
-    a lock around the three steps is all the sharing between threads needs).
-    ``sizes`` holds what the caller allocates per call (shapes, flags).
-    ``tensor_maps`` are the byte offsets of TMA descriptors in ``Params``: the
-    first pointers of a launch replace their global addresses (the buffer is
-    64-byte aligned, as the driver wants it).
+    offset if any).  The plan's own buffer starts as a copy of the ``Params``
+    bytes of the call that made the plan; a launch writes those words into it
+    (nothing else there ever changes) and hands cuLaunchKernel a one-entry
+    argument array pointing at the buffer (the driver copies the bytes before
+    it returns, so a lock around the steps is all the sharing between threads
+    needs).  ``sizes`` holds what the caller allocates per call (shapes, flags).
+
+    ``tensor_maps`` are the byte offsets of TMA descriptors in ``Params``
+    (the buffer is 64-byte aligned, as the driver wants it): the first
+    pointers of a launch become their global addresses, re-encoded only where
+    they differ from what the map holds already (CuPy's pool often hands a
+    training step the same addresses as the last; each re-encode is a driver
+    call).  ``before`` and ``after`` are (CUfunction, grid, block) of helper
+    kernels launched around the main one with the same ``Params`` and no
+    dynamic shared memory (sm90_bwd's prep and convert).
     """
 
     handle: int  # CUfunction
@@ -80,21 +86,24 @@ class LaunchPlan:
     grid: Tuple[int, int, int]
     block: Tuple[int, int, int]
     shared_memory: int
-    params: memoryview  # the first call's Params, as 64-bit words
     words: Tuple[int, ...]
     has_rng: bool
     sizes: Mapping[str, object]
     launcher: Callable = _driver_launch
     tensor_maps: Tuple[int, ...] = ()
+    before: Tuple[tuple, ...] = ()
+    after: Tuple[tuple, ...] = ()
     buffer: memoryview = field(default=None, compare=False, repr=False)  # 64-bit words of a NumPy array
     argv: np.ndarray = field(default=None, compare=False, repr=False)  # void *kernelParams[1] = {buffer}
     argv_address: int = 0
+    map_addresses: list = field(default_factory=list, compare=False, repr=False)  # what the buffer's maps hold
     lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
     @classmethod
     def from_params(cls, handle: int, device: int, grid, block, shared_memory: int, params: np.ndarray,
                     pointer_fields: Sequence[str], dropout: bool, sizes: Mapping[str, object],
-                    launcher: Callable = _driver_launch, tensor_maps: Sequence[str] = ()) -> "LaunchPlan":
+                    launcher: Callable = _driver_launch, tensor_maps: Sequence[str] = (),
+                    before: Sequence[tuple] = (), after: Sequence[tuple] = ()) -> "LaunchPlan":
         """A plan from a filled ``Params`` record (the structured one-item array that launched);
         a launch takes the pointers for ``tensor_maps`` (field names), then ``pointer_fields``."""
         assert params.dtype.itemsize % 8 == 0, "Params must be a whole number of 64-bit words"
@@ -105,11 +114,13 @@ class LaunchPlan:
             assert dtype.itemsize == 8 and offset % 8 == 0, f"{name} is not an aligned 64-bit field"
             words.append(offset // 8)
         storage = tensormap.aligned_buffer(params.dtype.itemsize)
+        storage[:] = params.view(np.uint8)
         argv = np.array([storage.ctypes.data], dtype=np.uint64)
         maps = tuple(params.dtype.fields[name][1] for name in tensor_maps)
-        return cls(handle, device, tuple(grid), tuple(block), shared_memory,
-                   memoryview(params.tobytes()).cast("Q"), tuple(words), dropout, dict(sizes), launcher, maps,
-                   memoryview(storage).cast("Q"), argv, argv.__array_interface__["data"][0])
+        return cls(handle, device, tuple(grid), tuple(block), shared_memory, tuple(words), dropout, dict(sizes),
+                   launcher, maps,
+                   tuple(before), tuple(after), memoryview(storage).cast("Q"), argv,
+                   argv.__array_interface__["data"][0], [None] * len(maps))
 
     def launch(self, pointers: Sequence[int], seed: int, offset: int, stream: int) -> None:
         """Launch on the CUDA stream handle ``stream`` with these pointers (and dropout seed/offset)."""
@@ -117,12 +128,18 @@ class LaunchPlan:
         values = (*pointers[maps:], seed, offset) if self.has_rng else pointers[maps:]
         buffer = self.buffer
         with self.lock:
-            buffer[:] = self.params
-            if maps:
-                tensormap.replace_addresses(int(self.argv[0]), self.tensor_maps, pointers[:maps])
+            held = self.map_addresses
+            for i in range(maps):
+                if held[i] != pointers[i]:
+                    tensormap.replace_addresses(int(self.argv[0]), self.tensor_maps[i:i + 1], pointers[i:i + 1])
+                    held[i] = pointers[i]
             for index, value in zip(self.words, values):
                 buffer[index] = value
+            for handle, grid, block in self.before:
+                self.launcher(handle, grid, block, 0, stream, self.argv_address)
             self.launcher(self.handle, self.grid, self.block, self.shared_memory, stream, self.argv_address)
+            for handle, grid, block in self.after:
+                self.launcher(handle, grid, block, 0, stream, self.argv_address)
 
 
 def lookup(key) -> Optional[LaunchPlan]:

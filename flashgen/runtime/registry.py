@@ -80,7 +80,7 @@ class Registry:
                                                      f"{', '.join(missing)}; rebuild it with this version")
                     self.binaries.setdefault((spec.name, target), KernelBinary(
                         spec, target, directory / manifest.binary_path(rec), rec["sha256"], rec["constants"], rec))
-        self._modules: Dict[Tuple[Path, int], tuple] = {}  # (cubin, device) -> (module, function)
+        self._modules: Dict[Tuple[Path, int], tuple] = {}  # (cubin, device) -> (module, {entry: function})
         self._lock = threading.Lock()
         self._warned_ptx = False
 
@@ -111,8 +111,9 @@ class Registry:
                 f"`flashgen build --arch {device.sm}` and put the output directory on FLASHGEN_KERNEL_PATH")
         return sorted(chosen, key=lambda b: b.spec.priority)
 
-    def function(self, binary: KernelBinary, device: int):
-        """The kernel's entry as a CuPy function on ``device``, loaded on first use."""
+    def function(self, binary: KernelBinary, device: int, entry: str = ""):
+        """The kernel's entry point ``<name><entry>`` as a CuPy function on ``device``; the
+        module is loaded on first use (the sm90_bwd family has ``_prep`` and ``_convert`` too)."""
         key = (binary.path, device)
         loaded = self._modules.get(key)
         if loaded is None:
@@ -120,7 +121,12 @@ class Registry:
                 loaded = self._modules.get(key)
                 if loaded is None:
                     loaded = self._modules[key] = self._load(binary, device)
-        return loaded[1]
+        functions = loaded[1]
+        fn = functions.get(entry)
+        if fn is None:
+            with self._lock:
+                fn = functions[entry] = loaded[0].get_function(binary.spec.name + entry)
+        return fn
 
     def verify(self, binary: KernelBinary) -> None:
         """Refuse a binary that is missing or differs from its manifest (before CuPy sees it)."""
@@ -146,7 +152,7 @@ class Registry:
             smem = binary.constants["shared_memory_bytes"]
             if smem > 48 * 1024:
                 fn.max_dynamic_shared_size_bytes = smem
-        return module, fn  # keep the module referenced for as long as the function is cached
+        return module, {"": fn}  # keep the module referenced for as long as its functions are cached
 
 
 _default: Optional[Registry] = None

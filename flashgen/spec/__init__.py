@@ -7,9 +7,10 @@ from typing import Dict, List, Optional, Sequence, Type
 from flashgen.spec.core import KernelSpec
 from flashgen.spec.mem_eff_bwd import MemEffBwd
 from flashgen.spec.mem_eff_fwd import MemEffFwd
+from flashgen.spec.sm90_bwd import Sm90Bwd
 from flashgen.spec.sm90_fwd import Sm90Fwd
 
-FAMILIES: Dict[str, Type[KernelSpec]] = {cls.FAMILY: cls for cls in (MemEffFwd, MemEffBwd, Sm90Fwd)}
+FAMILIES: Dict[str, Type[KernelSpec]] = {cls.FAMILY: cls for cls in (MemEffFwd, MemEffBwd, Sm90Fwd, Sm90Bwd)}
 
 
 def family(name: str) -> Type[KernelSpec]:

@@ -44,7 +44,7 @@ _CTYPES = {
     "i64": "<i8",
     "u64": "<u8",
     "f32": "<f4",
-    "tensor_map": "V128",  # CUtensorMap: 128 opaque bytes, 64-byte aligned (placed first in Params)
+    "tensor_map": "V128",  # CUtensorMap: 128 opaque bytes, alignas(128) in cuda.h (placed first in Params)
 }
 
 
@@ -86,15 +86,15 @@ class Constant:
 
 def params_dtype(abi: Tuple[Field, ...]) -> np.dtype:
     """The NumPy structured dtype that mirrors ``Params`` (C alignment rules; a struct holding
-    a ``CUtensorMap`` is 64-byte aligned, so its size rounds up to 64)."""
+    a ``CUtensorMap`` is 128-byte aligned, so its size rounds up to 128)."""
     names, formats = [f.numpy_name for f in abi], [_CTYPES[f.ctype] for f in abi]
     dtype = np.dtype({"names": names, "formats": formats}, align=True)
     maps = [dtype.fields[f.numpy_name][1] for f in abi if f.ctype == "tensor_map"]
     if not maps:
         return dtype
-    assert all(offset % 64 == 0 for offset in maps), "tensor maps must sit at 64-byte offsets: declare them first"
+    assert all(offset % 128 == 0 for offset in maps), "tensor maps must sit at 128-byte offsets: declare them first"
     offsets = [dtype.fields[n][1] for n in names]
-    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": -(-dtype.itemsize // 64) * 64})
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": -(-dtype.itemsize // 128) * 128})
 
 
 def cpp_bool(value: bool) -> str:

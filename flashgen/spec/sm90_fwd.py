@@ -19,21 +19,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashgen.spec.core import DTYPES, Constant, Field, KernelSpec, Rule, cpp_bool, normalize_target
+from flashgen.spec.core import DTYPES, Constant, Field, Rule
+from flashgen.spec.sm90_tile import Sm90Tile
+
 
 @dataclass(frozen=True)
-class Sm90Fwd(KernelSpec):
-    arch: str
-    dtype: str
-    max_k: int
-    block_m: int
-    block_n: int
-    stages: int
-    causal: bool
-
+class Sm90Fwd(Sm90Tile):
     FAMILY = "sm90_fwd"
     TEMPLATE = "sm90_fwd.cu.j2"
     HEADER = "flashgen/sm90_fwd.h"
+    KERNEL = "flashgen::sm90::FwdKernel"
     AXES = {
         "arch": ("sm90a",),
         "dtype": ("f16", "bf16"),
@@ -43,22 +38,11 @@ class Sm90Fwd(KernelSpec):
         "stages": (2, 3),
         "causal": (False, True),
     }
-    TUNED_AXES = ("block_m", "block_n", "stages")
     RULES = (
         Rule("192 query rows are three consumer warpgroups (416 threads): at most 152 registers each, "
              "which only head dim 64 fits without spilling",
              lambda k: k.block_m == 192 and k.max_k > 64),
     )
-
-    def runs_on(self, target: str) -> bool:
-        """Only the arch-specific sm_90a target has wgmma; plain sm90 (and PTX) builds skip it."""
-        return normalize_target(target) == "sm90a"
-
-    @property
-    def name(self) -> str:
-        parts = [self.FAMILY, self.dtype, f"k{self.max_k}", f"q{self.block_m}x{self.block_n}", f"s{self.stages}"]
-        parts += ["causal"] if self.causal else []
-        return "_".join(parts + [self.arch])
 
     @property
     def priority(self) -> tuple:
@@ -66,11 +50,6 @@ class Sm90Fwd(KernelSpec):
         # 192 query rows where they exist (head dim 64: +5-15% from 512 to 16k tokens on an H200,
         # within noise of 128 for causal 1k), two stages (a third never won by more than noise)
         return (tuple(DTYPES).index(self.dtype), self.causal, self.max_k, -self.block_m, self.stages, self.block_n)
-
-    @property
-    def cpp_type(self) -> str:
-        return (f"flashgen::sm90::FwdKernel<{DTYPES[self.dtype]}, {self.max_k}, {self.block_m}, {self.block_n}, "
-                f"{self.stages}, {cpp_bool(self.causal)}>")
 
     # `flashgen::sm90::FwdParams`
     ABI = (

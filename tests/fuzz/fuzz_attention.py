@@ -54,6 +54,7 @@ def draw(seed: int, case: int) -> dict:
         p.update(dropout=float(r.uniform(0.05, 0.6)), N=int(r.integers(1, 129)), causal=None, scale=None,
                  seed=int(r.integers(2**40)))
         p["Kv"] = p["K"] = min(p["K"], 256)
+    p["deterministic"] = bool(r.random() < 0.3)  # drawn last: earlier draws stay what they were
     return p
 
 
@@ -82,7 +83,7 @@ def run_case(seed: int, case: int) -> dict:
         opts = dict(causal=p["causal"], scale=p["scale"], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
         with poisoned_allocations():
             out, lse = flashgen.attention_forward(q, k, v, **opts)
-            dq, dk, dv = flashgen.attention_backward(do, q, k, v, out, lse, **opts)
+            dq, dk, dv = flashgen.attention_backward(do, q, k, v, out, lse, deterministic=p["deterministic"], **opts)
         for s, (m, n) in enumerate(p["varlen"]):
             qs, ks = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
             if m == 0:
@@ -112,7 +113,8 @@ def run_case(seed: int, case: int) -> dict:
         keep = recover_keep_mask(q, k, p["dropout"], p["seed"])
     with poisoned_allocations():
         out, lse = flashgen.attention_forward(q, k, v, **opts)
-        grads = flashgen.attention_backward(do, q, k, v, out, lse, bias_requires_grad=bias is not None, **opts)
+        grads = flashgen.attention_backward(do, q, k, v, out, lse, bias_requires_grad=bias is not None,
+                                            deterministic=p["deterministic"], **opts)
     ro, rl, rgrads = reference(q, k, v, bias=bias, causal=p["causal"], scale=p["scale"], keep=keep,
                                p=p["dropout"], grad_out=do)
     checks = [("out", rel_err, out, ro, tol_f), ("lse", lse_err, lse, rl, tol_f)]

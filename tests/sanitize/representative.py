@@ -32,6 +32,7 @@ def call(dtype, B, M, N, H, K, Kv=None, offset=False, **opts):
 def call_once(dtype, B, M, N, H, K, Kv=None, offset=False, **opts):
     Kv = Kv or K
     Hk = opts.pop("heads_kv", H)
+    deterministic = opts.pop("deterministic", False)
     q, k, v = randn(r, (B, M, H, K), dtype), randn(r, (B, N, Hk, K), dtype), randn(r, (B, N, Hk, Kv), dtype)
     if offset:  # a 4-element offset: only the unaligned kernels accept it
         q = randn(r, (B * M * H * K + 4,), dtype)[4:].reshape(B, M, H, K)
@@ -40,7 +41,8 @@ def call_once(dtype, B, M, N, H, K, Kv=None, offset=False, **opts):
         opts["attn_bias"] = randn(r, (B, H, M, N), dtype)
     out, lse = flashgen.attention_forward(q, k, v, **opts)
     grads = flashgen.attention_backward(randn(r, out.shape, dtype), q, k, v, out, lse,
-                                        bias_requires_grad=bias is not None and bias, **opts)
+                                        bias_requires_grad=bias is not None and bias, deterministic=deterministic,
+                                        **opts)
     cupy.cuda.runtime.deviceSynchronize()
     return grads
 
@@ -54,12 +56,15 @@ for dtype in ("f32", "f16", "bf16"):
     call(dtype, 1, 50, 20, 2, 64, causal="bottom_right", bias=True)    # rows without keys, bias gradient
     call(dtype, 1, 128, 256, 2, 128, causal="top_left")                # M, N block multiples: block-aligned (f16/bf16)
     call(dtype, 2, 64, 64, 2, 64)
-# flashgen's Hopper forward (9.0 GPUs; the f16/bf16 calls above take it too): several key
-# blocks with partial tiles, a head dim below its tier, grouped-query k/v
+# flashgen's Hopper forward and backward (9.0 GPUs; the aligned, bias-free f16/bf16 calls above
+# take them too): several key blocks with partial tiles, a head dim below its tier, grouped-query
+# k/v, rows without keys, the deterministic dQ order
 for dtype in ("f16", "bf16"):
     call(dtype, 1, 300, 260, 4, 96, causal="bottom_right")
     call(dtype, 2, 129, 200, 2, 40)
     call(dtype, 1, 200, 333, 8, 128, heads_kv=2, causal="top_left")
+    call(dtype, 1, 300, 130, 2, 64, causal="bottom_right")
+    call(dtype, 2, 257, 300, 2, 128, deterministic=True)
 cu_q, cu_k = np.array([0, 5, 5, 40], np.int32), np.array([0, 0, 30, 70], np.int32)
 q = randn(r, (1, 40, 2, 64), "f16")
 kv = randn(r, (1, 70, 2, 64), "f16")

@@ -29,6 +29,8 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
 
+#include "flashgen/sm90_common.h"
+
 namespace flashgen {
 namespace sm90 {
 
@@ -56,47 +58,6 @@ struct FwdParams {
   int diagonal_offset;    // causal: key j is visible to query i iff j <= i + diagonal_offset
   float scale_log2;       // softmax scale * log2(e)
 };
-
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
-}
-
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffff, x, 1);
-  return x + __shfl_xor_sync(0xffffffff, x, 2);
-}
-
-// One warpgroup-wide wgmma GEMM over the K modes of a and b, accumulating into c
-// (or overwriting it when kZeroInit), waited for before returning.  kARegisters:
-// a is a register fragment (fenced like c), not shared-memory descriptors.
-template <bool kZeroInit, bool kARegisters, class TiledMma, class TensorA, class TensorB, class TensorC>
-__device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TensorA const& a, TensorB const& b, TensorC& c) {
-  using namespace cute;
-  warpgroup_fence_operand(c);
-  if constexpr (kARegisters) {
-    warpgroup_fence_operand(const_cast<TensorA&>(a));
-  }
-  warpgroup_arrive();
-  mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(a); ++k) {
-    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(c);
-  if constexpr (kARegisters) {
-    warpgroup_fence_operand(const_cast<TensorA&>(a));
-  }
-}
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_>
 struct FwdKernel {
@@ -173,12 +134,8 @@ struct FwdKernel {
   // `full` completes when all its bytes have landed.
   static __device__ void load_tile(CUtensorMap const* map, uint64_t* full, Element* smem, int rows, int row0,
                                    int head, int batch) {
-    constexpr uint64_t kHint = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, rows * kHeadDim * int(sizeof(Element)));
-    CUTE_UNROLL
-    for (int c = 0; c < kBoxesPerRow; ++c) {
-      cute::SM90_TMA_LOAD_4D::copy(map, full, kHint, smem + c * rows * kBoxCols, c * kBoxCols, row0, head, batch);
-    }
+    tma_load_tile<kBoxCols, kBoxesPerRow>(map, full, smem, rows, row0, head, batch);
   }
 
   static __device__ void produce(FwdParams const& p, SharedStorage& s, int m_block, int head, int batch,

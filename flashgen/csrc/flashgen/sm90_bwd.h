@@ -1,0 +1,552 @@
+// flashgen's Hopper attention backward (sm_90a): TMA loads, wgmma, one producer warpgroup.
+//
+// Three kernels per instance, launched in this order on one stream:
+//   prep     per query row: delta = rowsum(dO * O), the forward's lse in the
+//            log2 domain (+inf where no key contributes, so P is 0 there), and
+//            zeroes of the row's fp32 dQ accumulator;
+//   main     one CTA per block of kBlockN keys of one (batch, k/v head): K and V
+//            stay in shared memory while Q, dO, lse and delta stream through a
+//            kStages-deep ring, block after block of kBlockM queries, for every
+//            query head of the k/v head's group (grouped-query attention sums
+//            dK and dV in registers, nothing is repeated in memory);
+//   convert  dQ = scale * accumulator, in the input dtype and the caller's strides.
+//
+// In the main kernel each consumer warpgroup owns 64 keys; the last warpgroup loads.  Per query block:
+//   S^T  = K Q^T,  dP^T = V dO^T            (wgmma, both operands in shared memory)
+//   P^T  = exp2(S^T * scale_log2 - lse_log2),   dS^T = P^T * (dP^T - delta)
+//   dV  += P^T dO,  dK += dS^T Q             (wgmma, P^T / dS^T from registers)
+//   dQ  += dS K                              (dS^T through shared memory; fp32 atomics)
+// Transposing S rather than dQ keeps every per-row softmax quantity a column
+// broadcast (one smem read per column) and dK/dV in registers for the whole
+// CTA.  The dQ product is split between the warpgroups by query rows when a
+// block has 128 of them, else by head-dim columns, so every dQ element gets one
+// atomic add per CTA.  With `deterministic` the CTAs of one (head, query block)
+// add in key-block order (a counter per block and half), so results repeat bit
+// for bit.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap
+#include <cuda/atomic>
+
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_types.h>
+
+#include "flashgen/sm90_common.h"
+
+namespace flashgen {
+namespace sm90 {
+
+// What the runtime passes by value to all three kernels (__grid_constant__).
+// q/do maps: (head_dim, queries, heads, batch), boxes (kBoxCols, kBlockM);
+// k/v maps: (head_dim, keys, k/v heads, batch), boxes (kBoxCols, kBlockN).
+// Workspace rows are padded per head to rows_padded, a multiple of kBlockM.
+struct BwdParams {
+  CUtensorMap q_map;
+  CUtensorMap k_map;
+  CUtensorMap v_map;
+  CUtensorMap do_map;
+  void const* out_ptr;        // O [B, M, H, D], for delta
+  void const* dout_ptr;       // dO, the tensor do_map describes
+  float const* lse_ptr;       // the forward's lse, natural log
+  float* lse_log2_ptr;        // workspace [B, H, rows_padded]
+  float* delta_ptr;           // workspace [B, H, rows_padded]
+  float* dq_accum_ptr;        // workspace [B, H, rows_padded, kHeadDim], zeroed by prep
+  int* dq_semaphore_ptr;      // deterministic: [B, H, rows_padded / kBlockM, warpgroups]; else unused
+  void* dq_ptr;
+  void* dk_ptr;
+  void* dv_ptr;
+  long long out_stride_b;     // elements
+  long long dout_stride_b;
+  long long dq_stride_b;
+  long long dkv_stride_b;     // dk and dv share their layout [B, N, Hk, D]
+  int out_stride_m;
+  int out_stride_h;
+  int dout_stride_m;
+  int dout_stride_h;
+  int dq_stride_m;
+  int dq_stride_h;
+  int dkv_stride_n;
+  int dkv_stride_h;
+  int lse_stride_b;           // floats
+  int lse_stride_h;
+  int num_queries;
+  int num_keys;
+  int num_heads;              // query heads
+  int head_dim;               // <= kHeadDim, a multiple of 8
+  int head_group;             // query heads per k/v head
+  int diagonal_offset;        // causal: key j is visible to query i iff j <= i + diagonal_offset
+  int rows_padded;
+  int deterministic;
+  float scale;
+  float scale_log2;           // scale * log2(e)
+};
+
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_>
+struct BwdKernel {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;  // queries per step
+  static constexpr int kBlockN = kBlockN_;  // keys per CTA
+  static constexpr int kStages = kStages_;
+  static constexpr bool kCausal = kCausal_;
+
+  static_assert(sizeof(Element) == 2, "f16 or bf16");
+  static_assert(kBlockN % 64 == 0 && kBlockM % 64 == 0 && kHeadDim % 32 == 0, "wgmma tile shapes");
+  static constexpr int kWarpGroups = kBlockN / 64;
+  static constexpr int kConsumerThreads = 128 * kWarpGroups;
+  // The producer is a whole warpgroup (one lane of it issues the loads) so that
+  // setmaxnreg can hand its registers to the consumers: 240 each instead of the
+  // 168 a 384-thread block gets (ptxas budgets whole warpgroups).
+  static constexpr int kThreads = kConsumerThreads + 128;
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+  static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <= 65536, "register file");
+  static constexpr int kMinBlocksPerSm = 1;
+  static constexpr int kAuxThreads = 128;  // prep and convert
+
+  static constexpr int kSwizzleBytes = kHeadDim % 64 == 0 ? 128 : 64;
+  static constexpr int kBoxCols = kSwizzleBytes / sizeof(Element);
+  static constexpr int kBoxesPerRow = kHeadDim / kBoxCols;
+
+  // How the warpgroups share dQ = dS K: by 64-row halves of a 128-query block,
+  // else by head-dim columns (each part a whole number of swizzle atoms).
+  static constexpr bool kDqSplitRows = kBlockM == 64 * kWarpGroups;
+  static constexpr int kDqCols = kDqSplitRows ? kHeadDim : kHeadDim / kWarpGroups;
+  static_assert(kDqSplitRows || (kBlockM == 64 && kDqCols % kBoxCols == 0),
+                "dQ needs 64 query rows per warpgroup or whole swizzle atoms of head-dim columns per warpgroup");
+
+  using AtomK = std::conditional_t<kSwizzleBytes == 128, cute::GMMA::Layout_K_SW128_Atom<Element>,
+                                   cute::GMMA::Layout_K_SW64_Atom<Element>>;
+  using AtomMN = std::conditional_t<kSwizzleBytes == 128, cute::GMMA::Layout_MN_SW128_Atom<Element>,
+                                    cute::GMMA::Layout_MN_SW64_Atom<Element>>;
+  template <int kRows, int kStagesOf>
+  using RowMajorTiles = decltype(cute::tile_to_shape(
+      AtomK{}, cute::Shape<cute::Int<kRows>, cute::Int<kHeadDim>, cute::Int<kStagesOf>>{}));
+  // The same bytes seen as (head dim, rows): the B operand where rows are the K mode.
+  template <int kRows, int kStagesOf>
+  using ColMajorTiles = decltype(cute::tile_to_shape(
+      AtomMN{}, cute::Shape<cute::Int<kHeadDim>, cute::Int<kRows>, cute::Int<kStagesOf>>{},
+      cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  using SmemLayoutQ = RowMajorTiles<kBlockM, kStages>;    // Q and dO as B of S^T / dP^T
+  using SmemLayoutQt = ColMajorTiles<kBlockM, kStages>;   // Q and dO as B of dK / dV
+  using SmemLayoutK = RowMajorTiles<kBlockN, 1>;          // K and V as A of S^T / dP^T
+  using SmemLayoutKt = ColMajorTiles<kBlockN, 1>;         // K as B of dQ
+  // dS (queries, keys), queries contiguous (written from the dS^T registers), double-buffered.
+  using SmemLayoutDs = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_MN_SW128_Atom<Element>{},
+      cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::_2>{}, cute::Step<cute::_2, cute::_1, cute::_3>{}));
+
+  using WarpGroups = cute::Layout<cute::Shape<cute::Int<kWarpGroups>, cute::_1, cute::_1>>;
+  using TiledMmaSdP = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::_64, cute::Int<kBlockM>, cute::Int<kHeadDim>>>(),
+      WarpGroups{}));
+  using TiledMmaKV = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float,
+                                 cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockM>>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+      WarpGroups{}));
+  using TiledMmaDq = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::_64, cute::Int<kDqCols>, cute::Int<kBlockN>>,
+                                 cute::GMMA::Major::MN, cute::GMMA::Major::MN>()));
+
+  struct SharedStorage {
+    alignas(1024) Element k[kBlockN * kHeadDim];
+    alignas(1024) Element v[kBlockN * kHeadDim];
+    alignas(1024) Element q[kStages * kBlockM * kHeadDim];
+    alignas(1024) Element dout[kStages * kBlockM * kHeadDim];
+    alignas(1024) Element ds[2 * kBlockM * kBlockN];
+    alignas(16) float lse_log2[kStages][kBlockM];
+    alignas(16) float delta[kStages][kBlockM];
+    alignas(8) uint64_t kv_full;
+    uint64_t full[kStages];
+    uint64_t empty[kStages];
+  };
+  static constexpr int kSharedBytes = int(sizeof(SharedStorage)) + 1024;  // +1024: the base is rounded up
+  static_assert(kSharedBytes <= 227 * 1024, "K, V, the Q/dO ring and dS exceed the shared memory of a Hopper block");
+
+  // The query blocks a key block meets: all, or from the causal diagonal on.
+  struct Steps {
+    int m_begin;
+    int m_blocks;  // per query head
+  };
+  static __device__ Steps steps(BwdParams const& p, int n_block) {
+    int const m_end = (p.num_queries + kBlockM - 1) / kBlockM;
+    int m_begin = 0;
+    if (kCausal) {
+      int const first_query = n_block * kBlockN - p.diagonal_offset;  // the first that sees the block's first key
+      m_begin = first_query <= 0 ? 0 : first_query / kBlockM;
+    }
+    return {m_begin, max(0, m_end - m_begin)};
+  }
+
+  static __device__ void produce(BwdParams const& p, SharedStorage& s, int n_block, int head_kv, int batch,
+                                 Steps st) {
+    using Barrier = cutlass::arch::ClusterBarrier;
+    using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+    auto load = [&](CUtensorMap const* map, uint64_t* full, Element* smem, int rows, int row0, int head) {
+      tma_load_tile<kBoxCols, kBoxesPerRow>(map, full, smem, rows, row0, head, batch);
+    };
+    TxBarrier::arrive_and_expect_tx(&s.kv_full, 2 * kBlockN * kHeadDim * int(sizeof(Element)));
+    load(&p.k_map, &s.kv_full, s.k, kBlockN, n_block * kBlockN, head_kv);
+    load(&p.v_map, &s.kv_full, s.v, kBlockN, n_block * kBlockN, head_kv);
+    int const total = p.head_group * st.m_blocks;
+    for (int t = 0; t < total; ++t) {
+      int const stage = t % kStages;
+      int const round = t / kStages;
+      if (round > 0) {
+        Barrier::wait(&s.empty[stage], (round - 1) & 1);
+      }
+      int const head = head_kv * p.head_group + t / st.m_blocks;
+      int const m_block = st.m_begin + t % st.m_blocks;
+      long long const row = (long long)(batch * p.num_heads + head) * p.rows_padded + m_block * kBlockM;
+      TxBarrier::arrive_and_expect_tx(&s.full[stage], 2 * kBlockM * (kHeadDim * int(sizeof(Element)) + 4));
+      load(&p.q_map, &s.full[stage], s.q + stage * kBlockM * kHeadDim, kBlockM, m_block * kBlockM, head);
+      load(&p.do_map, &s.full[stage], s.dout + stage * kBlockM * kHeadDim, kBlockM, m_block * kBlockM, head);
+      cute::SM90_BULK_COPY_G2S::copy(p.lse_log2_ptr + row, &s.full[stage], s.lse_log2[stage], kBlockM * 4);
+      cute::SM90_BULK_COPY_G2S::copy(p.delta_ptr + row, &s.full[stage], s.delta[stage], kBlockM * 4);
+    }
+  }
+
+  static __device__ void consume(BwdParams const& p, SharedStorage& s, int n_block, int head_kv, int batch,
+                                 Steps st) {
+    using namespace cute;
+    using Barrier = cutlass::arch::ClusterBarrier;
+    int const tid = threadIdx.x;  // 0 .. kConsumerThreads - 1
+    int const wg = tid / 128;
+    int const lane = tid % 32;
+    int const warp_in_wg = (tid / 32) % 4;
+
+    TiledMmaSdP mma_sdp;
+    TiledMmaKV mma_kv;
+    TiledMmaDq mma_dq;
+    auto thr_sdp = mma_sdp.get_thread_slice(tid);
+    auto thr_kv = mma_kv.get_thread_slice(tid);
+    auto thr_dq = mma_dq.get_thread_slice(tid % 128);
+
+    Tensor sK = make_tensor(make_smem_ptr(s.k), SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(s.v), SmemLayoutK{});
+    Tensor sKt = make_tensor(make_smem_ptr(s.k), SmemLayoutKt{});
+    Tensor sQ = make_tensor(make_smem_ptr(s.q), SmemLayoutQ{});
+    Tensor sDo = make_tensor(make_smem_ptr(s.dout), SmemLayoutQ{});
+    Tensor sQt = make_tensor(make_smem_ptr(s.q), SmemLayoutQt{});
+    Tensor sDoT = make_tensor(make_smem_ptr(s.dout), SmemLayoutQt{});
+    Tensor sDs = make_tensor(make_smem_ptr(s.ds), SmemLayoutDs{});
+
+    Tensor tSrK = thr_sdp.partition_fragment_A(sK(_, _, 0));  // (MMA, MMA_M, MMA_K)
+    Tensor tPrV = thr_sdp.partition_fragment_A(sV(_, _, 0));
+    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);           // (MMA, MMA_N, MMA_K, stages)
+    Tensor tPrDo = thr_sdp.partition_fragment_B(sDo);
+    Tensor tKrQt = thr_kv.partition_fragment_B(sQt);
+    Tensor tVrDoT = thr_kv.partition_fragment_B(sDoT);
+    // This warpgroup's share of dQ = dS K.
+    Tensor sDsPart = local_tile(sDs, Shape<_64, Int<kBlockN>, _2>{}, make_coord(kDqSplitRows ? wg : 0, 0, 0));
+    Tensor sKtPart = local_tile(sKt(_, _, 0), Shape<Int<kDqCols>, Int<kBlockN>>{},
+                                make_coord(kDqSplitRows ? 0 : wg, 0));
+    Tensor tQrDs = thr_dq.partition_fragment_A(sDsPart);  // (MMA, 1, MMA_K, 2)
+    Tensor tQrKt = thr_dq.partition_fragment_B(sKtPart);  // (MMA, 1, MMA_K)
+
+    Tensor acc_dk = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+    Tensor acc_dv = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+    clear(acc_dk);
+    clear(acc_dv);
+    // P^T and dS^T as A operands (keys x queries): the accumulator registers in the same
+    // order, grouped per 16 queries (2 x 2 x 2 values: query + 1, key + 8, query + 8).
+    using OperandLayout = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockM / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
+    Tensor tVrP = make_tensor<Element>(OperandLayout{});
+    Tensor tKrDs = make_tensor<Element>(OperandLayout{});
+
+    // Accumulator register r of a 64-row wgmma tile: row (r / 2) % 2 * 8 + this thread's
+    // first row, column (r / 4) * 8 + col0 + r % 2.
+    int const row_in_tile = 16 * warp_in_wg + lane / 4;
+    int const col0 = 2 * (lane % 4);
+    int const key_row = 64 * wg + row_in_tile;  // within the key block
+    int const key0 = n_block * kBlockN;
+    int const total = p.head_group * st.m_blocks;
+
+    if (total > 0) {
+      Barrier::wait(&s.kv_full, 0);
+    }
+    for (int t = 0; t < total; ++t) {
+      int const stage = t % kStages;
+      int const buf = t % 2;
+      int const head = head_kv * p.head_group + t / st.m_blocks;
+      int const m_block = st.m_begin + t % st.m_blocks;
+      int const query0 = m_block * kBlockM;
+      Barrier::wait(&s.full[stage], (t / kStages) & 1);
+
+      Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+      Tensor tPrDp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+      static_assert(size(tSrS) == kBlockM / 2, "one 64-key wgmma tile per warpgroup");
+      warpgroup_fence_operand(tSrS);
+      warpgroup_fence_operand(tPrDp);
+      warpgroup_arrive();
+      mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tSrK); ++k) {
+        cute::gemm(mma_sdp, tSrK(_, _, k), tSrQ(_, _, k, stage), tSrS);
+        mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tPrV); ++k) {
+        cute::gemm(mma_sdp, tPrV(_, _, k), tPrDo(_, _, k, stage), tPrDp);
+        mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(tSrS);
+
+      // P^T, in place of S^T.  Queries past num_queries have lse_log2 = +inf (P = 0);
+      // keys past num_keys or above the causal diagonal are masked here.
+      bool const masked = key0 + kBlockN > p.num_keys ||
+                          (kCausal && key0 + kBlockN - 1 > query0 + p.diagonal_offset);
+      float const* lse_log2 = s.lse_log2[stage];
+      CUTE_UNROLL
+      for (int r = 0; r < size(tSrS); ++r) {
+        int const col = (r / 4) * 8 + col0 + r % 2;
+        float prob = exp2_approx(fmaf(tSrS(r), p.scale_log2, -lse_log2[col]));
+        if (masked) {
+          int const key = key0 + key_row + ((r / 2) % 2) * 8;
+          if (key >= p.num_keys || (kCausal && key > query0 + col + p.diagonal_offset)) {
+            prob = 0.f;
+          }
+        }
+        tSrS(r) = prob;
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tPrDp);
+      float const* delta = s.delta[stage];
+      CUTE_UNROLL
+      for (int r = 0; r < size(tSrS); ++r) {
+        int const col = (r / 4) * 8 + col0 + r % 2;
+        tVrP(r) = static_cast<Element>(tSrS(r));
+        tKrDs(r) = static_cast<Element>(tSrS(r) * (tPrDp(r) - delta[col]));
+      }
+      // dS^T -> dS in shared memory (a query pair is adjacent there), for the dQ product.
+      CUTE_UNROLL
+      for (int r = 0; r < size(tKrDs); r += 2) {
+        int const col = (r / 4) * 8 + col0;
+        int const key = key_row + ((r / 2) % 2) * 8;
+        cutlass::Array<Element, 2> pair;
+        pair[0] = tKrDs(r);
+        pair[1] = tKrDs(r + 1);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(&sDs(col, key, buf)) = pair;
+      }
+      cutlass::arch::fence_view_async_shared();
+
+      warpgroup_fence_operand(acc_dv);
+      warpgroup_fence_operand(acc_dk);
+      warpgroup_fence_operand(tVrP);
+      warpgroup_fence_operand(tKrDs);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tVrP); ++k) {
+        cute::gemm(mma_kv, tVrP(_, _, k), tVrDoT(_, _, k, stage), acc_dv);
+      }
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tKrDs); ++k) {
+        cute::gemm(mma_kv, tKrDs(_, _, k), tKrQt(_, _, k, stage), acc_dk);
+      }
+      warpgroup_commit_batch();
+
+      // dQ = dS K is issued while dK/dV finish: it only needs both halves of dS in shared memory.
+      cutlass::arch::NamedBarrier::sync(kConsumerThreads, 0);
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<_64, Int<kDqCols>>{});
+      warpgroup_fence_operand(acc_dq);
+      warpgroup_arrive();
+      mma_dq.accumulate_ = GMMA::ScaleOut::Zero;
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tQrDs); ++k) {
+        cute::gemm(mma_dq, tQrDs(_, _, k, buf), tQrKt(_, _, k), acc_dq);
+        mma_dq.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();  // dK/dV done: this stage's Q and dO can be refilled
+      warpgroup_fence_operand(acc_dv);
+      warpgroup_fence_operand(acc_dk);
+      warpgroup_fence_operand(tVrP);
+      warpgroup_fence_operand(tKrDs);
+      // every thread arrives: an arrive releases only its own thread's reads (lse, delta)
+      Barrier::arrive(&s.empty[stage]);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_dq);
+      add_dq(p, acc_dq, head, batch, m_block, n_block, query0 + (kDqSplitRows ? 64 * wg : 0) + row_in_tile,
+             (kDqSplitRows ? 0 : wg * kDqCols) + col0);
+    }
+    store_dkv(p, acc_dk, p.dk_ptr, p.scale, key0 + key_row, col0, head_kv, batch);
+    store_dkv(p, acc_dv, p.dv_ptr, 1.f, key0 + key_row, col0, head_kv, batch);
+  }
+
+  // Adds this warpgroup's dQ part into the fp32 accumulator (rows are within rows_padded).
+  template <class Accumulator>
+  static __device__ void add_dq(BwdParams const& p, Accumulator const& acc, int head, int batch, int m_block,
+                                int n_block, int row0, int col0) {
+    using namespace cute;
+    int const wg = threadIdx.x / 128;
+    int* semaphore = p.dq_semaphore_ptr +
+                     ((long long)(batch * p.num_heads + head) * (p.rows_padded / kBlockM) + m_block) * kWarpGroups + wg;
+    if (p.deterministic) {  // wait for the key blocks before this one (they all meet this query block too)
+      if (threadIdx.x % 128 == 0) {
+        while (cuda::atomic_ref<int, cuda::thread_scope_device>(*semaphore).load(cuda::memory_order_acquire) !=
+               n_block) {
+        }
+      }
+      cutlass::arch::NamedBarrier::sync(128, 1 + wg);
+    }
+    float* accum = p.dq_accum_ptr + ((long long)(batch * p.num_heads + head) * p.rows_padded + row0) * kHeadDim + col0;
+    CUTE_UNROLL
+    for (int r = 0; r < size(acc); r += 2) {
+      int const offset = ((r / 2) % 2) * 8 * kHeadDim + (r / 4) * 8;
+      atomicAdd(reinterpret_cast<float2*>(accum + offset), make_float2(acc(r), acc(r + 1)));
+    }
+    if (p.deterministic) {
+      __threadfence();
+      cutlass::arch::NamedBarrier::sync(128, 1 + wg);
+      if (threadIdx.x % 128 == 0) {
+        cuda::atomic_ref<int, cuda::thread_scope_device>(*semaphore).fetch_add(1, cuda::memory_order_release);
+      }
+    }
+  }
+
+  template <class Accumulator>
+  static __device__ void store_dkv(BwdParams const& p, Accumulator const& acc, void* ptr, float scale, int key_row0,
+                                   int col0, int head_kv, int batch) {
+    using namespace cute;
+    Element* base = static_cast<Element*>(ptr) + batch * p.dkv_stride_b + head_kv * (long long)p.dkv_stride_h;
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      int const key = key_row0 + 8 * h;
+      if (key >= p.num_keys) {
+        continue;
+      }
+      Element* row = base + key * (long long)p.dkv_stride_n;
+      CUTE_UNROLL
+      for (int r = 2 * h; r < size(acc); r += 4) {
+        int const col = (r / 4) * 8 + col0;
+        if (col < p.head_dim) {
+          cutlass::Array<Element, 2> pair;
+          pair[0] = static_cast<Element>(acc(r) * scale);
+          pair[1] = static_cast<Element>(acc(r + 1) * scale);
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(row + col) = pair;
+        }
+      }
+    }
+  }
+
+  // grid (ceil(N / kBlockN), k/v heads, batch), kThreads threads, kSharedBytes dynamic shared memory
+  static __device__ void run(BwdParams const& p, char* smem_raw) {
+    SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                                         ~uintptr_t(1023));
+    int const n_block = blockIdx.x;  // key blocks in order: the deterministic dQ order, and causal's longest first
+    int const head_kv = blockIdx.y;
+    int const batch = blockIdx.z;
+    Steps const st = steps(p, n_block);
+
+    if (threadIdx.x == 0) {
+      using Barrier = cutlass::arch::ClusterBarrier;
+      Barrier::init(&s.kv_full, 1);
+      CUTE_UNROLL
+      for (int i = 0; i < kStages; ++i) {
+        Barrier::init(&s.full[i], 1);
+        Barrier::init(&s.empty[i], kConsumerThreads);
+      }
+      cutlass::arch::fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (threadIdx.x >= kConsumerThreads) {
+      cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
+      if (threadIdx.x == kConsumerThreads && st.m_blocks > 0) {
+        produce(p, s, n_block, head_kv, batch, st);
+      }
+    } else {
+      cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
+      consume(p, s, n_block, head_kv, batch, st);
+    }
+  }
+
+  // grid (rows_padded / kBlockM, heads, batch), kAuxThreads threads
+  static __device__ void prep(BwdParams const& p) {
+    constexpr int kChunks = kHeadDim / 8;  // 16-byte pieces of a row
+    constexpr int kRowsPerPass = kAuxThreads / kChunks;
+    static_assert(32 % kChunks == 0 && kBlockM % kRowsPerPass == 0, "a row's pieces within one warp");
+    int const m_block = blockIdx.x;
+    int const head = blockIdx.y;
+    int const batch = blockIdx.z;
+    int const chunk = threadIdx.x % kChunks;
+    long long const head_row0 = (long long)(batch * p.num_heads + head) * p.rows_padded;
+    for (int r = threadIdx.x / kChunks; r < kBlockM; r += kRowsPerPass) {
+      int const row = m_block * kBlockM + r;
+      float dot = 0.f;
+      if (row < p.num_queries && chunk * 8 < p.head_dim) {
+        uint4 const o = *reinterpret_cast<uint4 const*>(static_cast<Element const*>(p.out_ptr) +
+                                                        batch * p.out_stride_b + row * (long long)p.out_stride_m +
+                                                        head * (long long)p.out_stride_h + chunk * 8);
+        uint4 const d = *reinterpret_cast<uint4 const*>(static_cast<Element const*>(p.dout_ptr) +
+                                                        batch * p.dout_stride_b + row * (long long)p.dout_stride_m +
+                                                        head * (long long)p.dout_stride_h + chunk * 8);
+        Element const* oe = reinterpret_cast<Element const*>(&o);
+        Element const* de = reinterpret_cast<Element const*>(&d);
+        CUTE_UNROLL
+        for (int i = 0; i < 8; ++i) {
+          dot += float(oe[i]) * float(de[i]);
+        }
+      }
+      CUTE_UNROLL
+      for (int offset = kChunks / 2; offset > 0; offset /= 2) {
+        dot += __shfl_xor_sync(0xffffffff, dot, offset);
+      }
+      if (chunk == 0) {
+        float lse = INFINITY;  // padding rows: P = 0
+        if (row < p.num_queries) {
+          lse = p.lse_ptr[batch * (long long)p.lse_stride_b + head * (long long)p.lse_stride_h + row];
+          lse = lse == -INFINITY ? INFINITY : lse * 1.44269504088896341f;  // a row without keys: no gradient
+        }
+        p.lse_log2_ptr[head_row0 + row] = lse;
+        p.delta_ptr[head_row0 + row] = dot;
+      }
+      float4* accum = reinterpret_cast<float4*>(p.dq_accum_ptr + (head_row0 + row) * kHeadDim);
+      for (int c = chunk; c < kHeadDim / 4; c += kChunks) {
+        accum[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+    if (p.deterministic && threadIdx.x < kWarpGroups) {
+      p.dq_semaphore_ptr[((batch * p.num_heads + head) * (long long)(p.rows_padded / kBlockM) + m_block) *
+                             kWarpGroups + threadIdx.x] = 0;
+    }
+  }
+
+  // grid (rows_padded / kBlockM, heads, batch), kAuxThreads threads
+  static __device__ void convert(BwdParams const& p) {
+    constexpr int kQuads = kHeadDim / 4;
+    int const m_block = blockIdx.x;
+    int const head = blockIdx.y;
+    int const batch = blockIdx.z;
+    long long const head_row0 = (long long)(batch * p.num_heads + head) * p.rows_padded;
+    Element* dq = static_cast<Element*>(p.dq_ptr) + batch * p.dq_stride_b + head * (long long)p.dq_stride_h;
+    for (int i = threadIdx.x; i < kBlockM * kQuads; i += kAuxThreads) {
+      int const row = m_block * kBlockM + i / kQuads;
+      int const col = (i % kQuads) * 4;
+      if (row < p.num_queries && col < p.head_dim) {
+        float4 const a = *reinterpret_cast<float4 const*>(p.dq_accum_ptr + (head_row0 + row) * kHeadDim + col);
+        cutlass::Array<Element, 4> out;
+        out[0] = static_cast<Element>(a.x * p.scale);
+        out[1] = static_cast<Element>(a.y * p.scale);
+        out[2] = static_cast<Element>(a.z * p.scale);
+        out[3] = static_cast<Element>(a.w * p.scale);
+        *reinterpret_cast<cutlass::Array<Element, 4>*>(dq + row * (long long)p.dq_stride_m + col) = out;
+      }
+    }
+  }
+};
+
+}  // namespace sm90
+}  // namespace flashgen

@@ -1,0 +1,114 @@
+"""``sm90_bwd``: flashgen's own Hopper backward (``flashgen/csrc/flashgen/sm90_bwd.h``).
+
+Template: ``flashgen::sm90::BwdKernel<Element, kHeadDim, kBlockM, kBlockN,
+kStages, kCausal>`` -- one CTA per ``block_n`` keys of one (batch, k/v head),
+one consumer warpgroup per 64 of them, Q/dO/lse/delta streamed by a producer
+warpgroup through a ``kStages``-deep ring of ``block_m``-query tiles.  Each instance
+holds three entry points, launched in order on one stream:
+
+* ``<name>_prep``: grid (rows_padded / block_m, heads, batch), ``aux_threads``
+  threads -- delta, the lse in log2, zeroed dQ accumulator (and semaphores);
+* ``<name>``: grid (ceil(N / block_n), k/v heads, batch), ``threads_per_block``
+  threads, ``shared_memory_bytes`` of dynamic shared memory;
+* ``<name>_convert``: grid as prep -- dQ from the fp32 accumulator.
+
+Workspace (float32 unless said): lse_log2 and delta [B, H, rows_padded], the dQ
+accumulator [B, H, rows_padded, max_k], and with ``deterministic`` int32
+semaphores [B, H, rows_padded / block_m, warp_groups]; rows_padded is M rounded
+up to ``block_m``.  q, k, v and dO reach the kernel as TMA tensor maps (16-byte
+aligned pointers and strides, head dim a multiple of 8, up to ``max_k``); O as a
+pointer with the same alignment.  dq, dk, dv are written with the strides given.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flashgen.spec.core import DTYPES, Constant, Field, Rule
+from flashgen.spec.sm90_tile import Sm90Tile
+
+
+@dataclass(frozen=True)
+class Sm90Bwd(Sm90Tile):
+    FAMILY = "sm90_bwd"
+    TEMPLATE = "sm90_bwd.cu.j2"
+    HEADER = "flashgen/sm90_bwd.h"
+    KERNEL = "flashgen::sm90::BwdKernel"
+    AXES = {
+        "arch": ("sm90a",),
+        "dtype": ("f16", "bf16"),
+        "max_k": (64, 128),
+        "block_m": (64, 128),
+        "block_n": (128,),
+        "stages": (2,),
+        "causal": (False, True),
+    }
+    RULES = (
+        Rule("a 64-query step of head dim 64 would split dQ into 32-column halves, less than one "
+             "128-byte swizzle atom per warpgroup",
+             lambda k: k.max_k == 64 and k.block_m == 64),
+        Rule("128 queries at head dim 128 need 256 accumulator registers per thread (S, dP, dK, dV); "
+             "setmaxnreg gives a consumer 240",
+             lambda k: k.max_k == 128 and k.block_m == 128),
+    )
+
+    @property
+    def priority(self) -> tuple:
+        return (tuple(DTYPES).index(self.dtype), self.causal, self.max_k, self.block_m, self.stages, self.block_n)
+
+    # `flashgen::sm90::BwdParams`
+    ABI = (
+        Field("q_map", "tensor_map"),
+        Field("k_map", "tensor_map"),
+        Field("v_map", "tensor_map"),
+        Field("do_map", "tensor_map"),
+        Field("out_ptr", "ptr"),
+        Field("dout_ptr", "ptr"),
+        Field("lse_ptr", "ptr"),
+        Field("lse_log2_ptr", "ptr"),
+        Field("delta_ptr", "ptr"),
+        Field("dq_accum_ptr", "ptr"),
+        Field("dq_semaphore_ptr", "ptr"),
+        Field("dq_ptr", "ptr"),
+        Field("dk_ptr", "ptr"),
+        Field("dv_ptr", "ptr"),
+        Field("out_stride_b", "i64"),
+        Field("dout_stride_b", "i64"),
+        Field("dq_stride_b", "i64"),
+        Field("dkv_stride_b", "i64"),
+        Field("out_stride_m", "i32"),
+        Field("out_stride_h", "i32"),
+        Field("dout_stride_m", "i32"),
+        Field("dout_stride_h", "i32"),
+        Field("dq_stride_m", "i32"),
+        Field("dq_stride_h", "i32"),
+        Field("dkv_stride_n", "i32"),
+        Field("dkv_stride_h", "i32"),
+        Field("lse_stride_b", "i32"),
+        Field("lse_stride_h", "i32"),
+        Field("num_queries", "i32"),
+        Field("num_keys", "i32"),
+        Field("num_heads", "i32"),
+        Field("head_dim", "i32"),
+        Field("head_group", "i32"),
+        Field("diagonal_offset", "i32"),
+        Field("rows_padded", "i32"),
+        Field("deterministic", "i32"),
+        Field("scale", "f32"),
+        Field("scale_log2", "f32"),
+    )
+
+    CONSTANTS = (
+        Constant("threads_per_block", "Kernel::kThreads"),
+        Constant("aux_threads", "Kernel::kAuxThreads"),
+        Constant("min_blocks_per_sm", "Kernel::kMinBlocksPerSm"),
+        Constant("shared_memory_bytes", "Kernel::kSharedBytes"),
+        Constant("block_m", "Kernel::kBlockM"),
+        Constant("block_n", "Kernel::kBlockN"),
+        Constant("max_k", "Kernel::kHeadDim"),
+        Constant("stages", "Kernel::kStages"),
+        Constant("warp_groups", "Kernel::kWarpGroups"),
+        Constant("box_cols", "Kernel::kBoxCols"),
+        Constant("swizzle_bytes", "Kernel::kSwizzleBytes"),
+        Constant("alignment", "16 / sizeof(Kernel::Element)"),
+        Constant("params_bytes", "sizeof(flashgen::sm90::BwdParams)"),
+    )

@@ -1,0 +1,190 @@
+"""flashgen's Hopper backward (sm90_bwd) on a 9.0 GPU against a float64 reference.
+
+Needs CuPy, an H100/H200 and the family built for it on FLASHGEN_KERNEL_PATH
+(`flashgen build --arch sm90a`); skipped cleanly otherwise.  Gradients land in
+poisoned (NaN) memory, so an element the kernels forgot to write fails.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+import flashgen  # noqa: E402
+from attention_reference import (  # noqa: E402
+    BWD_TOL, make_input, poisoned_allocations, randn, reference, rel_err, gpu_marks,
+)
+from flashgen.runtime import api, plans  # noqa: E402
+from flashgen.runtime.device import device_info  # noqa: E402
+from flashgen.runtime.registry import default_registry  # noqa: E402
+from flashgen.spec.sm90_bwd import Sm90Bwd  # noqa: E402
+
+HAVE_GPU, pytestmark = gpu_marks()
+
+
+def _sm90_kernels():
+    if not HAVE_GPU or device_info(0).cc != 90:
+        return []
+    try:
+        return default_registry().for_device(Sm90Bwd.FAMILY, device_info(0))
+    except flashgen.UnsupportedError:
+        return []
+
+
+KERNELS = _sm90_kernels()
+needs_sm90 = pytest.mark.skipif(not KERNELS, reason="needs a 9.0 GPU and sm90_bwd kernels (flashgen build --arch sm90a)")
+
+
+def selected_backward(q, k, v, **options):
+    return next(name for name, _, verdict in flashgen.explain(q, k, v, backward=True, **options)
+                if verdict == "selected")
+
+
+def inputs(rng, dtype, B, M, N, H, K, Hk=None, layout="contiguous"):
+    Hk = Hk or H
+    q = make_input(rng, (B, M, H, K), dtype, layout)
+    k = make_input(rng, (B, N, Hk, K), dtype, layout)
+    v = make_input(rng, (B, N, Hk, K), dtype, layout)
+    do = make_input(rng, (B, M, H, K), dtype, layout)
+    return q, k, v, do
+
+
+def gqa_reference(q, k, v, causal, do):
+    """Plain attention on repeated k/v; dk and dv summed back over each group."""
+    group = q.shape[2] // k.shape[2]
+    k_rep, v_rep = (cupy.repeat(x, group, axis=2) for x in (k, v))
+    _, _, (dq, dk, dv, _) = reference(q, k_rep, v_rep, causal=causal, grad_out=do)
+    fold = lambda g: g.reshape(*k.shape[:2], k.shape[2], group, k.shape[3]).sum(axis=3)  # noqa: E731
+    return dq, fold(dk), fold(dv)
+
+
+def check_backward(q, k, v, do, causal, deterministic=False):
+    dtype = "bf16" if q.dtype.name == "bfloat16" else "f16"
+    assert selected_backward(q, k, v, causal=causal).startswith("sm90_bwd_"), "the call did not take the sm90 path"
+    out, lse = flashgen.attention_forward(q, k, v, causal=causal)
+    with poisoned_allocations():
+        grads = flashgen.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=deterministic)
+    errors = {}
+    for name, g, r in zip(("dq", "dk", "dv"), grads, gqa_reference(q, k, v, causal, do)):
+        assert g.shape == r.shape, name
+        errors[name] = rel_err(g, r)
+    assert all(e < BWD_TOL[dtype] for e in errors.values()), errors
+    return grads
+
+
+SIZES = ((1, 1), (7, 129), (129, 7), (1000, 129), (129, 1000), (1000, 1000), (1, 1000), (2048, 2048))
+HEAD_DIMS = (8, 40, 64, 96, 128)
+GRID = [(dtype, K, *SIZES[(i + j + m) % len(SIZES)], causal)
+        for i, dtype in enumerate(("f16", "bf16")) for j, K in enumerate(HEAD_DIMS)
+        for m, causal in enumerate((None, "top_left", "bottom_right"))]
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype,K,M,N,causal", GRID, ids=[f"{d}-k{k}-{m}x{n}-{c}" for d, k, m, n, c in GRID])
+def test_matches_float64_reference(dtype, K, M, N, causal):
+    rng = np.random.default_rng([K, M, N, len(dtype), len(causal or "")])
+    check_backward(*inputs(rng, dtype, B=2, M=M, N=N, H=3, K=K), causal)
+
+
+@needs_sm90
+@pytest.mark.parametrize("layout", ["bhsk", "padded"])
+@pytest.mark.parametrize("causal", [None, "top_left"])
+def test_strided_inputs(layout, causal):
+    check_backward(*inputs(np.random.default_rng(7), "bf16", B=2, M=257, N=1000, H=4, K=64, layout=layout), causal)
+
+
+@needs_sm90
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+def test_grouped_query_attention(group, causal):
+    """k/v with H / group heads are read in place; dk/dv sum their group in registers."""
+    rng = np.random.default_rng([group, causal is None])
+    check_backward(*inputs(rng, "f16", B=2, M=300, N=1000, H=8, K=128, Hk=8 // group), causal)
+
+
+@needs_sm90
+@pytest.mark.parametrize("binary", KERNELS, ids=[b.name for b in KERNELS])
+def test_every_instance(binary):
+    """Each built kernel (not only the ones the priority order picks) on odd sizes, M != N."""
+    spec = binary.spec
+    rng = np.random.default_rng(abs(hash(spec.name)) % 2**32)
+    causal = "bottom_right" if spec.causal else None
+    for (M, N), K in (((129, 1000), spec.max_k), ((1000, 300), spec.max_k - 24), ((7, 7), spec.max_k)):
+        q, k, v, do = inputs(rng, spec.dtype, B=2, M=M, N=N, H=4, K=K, Hk=2)
+        out, lse = flashgen.attention_forward(q, k, v, causal=causal)
+        c = api._common(q, k, v, causal, None, 0.0, None, 0, None, None)
+        with poisoned_allocations():
+            grads = api._backward_sm90(default_registry(), binary, c, do, q, k, v, out, lse, False, None, None)
+        for name, g, r in zip(("dq", "dk", "dv"), grads, gqa_reference(q, k, v, causal, do)):
+            assert rel_err(g, r) < BWD_TOL[spec.dtype], (name, M, N, K)
+
+
+@needs_sm90
+@pytest.mark.parametrize("causal", [None, "top_left"])
+def test_deterministic_mode_repeats_bit_for_bit(causal):
+    """Many key blocks add into the same dQ rows; with deterministic=True they do so in key-block
+    order, so two calls (the second through its launch plan) agree in every bit."""
+    rng = np.random.default_rng(9)
+    q, k, v, do = inputs(rng, "bf16", B=2, M=2048, N=2048, H=4, K=128)
+    plans.clear()
+    first = check_backward(q, k, v, do, causal, deterministic=True)
+    out, lse = flashgen.attention_forward(q, k, v, causal=causal)
+    for _ in range(3):
+        again = flashgen.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=True)
+        for a, b in zip(first, again):
+            assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), "deterministic backward changed bits"
+    assert any(p.sizes.get("deterministic") for p in plans._plans.values()), "the repeat did not use a plan"
+
+
+@needs_sm90
+def test_planned_repeat_uses_the_new_inputs():
+    """The second call with a signature goes through its launch plan (three kernels, four tensor
+    maps), which must read the new arrays."""
+    rng = np.random.default_rng(11)
+    plans.clear()
+    first = inputs(rng, "f16", B=2, M=257, N=300, H=4, K=128)
+    out, lse = flashgen.attention_forward(*first[:3], causal="top_left")
+    flashgen.attention_backward(first[3], *first[:3], out, lse, causal="top_left")
+    second = inputs(rng, "f16", B=2, M=257, N=300, H=4, K=128)
+    out, lse = flashgen.attention_forward(*second[:3], causal="top_left")
+    with poisoned_allocations():
+        grads = flashgen.attention_backward(second[3], *second[:3], out, lse, causal="top_left")
+    assert any(p.sizes.get("sm90") for p in plans._plans.values()), "no sm90 backward plan was made"
+    for name, g, r in zip(("dq", "dk", "dv"), grads, gqa_reference(*second[:3], "top_left", second[3])):
+        assert rel_err(g, r) < BWD_TOL["f16"], name
+
+
+@needs_sm90
+def test_lse_with_a_row_stride():
+    """An lse view whose rows are not unit-stride is copied, not misread."""
+    rng = np.random.default_rng(4)
+    q, k, v, do = inputs(rng, "f16", B=1, M=100, N=100, H=2, K=64)
+    out, lse = flashgen.attention_forward(q, k, v)
+    wide = cupy.zeros((1, 2, 200), dtype=cupy.float32)
+    wide[:, :, ::2] = lse
+    grads = flashgen.attention_backward(do, q, k, v, out, wide[:, :, ::2])
+    for name, g, r in zip(("dq", "dk", "dv"), grads, gqa_reference(q, k, v, None, do)):
+        assert rel_err(g, r) < BWD_TOL["f16"], name
+
+
+@needs_sm90
+def test_falls_back_where_the_family_has_no_kernel():
+    """bias gradients, dropout, float32, head dims over 128 and TMA-hostile strides go to the
+    example-41 backward."""
+    rng = np.random.default_rng(5)
+    q, k, v = (randn(rng, (1, 130, 2, 64), "f16") for _ in range(3))
+    bias = randn(rng, (1, 2, 130, 130), "f16")
+    assert selected_backward(q, k, v, attn_bias=bias).startswith("mem_eff_bwd")
+    assert selected_backward(q, k, v, dropout_p=0.1).startswith("mem_eff_bwd")
+    assert selected_backward(*(x.astype(cupy.float32) for x in (q, k, v))).startswith("mem_eff_bwd")
+    big = randn(rng, (1, 64, 2, 136), "f16")
+    assert selected_backward(big, big, big).startswith("mem_eff_bwd")
+    odd = randn(rng, (1, 130, 2, 68), "f16")[..., :60]  # row stride 136 elements: not 16-byte aligned
+    assert selected_backward(odd, odd, odd).startswith("mem_eff_bwd")
+
+
+@needs_sm90
+def test_deterministic_must_be_a_bool():
+    q = cupy.zeros((1, 8, 1, 64), dtype=cupy.float16)
+    with pytest.raises(TypeError, match="deterministic"):
+        flashgen.attention_backward(q, q, q, q, q, cupy.zeros((1, 1, 8), cupy.float32), deterministic="yes")
