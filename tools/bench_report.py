@@ -15,6 +15,25 @@ from collections import defaultdict
 
 IMPLS = ["flashgen", "sdpa-efficient", "sdpa-flash", "sdpa-cudnn"]
 
+FWD_NEXT_STEPS = """Toward cuDNN (behind it mostly at short sequences and head dim 128): each
+consumer warpgroup still runs its softmax between its two GEMMs, so the tensor
+cores idle meanwhile.  Next: issue the next block's QK^T before the current
+softmax (two S accumulators), order the two consumer warpgroups' GEMMs against
+each other, and write O through shared memory with a TMA store."""
+
+BWD_NEXT_STEPS = """Toward cuDNN (0.6-0.85 of it from 2k tokens on, level or ahead at 512): ncu on bf16, head dim 128,
+4 x 4096, not causal (ncu's base clocks: 5.05 ms for the main kernel, against
+the forward's 1.20 ms for 2.5x fewer FLOPs) shows SM throughput at 37% of peak
+and the warps stalled mostly on memory: long scoreboard 31%, wait 14%, LSU
+throttle 14%, barrier 12%.  That is the dQ accumulation: each consumer thread
+issues 32 float2 atomic adds per query block.  At the bench's clocks the
+kernel sustains about a third of the H200's dense bf16 tensor peak.  Next:
+stage each warpgroup's dQ tile in shared memory and add it to the accumulator
+with one TMA reduce-add (cp.reduce.async.bulk) per tile, so the consumers
+never wait on the atomics; then overlap the next block's S and dP GEMMs with
+the current block's softmax (the two warpgroups taking turns), and try three
+stages for head dim 64."""
+
 
 def load(path):
     data = json.load(open(path))
@@ -44,8 +63,6 @@ def main(path: str, repeat_path: str, table_path: str) -> None:
                    if k[0] == "bwd" and ratios[k] < 1)
     vs_flash = {k: ratio(v, b="sdpa-flash") for k, v in cells.items()}
     vs_cudnn = {k: ratio(v, b="sdpa-cudnn") for k, v in cells.items()}
-    fwd_behind_flash = sorted((min(vs_flash[k], ratio(repeat.get(k, {}), b="sdpa-flash") or vs_flash[k]), k)
-                              for k in cells if k[0] == "fwd" and vs_flash[k] < 1)
     clearly = [(r, k) for r, k in below if r < 0.995]  # slower in both runs by more than the medians' drift
     print(f"""# Benchmarks
 
@@ -77,54 +94,40 @@ median.  A second full run of the same code (docs/bench_h200_repeat.json)
 moved each implementation's median by {statistics.median(drift):.1%} (median)
 and at most {max(drift):.1%}.
 
-On this GPU flashgen's forward is its own Hopper family (`sm90_fwd`: wgmma,
-TMA, a producer warp; issue 7); its backward is still CUTLASS example 41, the
-kernels sdpa-efficient runs too, so for the backward the flashgen / efficient
-column is the comparison that matters.  FlashAttention-2 (sdpa-flash) and
-cuDNN are the bars for the Hopper family.
+On this GPU both directions run flashgen's own Hopper families (`sm90_fwd`,
+`sm90_bwd`: wgmma, TMA, warp-specialised producers; issue 7).  sdpa-efficient
+runs CUTLASS example 41, the kernels flashgen falls back to elsewhere (bias,
+dropout, cu_seqlens, float32, other GPUs); FlashAttention-2 (sdpa-flash) and
+cuDNN are the bars for the Hopper families.
 
 ![TFLOP/s vs seqlen](docs/bench_h200.png)
-
-## Forward (sm90_fwd) against FlashAttention-2 and cuDNN
-
-flashgen / flash over the {sum(1 for k in cells if k[0] == "fwd")} forward points: \
-{min(v for k, v in vs_flash.items() if k[0] == "fwd"):.2f} to {max(v for k, v in vs_flash.items() if k[0] == "fwd"):.2f}; \
-flashgen / cudnn: {min(v for k, v in vs_cudnn.items() if k[0] == "fwd"):.2f} to {max(v for k, v in vs_cudnn.items() if k[0] == "fwd"):.2f}.
-""" + ("No forward point is behind FlashAttention-2 in either run.\n" if not fwd_behind_flash else
-       "Forward points behind FlashAttention-2 in this run or the repeat run (lower ratio of the two):\n" +
-       "".join(f"- {k[1]} head dim {k[2]}{' causal' if k[3] else ''} {k[5]} x {k[4]}: {r:.3f}\n"
-               for r, k in fwd_behind_flash)) + f"""
-Toward cuDNN (behind it mostly at short sequences and head dim 64, at or above
-it from 8k tokens on at head dim 64): the kernel still runs each warpgroup's
-softmax between its two GEMMs, so the tensor cores idle while it runs.  Next:
-issue the next block's QK^T before the current softmax (two S accumulators),
-order the two consumer warpgroups' GEMMs against each other, and write O
-through shared memory with a TMA store; ncu tensor-pipe utilisation and stall
-reasons are not measured yet.
-
-The backward is not yet the Hopper family's: it is example 41 (0.3-0.6x
-FlashAttention-2 on this GPU).
-
-## Where flashgen is slower than sdpa-efficient
-
-Backward, flashgen / efficient over the {sum(1 for k in cells if k[0] == "bwd")} points: \
-{min(v for k, v in ratios.items() if k[0] == "bwd"):.3f} to {max(v for k, v in ratios.items() if k[0] == "bwd"):.2f}.
-{len(below)} points measure below 1.000; {len(clearly)} of them are below 0.995 in both runs,
-i.e. slower by more than the run-to-run drift:
 """)
-    for worst, key in clearly:
+    for direction, family, next_steps in (("fwd", "sm90_fwd", FWD_NEXT_STEPS), ("bwd", "sm90_bwd", BWD_NEXT_STEPS)):
+        keys = [k for k in cells if k[0] == direction]
+        name = "Forward" if direction == "fwd" else "Backward"
+        behind = sorted((min(vs_flash[k], ratio(repeat.get(k, {}), b="sdpa-flash") or vs_flash[k]), k)
+                        for k in keys if vs_flash[k] < 1)
+        print(f"## {name} ({family}) against FlashAttention-2 and cuDNN\n")
+        print(f"flashgen / flash over the {len(keys)} {name.lower()} points: "
+              f"{min(vs_flash[k] for k in keys):.2f} to {max(vs_flash[k] for k in keys):.2f}; "
+              f"flashgen / cudnn: {min(vs_cudnn[k] for k in keys):.2f} to {max(vs_cudnn[k] for k in keys):.2f}.")
+        if behind:
+            print(f"{name} points behind FlashAttention-2 in this run or the repeat run (lower ratio of the two):")
+            for r, k in behind:
+                print(f"- {k[1]} head dim {k[2]}{' causal' if k[3] else ''} {k[5]} x {k[4]}: {r:.3f}")
+        else:
+            print(f"No {name.lower()} point is behind FlashAttention-2 in either run.")
+        print("\n" + next_steps + "\n")
+    worst = {d: min(min(ratios[k], repeat_ratios.get(k, ratios[k])) for k in cells if k[0] == d) for d in ("fwd", "bwd")}
+    print(f"""## Against sdpa-efficient (the example-41 kernels)
+
+Lowest flashgen / efficient ratio of the two runs: forward {worst['fwd']:.2f}, backward {worst['bwd']:.2f}.
+{len(clearly)} points are below 0.995 in both runs (slower by more than the run-to-run drift).
+""")
+    for r, key in clearly:
         d, dtype, hd, causal, s, b, h = key
         print(f"- {d} {dtype} head dim {hd}{' causal' if causal else ''} {b} x {s}: {ratios[key]:.3f} "
               f"(repeat run {repeat_ratios.get(key, float('nan')):.3f})")
-    print("""
-Same template, tile and key-split count as torch's (its binary holds the same
-kernel names, including the block-aligned "seqaligned" variants flashgen now
-ships too); what differs is the compiled code: torch 2.11+cu130's own nvcc
-build against flashgen's nvcc 13.0 build (e.g. the 128x128 kMaxK-128 backward:
-torch's has a 176-byte stack frame, flashgen's 144 bytes with 160 bytes of
-spill stores).  Comparing the two binaries' SASS and ncu stall profiles is the
-next step; tuning found no tile or split that closes it.
-""")
     for direction in ("fwd", "bwd"):
         print(f"\n## {'Forward' if direction == 'fwd' else 'Backward'}\n")
         print("| dtype | hdim | causal | B x S | " + " | ".join(IMPLS) +
@@ -144,8 +147,11 @@ next step; tuning found no tile or split that closes it.
     print("A tiny problem (1 x 128 x 1 x 64, f16), wall time per call over 2000 back-to-back calls; flashgen's")
     print("calls repeat one signature and take the launch plan (flashgen/runtime/plans.py), as every training")
     print("step after the first does.\n")
+    repeat_data = json.load(open(repeat_path))
+    print("First run / repeat run (the repeat ran the final code; the first ran it one change earlier, before")
+    print("launch plans re-encoded only the tensor maps whose address moved):\n")
     for name, us in data["overhead_us"].items():
-        print(f"- {name}: {us:.1f} us")
+        print(f"- {name}: {us:.1f} us / {repeat_data['overhead_us'].get(name, float('nan')):.1f} us")
     print("\nImport, median of 5 fresh interpreters (no GPU work):\n")
     for name, ms in data.get("import_ms", {}).items():
         print(f"- `{name}`: {ms:.1f} ms")
