@@ -29,6 +29,20 @@ def gpu_marks():
     return have, [pytest.mark.gpu, pytest.mark.skipif(not have, reason="needs a CUDA GPU")]
 
 
+def hopper_kernels(family: str) -> list:
+    """The built kernels of one of flashgen's sm90 families for GPU 0, or [] where GPU 0 is not a
+    9.0 part or the family was not built (`flashgen build --arch sm90a`)."""
+    from flashgen.runtime.device import device_info
+    from flashgen.runtime.registry import default_registry
+
+    if not gpu_marks()[0] or device_info(0).cc != 90:
+        return []
+    try:
+        return default_registry().for_device(family, device_info(0))
+    except flashgen.UnsupportedError:
+        return []
+
+
 DTYPES = {"f32": np.float32, "f16": np.float16}
 try:
     import ml_dtypes

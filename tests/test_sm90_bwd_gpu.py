@@ -12,26 +12,16 @@ import pytest
 cupy = pytest.importorskip("cupy")
 import flashgen  # noqa: E402
 from attention_reference import (  # noqa: E402
-    BWD_TOL, make_input, poisoned_allocations, randn, reference, rel_err, gpu_marks,
+    BWD_TOL, make_input, poisoned_allocations, randn, reference, rel_err, gpu_marks, hopper_kernels,
 )
 from flashgen.runtime import api, plans  # noqa: E402
-from flashgen.runtime.device import device_info  # noqa: E402
 from flashgen.runtime.registry import default_registry  # noqa: E402
 from flashgen.spec.sm90_bwd import Sm90Bwd  # noqa: E402
 
 HAVE_GPU, pytestmark = gpu_marks()
 
 
-def _sm90_kernels():
-    if not HAVE_GPU or device_info(0).cc != 90:
-        return []
-    try:
-        return default_registry().for_device(Sm90Bwd.FAMILY, device_info(0))
-    except flashgen.UnsupportedError:
-        return []
-
-
-KERNELS = _sm90_kernels()
+KERNELS = hopper_kernels(Sm90Bwd.FAMILY)
 needs_sm90 = pytest.mark.skipif(not KERNELS, reason="needs a 9.0 GPU and sm90_bwd kernels (flashgen build --arch sm90a)")
 
 

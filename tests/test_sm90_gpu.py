@@ -14,7 +14,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 import flashgen  # noqa: E402
 from attention_reference import (  # noqa: E402
-    BWD_TOL, FWD_TOL, lse_err, make_input, poisoned_allocations, randn, reference, rel_err, gpu_marks,
+    BWD_TOL, FWD_TOL, lse_err, make_input, poisoned_allocations, randn, reference, rel_err, gpu_marks, hopper_kernels,
 )
 from flashgen.runtime import api, plans  # noqa: E402
 from flashgen.runtime.device import device_info  # noqa: E402
@@ -24,15 +24,6 @@ from flashgen.spec.sm90_fwd import Sm90Fwd  # noqa: E402
 HAVE_GPU, pytestmark = gpu_marks()
 
 
-def _sm90_kernels():
-    if not HAVE_GPU or device_info(0).cc != 90:
-        return []
-    try:
-        return default_registry().for_device(Sm90Fwd.FAMILY, device_info(0))
-    except flashgen.UnsupportedError:
-        return []
-
-
 def _example41_kernels() -> bool:
     try:
         return HAVE_GPU and bool(default_registry().for_device("mem_eff_fwd", device_info(0)))
@@ -40,7 +31,7 @@ def _example41_kernels() -> bool:
         return False
 
 
-KERNELS = _sm90_kernels()
+KERNELS = hopper_kernels(Sm90Fwd.FAMILY)
 needs_kernels = pytest.mark.skipif(not _example41_kernels(), reason="no example-41 kernels built for this GPU")
 needs_sm90 = pytest.mark.skipif(not KERNELS, reason="needs a 9.0 GPU and sm90_fwd kernels (flashgen build --arch sm90a)")
 
