@@ -53,7 +53,7 @@ def ratio(got, a="flashgen", b="sdpa-efficient"):
 
 def main(path: str, repeat_path: str, table_path: str) -> None:
     data, cells = load(path)
-    _, repeat = load(repeat_path)
+    repeat_data, repeat = load(repeat_path)
     table = json.load(open(table_path))
     ratios = {k: ratio(v) for k, v in cells.items()}
     repeat_ratios = {k: ratio(repeat[k]) for k in cells if k in repeat}
@@ -147,7 +147,6 @@ Lowest flashgen / efficient ratio of the two runs: forward {worst['fwd']:.2f}, b
     print("A tiny problem (1 x 128 x 1 x 64, f16), wall time per call over 2000 back-to-back calls; flashgen's")
     print("calls repeat one signature and take the launch plan (flashgen/runtime/plans.py), as every training")
     print("step after the first does.\n")
-    repeat_data = json.load(open(repeat_path))
     print("First run / repeat run (the repeat ran the final code; the first ran it one change earlier, before")
     print("launch plans re-encoded only the tensor maps whose address moved):\n")
     for name, us in data["overhead_us"].items():

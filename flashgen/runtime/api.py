@@ -776,7 +776,7 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
         raise ValueError("bias_requires_grad=True without attn_bias")
     bias = _bias(cupy, attn_bias, c, q, q.shape[1], k.shape[1])
     _check_varlen_bottom_right(c)
-    hopper = _sm90_request(c, q, k, v, bias, Sm90Bwd.FAMILY, (out, grad_out)) if not bias_requires_grad else None
+    hopper = _sm90_request(c, q, k, v, bias, Sm90Bwd.FAMILY, (out, grad_out))
     binary = _selector(registry).find(hopper, _tuned(hopper, c)) if hopper is not None else None
     if binary is not None and c.M and c.N:
         return _backward_sm90(registry, binary, c, grad_out, q, k, v, out, lse, deterministic, stream, key)
@@ -955,11 +955,23 @@ def _sm90_bwd_layout(kc, c: _Common, k, deterministic: bool):
     one allocation holding an sm90_bwd call's outputs and workspace (spec/sm90_bwd.py)."""
     rows = -(-c.M // kc["block_m"]) * kc["block_m"]
     heads_rows = c.batches * c.H * rows
-    dq_bytes = c.batches * c.M * c.H * c.K * 2
-    dkv_bytes = c.batches * c.N * k.shape[2] * c.K * 2
+    dq_bytes = c.batches * c.M * c.H * c.K * k.itemsize
+    dkv_bytes = c.batches * c.N * k.shape[2] * c.K * k.itemsize
     semaphores = heads_rows // kc["block_m"] * kc["warp_groups"] * 4 if deterministic else 0
     return (rows,) + _packed_offsets(dq_bytes, dkv_bytes, dkv_bytes, heads_rows * 4, heads_rows * 4,
                                      heads_rows * kc["max_k"] * 4, semaphores)
+
+
+def _sm90_bwd_buffers(cupy, offsets, q, k, v, deterministic: bool):
+    """dq, dk, dv and the workspace pointers (lse_log2, delta, dq accumulator, semaphores or 0) carved
+    from one new allocation laid out by ``offsets`` (``_sm90_bwd_layout`` without its rows)."""
+    at_dk, at_dv, at_lse2, at_delta, at_accum, at_sem, total = offsets
+    memory = cupy.empty(total, dtype=cupy.uint8).data
+    base = memory.ptr
+    dq = cupy.ndarray(q.shape, q.dtype, memory)
+    dk = cupy.ndarray(k.shape, k.dtype, memory + at_dk)
+    dv = cupy.ndarray(v.shape, v.dtype, memory + at_dv)
+    return dq, dk, dv, (base + at_lse2, base + at_delta, base + at_accum, base + at_sem if deterministic else 0)
 
 
 def _backward_sm90(registry, binary: KernelBinary, c: _Common, grad_out, q, k, v, out, lse, deterministic, stream,
@@ -971,19 +983,14 @@ def _backward_sm90(registry, binary: KernelBinary, c: _Common, grad_out, q, k, v
         if c.M > 1 and lse.strides[2] != 4:
             lse = cupy.ascontiguousarray(lse)  # the prep kernel reads a row's lse with unit stride
             key = None  # a per-call copy: not a plan
-        rows, at_dk, at_dv, at_lse2, at_delta, at_accum, at_sem, total = _sm90_bwd_layout(kc, c, k, deterministic)
-        memory = cupy.empty(total, dtype=cupy.uint8).data
-        dq = cupy.ndarray(q.shape, q.dtype, memory)
-        dk = cupy.ndarray(k.shape, k.dtype, memory + at_dk)
-        dv = cupy.ndarray(v.shape, v.dtype, memory + at_dv)
+        rows, *offsets = _sm90_bwd_layout(kc, c, k, deterministic)
+        dq, dk, dv, (lse_log2, delta, accum, semaphores) = _sm90_bwd_buffers(cupy, offsets, q, k, v, deterministic)
         os_, gos, ls = _elem_strides(out), _elem_strides(grad_out), _elem_strides(lse)
         _check_int32(out_stride_m=os_[1], out_stride_h=os_[2], dout_stride_m=gos[1], dout_stride_h=gos[2],
                      lse_stride_b=ls[0], lse_stride_h=ls[1], rows_padded=rows * c.H * c.batches)
         p = _params_buffer(Sm90Bwd)
-        base = memory.ptr
-        _fill(p, out_ptr=out.data.ptr, dout_ptr=grad_out.data.ptr, lse_ptr=lse.data.ptr,
-              lse_log2_ptr=base + at_lse2, delta_ptr=base + at_delta, dq_accum_ptr=base + at_accum,
-              dq_semaphore_ptr=base + at_sem if deterministic else 0, dq_ptr=dq.data.ptr, dk_ptr=dk.data.ptr,
+        _fill(p, out_ptr=out.data.ptr, dout_ptr=grad_out.data.ptr, lse_ptr=lse.data.ptr, lse_log2_ptr=lse_log2,
+              delta_ptr=delta, dq_accum_ptr=accum, dq_semaphore_ptr=semaphores, dq_ptr=dq.data.ptr, dk_ptr=dk.data.ptr,
               dv_ptr=dv.data.ptr, out_stride_b=os_[0], dout_stride_b=gos[0], dq_stride_b=c.M * c.H * c.K,
               dkv_stride_b=k.shape[1] * k.shape[2] * c.K, out_stride_m=os_[1], out_stride_h=os_[2],
               dout_stride_m=gos[1], dout_stride_h=gos[2], dq_stride_m=c.H * c.K, dq_stride_h=c.K,
@@ -1006,25 +1013,18 @@ def _backward_sm90(registry, binary: KernelBinary, c: _Common, grad_out, q, k, v
             handle = lambda entry: _handle(registry, binary, c.device, entry)  # noqa: E731
             plans.remember(key, plans.LaunchPlan.from_params(
                 handle(""), c.device, grid, block, kc["shared_memory_bytes"], p, _SM90_BWD_POINTERS, False,
-                {"sm90": True, "layout": (at_dk, at_dv, at_lse2, at_delta, at_accum, at_sem, total),
-                 "deterministic": deterministic}, tensor_maps=_SM90_BWD_MAPS,
+                {"sm90": True, "layout": tuple(offsets), "deterministic": deterministic}, tensor_maps=_SM90_BWD_MAPS,
                 before=[(handle("_prep"), aux_grid, aux_block)], after=[(handle("_convert"), aux_grid, aux_block)]))
     return dq, dk, dv
 
 
 def _backward_sm90_planned(cupy, plan: plans.LaunchPlan, grad_out, q, k, v, out, lse, stream):
     """An sm90 backward whose signature was seen before: one allocation, three launches."""
-    at_dk, at_dv, at_lse2, at_delta, at_accum, at_sem, total = plan.sizes["layout"]
     with _on_device(cupy, plan.device):
-        memory = cupy.empty(total, dtype=cupy.uint8).data
-        base = memory.ptr
-        dq = cupy.ndarray(q.shape, q.dtype, memory)
-        dk = cupy.ndarray(k.shape, k.dtype, memory + at_dk)
-        dv = cupy.ndarray(v.shape, v.dtype, memory + at_dv)
-        pointers = (out.data.ptr, grad_out.data.ptr, lse.data.ptr, base + at_lse2, base + at_delta,
-                    base + at_accum, base + at_sem if plan.sizes["deterministic"] else 0, dq.data.ptr,
-                    dk.data.ptr, dv.data.ptr)
-        plan.launch((q.data.ptr, k.data.ptr, v.data.ptr, grad_out.data.ptr) + pointers, 0, 0,
+        dq, dk, dv, workspace = _sm90_bwd_buffers(cupy, plan.sizes["layout"], q, k, v, plan.sizes["deterministic"])
+        # tensor maps (q, k, v, grad_out), then _SM90_BWD_POINTERS' order
+        plan.launch((q.data.ptr, k.data.ptr, v.data.ptr, grad_out.data.ptr, out.data.ptr, grad_out.data.ptr,
+                     lse.data.ptr) + workspace + (dq.data.ptr, dk.data.ptr, dv.data.ptr), 0, 0,
                     _stream_handle(cupy, stream))
     return dq, dk, dv
 
