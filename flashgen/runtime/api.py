@@ -947,50 +947,50 @@ def _backward_planned(cupy, plan: plans.LaunchPlan, grad_out, q, k, v, out, lse,
 _SM90_BWD_MAPS = ("q_map", "k_map", "v_map", "do_map")
 # per-call pointers after the four tensor maps' (q, k, v, grad_out), in Params order
 _SM90_BWD_POINTERS = ("out_ptr", "dout_ptr", "lse_ptr", "lse_log2_ptr", "delta_ptr", "dq_accum_ptr",
-                      "dq_semaphore_ptr", "dq_ptr", "dk_ptr", "dv_ptr")
+                      "dq_counter_ptr", "dq_ptr", "dk_ptr", "dv_ptr")
 
 
-def _sm90_bwd_layout(kc, c: _Common, k, deterministic: bool):
-    """(rows_padded, byte offsets of dk, dv, lse_log2, delta, dq accumulator, semaphores, total) of
+def _sm90_bwd_layout(kc, c: _Common, k):
+    """(rows_padded, byte offsets of dk, dv, lse_log2, delta, dq accumulator, counters, total) of
     one allocation holding an sm90_bwd call's outputs and workspace (spec/sm90_bwd.py)."""
     rows = -(-c.M // kc["block_m"]) * kc["block_m"]
     heads_rows = c.batches * c.H * rows
     dq_bytes = c.batches * c.M * c.H * c.K * k.itemsize
     dkv_bytes = c.batches * c.N * k.shape[2] * c.K * k.itemsize
-    semaphores = heads_rows // kc["block_m"] * kc["warp_groups"] * 4 if deterministic else 0
+    counters = heads_rows // kc["block_m"] * kc["warp_groups"] * 4
     return (rows,) + _packed_offsets(dq_bytes, dkv_bytes, dkv_bytes, heads_rows * 4, heads_rows * 4,
-                                     heads_rows * kc["max_k"] * 4, semaphores)
+                                     heads_rows * kc["max_k"] * 4, counters)
 
 
-def _sm90_bwd_buffers(cupy, offsets, q, k, v, deterministic: bool):
-    """dq, dk, dv and the workspace pointers (lse_log2, delta, dq accumulator, semaphores or 0) carved
+def _sm90_bwd_buffers(cupy, offsets, q, k, v):
+    """dq, dk, dv and the workspace pointers (lse_log2, delta, dq accumulator, counters) carved
     from one new allocation laid out by ``offsets`` (``_sm90_bwd_layout`` without its rows)."""
-    at_dk, at_dv, at_lse2, at_delta, at_accum, at_sem, total = offsets
-    memory = cupy.empty(total, dtype=cupy.uint8).data
+    at_dk, at_dv, at_lse2, at_delta, at_accum, at_counters, total = offsets
+    memory = cupy.cuda.alloc(total)  # CuPy's pool, as cupy.empty would use, minus the array
     base = memory.ptr
     dq = cupy.ndarray(q.shape, q.dtype, memory)
     dk = cupy.ndarray(k.shape, k.dtype, memory + at_dk)
     dv = cupy.ndarray(v.shape, v.dtype, memory + at_dv)
-    return dq, dk, dv, (base + at_lse2, base + at_delta, base + at_accum, base + at_sem if deterministic else 0)
+    return dq, dk, dv, (base + at_lse2, base + at_delta, base + at_accum, base + at_counters)
 
 
 def _backward_sm90(registry, binary: KernelBinary, c: _Common, grad_out, q, k, v, out, lse, deterministic, stream,
                    key):
-    """Launch an sm90_bwd instance's three kernels (prep, main, convert; see spec/sm90_bwd.py)."""
+    """Launch an sm90_bwd instance's two kernels (prep, main; see spec/sm90_bwd.py)."""
     cupy = _cupy()
     kc = binary.constants
     with cupy.cuda.Device(c.device):
         if c.M > 1 and lse.strides[2] != 4:
             lse = cupy.ascontiguousarray(lse)  # the prep kernel reads a row's lse with unit stride
             key = None  # a per-call copy: not a plan
-        rows, *offsets = _sm90_bwd_layout(kc, c, k, deterministic)
-        dq, dk, dv, (lse_log2, delta, accum, semaphores) = _sm90_bwd_buffers(cupy, offsets, q, k, v, deterministic)
+        rows, *offsets = _sm90_bwd_layout(kc, c, k)
+        dq, dk, dv, (lse_log2, delta, accum, counters) = _sm90_bwd_buffers(cupy, offsets, q, k, v)
         os_, gos, ls = _elem_strides(out), _elem_strides(grad_out), _elem_strides(lse)
         _check_int32(out_stride_m=os_[1], out_stride_h=os_[2], dout_stride_m=gos[1], dout_stride_h=gos[2],
                      lse_stride_b=ls[0], lse_stride_h=ls[1], rows_padded=rows * c.H * c.batches)
         p = _params_buffer(Sm90Bwd)
         _fill(p, out_ptr=out.data.ptr, dout_ptr=grad_out.data.ptr, lse_ptr=lse.data.ptr, lse_log2_ptr=lse_log2,
-              delta_ptr=delta, dq_accum_ptr=accum, dq_semaphore_ptr=semaphores, dq_ptr=dq.data.ptr, dk_ptr=dk.data.ptr,
+              delta_ptr=delta, dq_accum_ptr=accum, dq_counter_ptr=counters, dq_ptr=dq.data.ptr, dk_ptr=dk.data.ptr,
               dv_ptr=dv.data.ptr, out_stride_b=os_[0], dout_stride_b=gos[0], dq_stride_b=c.M * c.H * c.K,
               dkv_stride_b=k.shape[1] * k.shape[2] * c.K, out_stride_m=os_[1], out_stride_h=os_[2],
               dout_stride_m=gos[1], dout_stride_h=gos[2], dq_stride_m=c.H * c.K, dq_stride_h=c.K,
@@ -1008,20 +1008,19 @@ def _backward_sm90(registry, binary: KernelBinary, c: _Common, grad_out, q, k, v
         grid, block = (-(-c.N // kc["block_n"]), k.shape[2], c.batches), (kc["threads_per_block"], 1, 1)
         _launch(registry, binary, c.device, aux_grid, aux_block, p, stream, "_prep")
         _launch(registry, binary, c.device, grid, block, p, stream)
-        _launch(registry, binary, c.device, aux_grid, aux_block, p, stream, "_convert")
         if key is not None:
             handle = lambda entry: _handle(registry, binary, c.device, entry)  # noqa: E731
             plans.remember(key, plans.LaunchPlan.from_params(
                 handle(""), c.device, grid, block, kc["shared_memory_bytes"], p, _SM90_BWD_POINTERS, False,
-                {"sm90": True, "layout": tuple(offsets), "deterministic": deterministic}, tensor_maps=_SM90_BWD_MAPS,
-                before=[(handle("_prep"), aux_grid, aux_block)], after=[(handle("_convert"), aux_grid, aux_block)]))
+                {"sm90": True, "layout": tuple(offsets)}, tensor_maps=_SM90_BWD_MAPS,
+                before=[(handle("_prep"), aux_grid, aux_block)]))
     return dq, dk, dv
 
 
 def _backward_sm90_planned(cupy, plan: plans.LaunchPlan, grad_out, q, k, v, out, lse, stream):
-    """An sm90 backward whose signature was seen before: one allocation, three launches."""
+    """An sm90 backward whose signature was seen before: one allocation, two launches."""
     with _on_device(cupy, plan.device):
-        dq, dk, dv, workspace = _sm90_bwd_buffers(cupy, plan.sizes["layout"], q, k, v, plan.sizes["deterministic"])
+        dq, dk, dv, workspace = _sm90_bwd_buffers(cupy, plan.sizes["layout"], q, k, v)
         # tensor maps (q, k, v, grad_out), then _SM90_BWD_POINTERS' order
         plan.launch((q.data.ptr, k.data.ptr, v.data.ptr, grad_out.data.ptr, out.data.ptr, grad_out.data.ptr,
                      lse.data.ptr) + workspace + (dq.data.ptr, dk.data.ptr, dv.data.ptr), 0, 0,

@@ -4,18 +4,17 @@ Template: ``flashgen::sm90::BwdKernel<Element, kHeadDim, kBlockM, kBlockN,
 kStages, kCausal>`` -- one CTA per ``block_n`` keys of one (batch, k/v head),
 one consumer warpgroup per 64 of them, Q/dO/lse/delta streamed by a producer
 warpgroup through a ``kStages``-deep ring of ``block_m``-query tiles.  Each instance
-holds three entry points, launched in order on one stream:
+holds two entry points, launched in order on one stream:
 
 * ``<name>_prep``: grid (rows_padded / block_m, heads, batch), ``aux_threads``
-  threads -- delta, the lse in log2, zeroed dQ accumulator (and semaphores);
+  threads -- delta, the lse in log2, zeroed dQ accumulator and counters;
 * ``<name>``: grid (ceil(N / block_n), k/v heads, batch), ``threads_per_block``
-  threads, ``shared_memory_bytes`` of dynamic shared memory;
-* ``<name>_convert``: grid as prep -- dQ from the fp32 accumulator.
+  threads, ``shared_memory_bytes`` of dynamic shared memory; the last CTA to add
+  into a part of the dQ accumulator writes that part of dQ.
 
 Workspace (float32 unless said): lse_log2 and delta [B, H, rows_padded], the dQ
-accumulator [B, H, rows_padded, max_k], and with ``deterministic`` int32
-semaphores [B, H, rows_padded / block_m, warp_groups]; rows_padded is M rounded
-up to ``block_m``.  q, k, v and dO reach the kernel as TMA tensor maps (16-byte
+accumulator [B, H, rows_padded, max_k], int32 counters [B, H, rows_padded /
+block_m, warp_groups]; rows_padded is M rounded up to ``block_m``.  q, k, v and dO reach the kernel as TMA tensor maps (16-byte
 aligned pointers and strides, head dim a multiple of 8, up to ``max_k``); O as a
 pointer with the same alignment.  dq, dk, dv are written with the strides given.
 """
@@ -67,7 +66,7 @@ class Sm90Bwd(Sm90Tile):
         Field("lse_log2_ptr", "ptr"),
         Field("delta_ptr", "ptr"),
         Field("dq_accum_ptr", "ptr"),
-        Field("dq_semaphore_ptr", "ptr"),
+        Field("dq_counter_ptr", "ptr"),
         Field("dq_ptr", "ptr"),
         Field("dk_ptr", "ptr"),
         Field("dv_ptr", "ptr"),

@@ -29,8 +29,8 @@ static_assert(offsetof(Params, delta_ptr) == 544 && sizeof(((Params*)nullptr)->d
               "flashgen ABI: Params::delta_ptr moved or changed size; update flashgen/spec/sm90_bwd.py");
 static_assert(offsetof(Params, dq_accum_ptr) == 552 && sizeof(((Params*)nullptr)->dq_accum_ptr) == 8,
               "flashgen ABI: Params::dq_accum_ptr moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dq_semaphore_ptr) == 560 && sizeof(((Params*)nullptr)->dq_semaphore_ptr) == 8,
-              "flashgen ABI: Params::dq_semaphore_ptr moved or changed size; update flashgen/spec/sm90_bwd.py");
+static_assert(offsetof(Params, dq_counter_ptr) == 560 && sizeof(((Params*)nullptr)->dq_counter_ptr) == 8,
+              "flashgen ABI: Params::dq_counter_ptr moved or changed size; update flashgen/spec/sm90_bwd.py");
 static_assert(offsetof(Params, dq_ptr) == 568 && sizeof(((Params*)nullptr)->dq_ptr) == 8,
               "flashgen ABI: Params::dq_ptr moved or changed size; update flashgen/spec/sm90_bwd.py");
 static_assert(offsetof(Params, dk_ptr) == 576 && sizeof(((Params*)nullptr)->dk_ptr) == 8,
@@ -92,23 +92,17 @@ static_assert(offsetof(Params, scale_log2) == 700 && sizeof(((Params*)nullptr)->
 #define FLASHGEN_RUN(call) flashgen_wrong_arch("sm90_bwd_f16_k64_q128x128_s2_causal_sm90a (sm_90a only)", 90, 91)
 #endif
 
-// delta, lse in log2, zeroed dQ accumulator
+// delta, lse in log2, zeroed dQ accumulator and counters
 extern "C" __global__ void __launch_bounds__(Kernel::kAuxThreads)
 sm90_bwd_f16_k64_q128x128_s2_causal_sm90a_prep(const __grid_constant__ Params p) {
   FLASHGEN_RUN(Kernel::prep(p));
 }
 
-// dK, dV and the dQ accumulator (the tensor maps must live in parameter memory: __grid_constant__)
+// dK, dV, dQ (the tensor maps must live in parameter memory: __grid_constant__)
 extern "C" __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kMinBlocksPerSm)
 sm90_bwd_f16_k64_q128x128_s2_causal_sm90a(const __grid_constant__ Params p) {
   extern __shared__ char shared_memory[];
   FLASHGEN_RUN(Kernel::run(p, shared_memory));
-}
-
-// dQ from the accumulator
-extern "C" __global__ void __launch_bounds__(Kernel::kAuxThreads)
-sm90_bwd_f16_k64_q128x128_s2_causal_sm90a_convert(const __grid_constant__ Params p) {
-  FLASHGEN_RUN(Kernel::convert(p));
 }
 
 // Compile-time constants the runtime needs; `flashgen build` reads them back

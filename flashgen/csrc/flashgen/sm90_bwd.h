@@ -1,15 +1,18 @@
 // flashgen's Hopper attention backward (sm_90a): TMA loads, wgmma, one producer warpgroup.
 //
-// Three kernels per instance, launched in this order on one stream:
+// Two kernels per instance, launched in this order on one stream:
 //   prep     per query row: delta = rowsum(dO * O), the forward's lse in the
 //            log2 domain (+inf where no key contributes, so P is 0 there), and
-//            zeroes of the row's fp32 dQ accumulator;
+//            zeroes of the row's fp32 dQ accumulator and of its block's counters;
 //   main     one CTA per block of kBlockN keys of one (batch, k/v head): K and V
 //            stay in shared memory while Q, dO, lse and delta stream through a
 //            kStages-deep ring, block after block of kBlockM queries, for every
 //            query head of the k/v head's group (grouped-query attention sums
-//            dK and dV in registers, nothing is repeated in memory);
-//   convert  dQ = scale * accumulator, in the input dtype and the caller's strides.
+//            dK and dV in registers, nothing is repeated in memory).  The last
+//            CTA to add into a part of the dQ accumulator (a counter per query
+//            block and warpgroup part says which) writes that part of dQ =
+//            scale * accumulator in the input dtype and the caller's strides:
+//            no third kernel, one launch fewer per call.
 //
 // In the main kernel each consumer warpgroup owns 64 keys; the last warpgroup loads.  Per query block:
 //   S^T  = K Q^T,  dP^T = V dO^T            (wgmma, both operands in shared memory)
@@ -21,8 +24,8 @@
 // CTA.  The dQ product is split between the warpgroups by query rows when a
 // block has 128 of them, else by head-dim columns, so every dQ element gets one
 // atomic add per CTA.  With `deterministic` the CTAs of one (head, query block)
-// add in key-block order (a counter per block and half), so results repeat bit
-// for bit.
+// add in key-block order (they wait for the part's counter to reach their key
+// block), so results repeat bit for bit.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
@@ -41,7 +44,7 @@
 namespace flashgen {
 namespace sm90 {
 
-// What the runtime passes by value to all three kernels (__grid_constant__).
+// What the runtime passes by value to both kernels (__grid_constant__).
 // q/do maps: (head_dim, queries, heads, batch), boxes (kBoxCols, kBlockM);
 // k/v maps: (head_dim, keys, k/v heads, batch), boxes (kBoxCols, kBlockN).
 // Workspace rows are padded per head to rows_padded, a multiple of kBlockM.
@@ -56,7 +59,7 @@ struct BwdParams {
   float* lse_log2_ptr;        // workspace [B, H, rows_padded]
   float* delta_ptr;           // workspace [B, H, rows_padded]
   float* dq_accum_ptr;        // workspace [B, H, rows_padded, kHeadDim], zeroed by prep
-  int* dq_semaphore_ptr;      // deterministic: [B, H, rows_padded / kBlockM, warpgroups]; else unused
+  int* dq_counter_ptr;        // workspace [B, H, rows_padded / kBlockM, warpgroups], zeroed by prep
   void* dq_ptr;
   void* dk_ptr;
   void* dv_ptr;
@@ -107,7 +110,7 @@ struct BwdKernel {
   static constexpr int kConsumerRegisters = 240;
   static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <= 65536, "register file");
   static constexpr int kMinBlocksPerSm = 1;
-  static constexpr int kAuxThreads = 128;  // prep and convert
+  static constexpr int kAuxThreads = 128;  // prep
 
   static constexpr int kSwizzleBytes = kHeadDim % 64 == 0 ? 128 : 64;
   static constexpr int kBoxCols = kSwizzleBytes / sizeof(Element);
@@ -167,6 +170,7 @@ struct BwdKernel {
     alignas(8) uint64_t kv_full;
     uint64_t full[kStages];
     uint64_t empty[kStages];
+    int dq_last[kWarpGroups];  // this warpgroup's dQ part got its last contribution here
   };
   static constexpr int kSharedBytes = int(sizeof(SharedStorage)) + 1024;  // +1024: the base is rounded up
   static_assert(kSharedBytes <= 227 * 1024, "K, V, the Q/dO ring and dS exceed the shared memory of a Hopper block");
@@ -184,6 +188,17 @@ struct BwdKernel {
       m_begin = first_query <= 0 ? 0 : first_query / kBlockM;
     }
     return {m_begin, max(0, m_end - m_begin)};
+  }
+
+  // How many key blocks meet query block m_block (steps() in reverse): key block n does
+  // iff n * kBlockN < (m_block + 1) * kBlockM + diagonal_offset, and those are the first ones.
+  static __device__ int dq_contributors(BwdParams const& p, int m_block) {
+    int const n_blocks = (p.num_keys + kBlockN - 1) / kBlockN;
+    if (!kCausal) {
+      return n_blocks;
+    }
+    int const limit = (m_block + 1) * kBlockM + p.diagonal_offset;
+    return limit <= 0 ? 0 : min(n_blocks, (limit + kBlockN - 1) / kBlockN);
   }
 
   static __device__ void produce(BwdParams const& p, SharedStorage& s, int n_block, int head_kv, int batch,
@@ -378,40 +393,68 @@ struct BwdKernel {
       Barrier::arrive(&s.empty[stage]);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_dq);
-      add_dq(p, acc_dq, head, batch, m_block, n_block, query0 + (kDqSplitRows ? 64 * wg : 0) + row_in_tile,
-             (kDqSplitRows ? 0 : wg * kDqCols) + col0);
+      add_dq(p, s, acc_dq, head, batch, m_block, n_block, query0 + (kDqSplitRows ? 64 * wg : 0),
+             kDqSplitRows ? 0 : wg * kDqCols);
     }
     store_dkv(p, acc_dk, p.dk_ptr, p.scale, key0 + key_row, col0, head_kv, batch);
     store_dkv(p, acc_dv, p.dv_ptr, 1.f, key0 + key_row, col0, head_kv, batch);
   }
 
-  // Adds this warpgroup's dQ part into the fp32 accumulator (rows are within rows_padded).
+  // Adds this warpgroup's dQ part (64 rows from part_row0, kDqCols columns from part_col0 of
+  // query block m_block) into the fp32 accumulator; the last key block to do so writes it out.
   template <class Accumulator>
-  static __device__ void add_dq(BwdParams const& p, Accumulator const& acc, int head, int batch, int m_block,
-                                int n_block, int row0, int col0) {
+  static __device__ void add_dq(BwdParams const& p, SharedStorage& s, Accumulator const& acc, int head, int batch,
+                                int m_block, int n_block, int part_row0, int part_col0) {
     using namespace cute;
     int const wg = threadIdx.x / 128;
-    int* semaphore = p.dq_semaphore_ptr +
-                     ((long long)(batch * p.num_heads + head) * (p.rows_padded / kBlockM) + m_block) * kWarpGroups + wg;
+    int const lane = threadIdx.x % 32;
+    int const barrier = 1 + wg;  // named barrier of this warpgroup's 128 threads
+    long long const head_row0 = (long long)(batch * p.num_heads + head) * p.rows_padded;
+    cuda::atomic_ref<int, cuda::thread_scope_device> counter(
+        p.dq_counter_ptr[((head_row0 / kBlockM) + m_block) * kWarpGroups + wg]);
     if (p.deterministic) {  // wait for the key blocks before this one (they all meet this query block too)
       if (threadIdx.x % 128 == 0) {
-        while (cuda::atomic_ref<int, cuda::thread_scope_device>(*semaphore).load(cuda::memory_order_acquire) !=
-               n_block) {
+        while (counter.load(cuda::memory_order_acquire) != n_block) {
         }
       }
-      cutlass::arch::NamedBarrier::sync(128, 1 + wg);
+      cutlass::arch::NamedBarrier::sync(128, barrier);
     }
-    float* accum = p.dq_accum_ptr + ((long long)(batch * p.num_heads + head) * p.rows_padded + row0) * kHeadDim + col0;
+    int const row = part_row0 + 16 * ((threadIdx.x / 32) % 4) + lane / 4;  // this thread's first row
+    float* accum = p.dq_accum_ptr + (head_row0 + row) * kHeadDim + part_col0 + 2 * (lane % 4);
     CUTE_UNROLL
     for (int r = 0; r < size(acc); r += 2) {
       int const offset = ((r / 2) % 2) * 8 * kHeadDim + (r / 4) * 8;
       atomicAdd(reinterpret_cast<float2*>(accum + offset), make_float2(acc(r), acc(r + 1)));
     }
-    if (p.deterministic) {
-      __threadfence();
-      cutlass::arch::NamedBarrier::sync(128, 1 + wg);
-      if (threadIdx.x % 128 == 0) {
-        cuda::atomic_ref<int, cuda::thread_scope_device>(*semaphore).fetch_add(1, cuda::memory_order_release);
+    __threadfence();
+    cutlass::arch::NamedBarrier::sync(128, barrier);
+    if (threadIdx.x % 128 == 0) {
+      s.dq_last[wg] = counter.fetch_add(1, cuda::memory_order_acq_rel) + 1 == dq_contributors(p, m_block);
+    }
+    cutlass::arch::NamedBarrier::sync(128, barrier);
+    if (s.dq_last[wg]) {
+      store_dq(p, head, batch, part_row0, part_col0, kDqCols, threadIdx.x % 128, 128);
+    }
+  }
+
+  // dQ = scale * accumulator for `rows` x `cols` from (row0, col0) of one head, by `threads` threads.
+  static __device__ void store_dq(BwdParams const& p, int head, int batch, int row0, int col0, int cols,
+                                  int thread, int threads) {
+    int const quads = cols / 4;
+    long long const accum_row0 = (long long)(batch * p.num_heads + head) * p.rows_padded;
+    Element* dq = static_cast<Element*>(p.dq_ptr) + batch * p.dq_stride_b + head * (long long)p.dq_stride_h;
+    for (int i = thread; i < 64 * quads; i += threads) {
+      int const row = row0 + i / quads;
+      int const col = col0 + (i % quads) * 4;
+      if (row < p.num_queries && col < p.head_dim) {
+        // L2 (cg): other SMs' atomics wrote these
+        float4 const a = __ldcg(reinterpret_cast<float4 const*>(p.dq_accum_ptr + (accum_row0 + row) * kHeadDim + col));
+        cutlass::Array<Element, 4> out;
+        out[0] = static_cast<Element>(a.x * p.scale);
+        out[1] = static_cast<Element>(a.y * p.scale);
+        out[2] = static_cast<Element>(a.z * p.scale);
+        out[3] = static_cast<Element>(a.w * p.scale);
+        *reinterpret_cast<cutlass::Array<Element, 4>*>(dq + row * (long long)p.dq_stride_m + col) = out;
       }
     }
   }
@@ -518,31 +561,17 @@ struct BwdKernel {
         accum[c] = make_float4(0.f, 0.f, 0.f, 0.f);
       }
     }
-    if (p.deterministic && threadIdx.x < kWarpGroups) {
-      p.dq_semaphore_ptr[((batch * p.num_heads + head) * (long long)(p.rows_padded / kBlockM) + m_block) *
-                             kWarpGroups + threadIdx.x] = 0;
+    if (threadIdx.x < kWarpGroups) {
+      p.dq_counter_ptr[(head_row0 / kBlockM + m_block) * kWarpGroups + threadIdx.x] = 0;
     }
-  }
-
-  // grid (rows_padded / kBlockM, heads, batch), kAuxThreads threads
-  static __device__ void convert(BwdParams const& p) {
-    constexpr int kQuads = kHeadDim / 4;
-    int const m_block = blockIdx.x;
-    int const head = blockIdx.y;
-    int const batch = blockIdx.z;
-    long long const head_row0 = (long long)(batch * p.num_heads + head) * p.rows_padded;
-    Element* dq = static_cast<Element*>(p.dq_ptr) + batch * p.dq_stride_b + head * (long long)p.dq_stride_h;
-    for (int i = threadIdx.x; i < kBlockM * kQuads; i += kAuxThreads) {
-      int const row = m_block * kBlockM + i / kQuads;
-      int const col = (i % kQuads) * 4;
-      if (row < p.num_queries && col < p.head_dim) {
-        float4 const a = *reinterpret_cast<float4 const*>(p.dq_accum_ptr + (head_row0 + row) * kHeadDim + col);
-        cutlass::Array<Element, 4> out;
-        out[0] = static_cast<Element>(a.x * p.scale);
-        out[1] = static_cast<Element>(a.y * p.scale);
-        out[2] = static_cast<Element>(a.z * p.scale);
-        out[3] = static_cast<Element>(a.w * p.scale);
-        *reinterpret_cast<cutlass::Array<Element, 4>*>(dq + row * (long long)p.dq_stride_m + col) = out;
+    if (dq_contributors(p, m_block) == 0) {  // queries that see no key (causal, M > N): no CTA writes their dQ
+      Element* dq = static_cast<Element*>(p.dq_ptr) + batch * p.dq_stride_b + head * (long long)p.dq_stride_h;
+      for (int i = threadIdx.x; i < kBlockM * kHeadDim / 8; i += kAuxThreads) {
+        int const row = m_block * kBlockM + i / (kHeadDim / 8);
+        int const col = (i % (kHeadDim / 8)) * 8;
+        if (row < p.num_queries && col < p.head_dim) {
+          *reinterpret_cast<uint4*>(dq + row * (long long)p.dq_stride_m + col) = make_uint4(0, 0, 0, 0);
+        }
       }
     }
   }
