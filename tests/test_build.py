@@ -179,3 +179,22 @@ def test_kernel_built_outside_its_arch_range_traps_with_a_message(toolchain, tmp
     subprocess.run(cmd, check=True, capture_output=True)
     data = cubin.read_bytes()
     assert b"refuses to run" in data and sm75.name.encode() in data
+
+
+def test_an_earlier_manifest_keeps_only_kernels_this_flashgen_still_describes(tmp_path):
+    """A later `flashgen build` into the same directory carries earlier entries on -- except ones
+    whose params no longer make a kernel of that name (a family changed its axes), which the
+    runtime would refuse to load and a rebuild could never replace."""
+    current = next(k for k in default_kernels() if k.FAMILY == "sm90_bwd")
+    (tmp_path / "a.cubin").write_bytes(b"a")
+    target = {"sm90a": {"cubin": "a.cubin", "sha256": sha256_file(tmp_path / "a.cubin")}}
+    stale_params = {k: v for k, v in current.params.items() if k not in ("band", "softcap")}
+    old = {"toolchain": {"nvcc": "x"}, "kernels": [
+        {"name": current.name, "family": current.FAMILY, "params": current.params, "targets": target},
+        {"name": "sm90_bwd_f16_k64_q128x128_s2_causal_sm90a", "family": "sm90_bwd",
+         "params": dict(stale_params, causal=True), "targets": target},
+        {"name": "renamed", "family": current.FAMILY, "params": current.params, "targets": target},
+        {"name": "someone_elses", "family": "not_a_flashgen_family", "params": {"x": 1}, "targets": target},
+    ]}
+    kept = manifest.surviving_entries(tmp_path, old, {"nvcc": "x"})
+    assert sorted(kept) == sorted([current.name, "someone_elses"])

@@ -18,6 +18,7 @@ from flashgen.atomic import atomic_write_text
 from flashgen.build.cubin import parse_resource_usage, read_int64_array, sha256_file
 from flashgen.build.graph import Job
 from flashgen.errors import FlashgenError
+from flashgen.spec import FAMILIES
 from flashgen.spec.core import target_cc
 
 SCHEMA_VERSION = 1
@@ -113,21 +114,37 @@ def read(path: Path) -> dict:
 
 
 def surviving_entries(build_dir: Path, old: dict, toolchain: dict) -> Dict[str, dict]:
-    """Entries of an earlier manifest worth keeping: same toolchain, cubin intact.
+    """Entries of an earlier manifest worth keeping: same toolchain, cubin intact, and a
+    kernel this flashgen's family still describes under the same name.
 
     Lets `flashgen build --arch sm80` and then `--arch sm90` into one directory
-    end with a manifest that lists both.
+    end with a manifest that lists both; an entry from before a family changed
+    its axes (one the runtime would refuse to load) is dropped, not carried on.
     """
     if old.get("toolchain") != toolchain:
         return {}
     kept: Dict[str, dict] = {}
     for entry in old.get("kernels", []):
+        if not _describes(entry):
+            continue
         targets = {t: rec for t, rec in entry.get("targets", {}).items()
                    if (build_dir / binary_path(rec)).is_file()
                    and sha256_file(build_dir / binary_path(rec)) == rec["sha256"]}
         if targets:
             kept[entry["name"]] = dict(entry, targets=targets)
     return kept
+
+
+def _describes(entry: dict) -> bool:
+    """Whether this flashgen's family of ``entry`` makes a kernel of the same name from its params
+    (families it does not know are left alone, as the runtime leaves them)."""
+    cls = FAMILIES.get(entry.get("family"))
+    if cls is None:
+        return True
+    try:
+        return cls(**entry.get("params", {})).name == entry.get("name")
+    except TypeError:
+        return False
 
 
 def binary_path(record: dict) -> str:
