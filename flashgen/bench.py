@@ -207,12 +207,13 @@ def _flex_entries(p: Point, t_sets, torch) -> List[Timed]:
             Timed("flex", "bwd", _autograd_backward(lambda s: _flex(*s[:3], block_mask=mask), t_sets, torch))]
 
 
-def call_overhead_us(torch, calls: int = 2000) -> Dict[str, float]:
+def call_overhead_us(torch, calls: int = 500, rounds: int = 9) -> Dict[str, float]:
     """Host microseconds per call on a tiny problem (1 x 128 x 1 x 64, f16), against SDPA's call.
 
     flashgen's calls repeat one signature, so they take the planned path (runtime/plans.py)
     as a training loop does after its first step.  The GPU work is negligible; each figure is
-    wall time per call over ``calls`` back-to-back calls.
+    the median over ``rounds`` (implementations interleaved) of the wall time per call over
+    ``calls`` back-to-back calls: one round is easily disturbed by the host.
     """
     import cupy
 
@@ -231,17 +232,18 @@ def call_overhead_us(torch, calls: int = 2000) -> Dict[str, float]:
         "torch sdpa forward": lambda: sdpa(tq, tq, tq),
         "torch sdpa backward (autograd.grad)": lambda: torch.autograd.grad(t_out, tq, t_grad, retain_graph=True),
     }
-    result = {}
-    for name, fn in cases.items():
-        for _ in range(100):
-            fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        result[name] = (time.perf_counter() - start) / calls * 1e6
-        torch.cuda.synchronize()
-    return result
+    times = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            for _ in range(50):
+                fn()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+            torch.cuda.synchronize()
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def import_times_ms() -> Dict[str, float]:

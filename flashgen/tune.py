@@ -82,7 +82,7 @@ def candidates(registry, device, p: Point, direction: str) -> List[Tuple[str, tu
     order), times the split policies that change the backward's split count."""
     family = family_for(direction, registry, device)
     req = Request(family, p.dtype, p.head_dim, p.head_dim, 8, False, False, device,
-                  seq_multiples(p.seqlen, p.seqlen, False), causal=p.causal)
+                  seq_multiples(p.seqlen, p.seqlen, False), band=p.causal)
     found, seen = [], set()
     for b in registry.for_device(family, device):
         tile = tuning.tile_of(b.spec)

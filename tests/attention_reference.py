@@ -81,22 +81,39 @@ def f64(x):
     return x.astype(cupy.float32).astype(cupy.float64)
 
 
-def mask_matrix(M, N, causal):
-    if causal is None:
+def mask_matrix(M, N, causal, window=None):
+    """Which keys each query sees: below the causal diagonal, within window = (left, right) of it
+    (None: no limit on that side); the diagonal is top-left unless causal='bottom_right'."""
+    if causal is None and window is None:
         return None
     i = cupy.arange(M)[:, None]
     j = cupy.arange(N)[None, :]
-    return j <= (i if causal == "top_left" else i + (N - M))
+    diagonal = i + (N - M if causal == "bottom_right" else 0)
+    visible = cupy.ones((M, N), dtype=bool)
+    if causal is not None:
+        visible &= j <= diagonal
+    left, right = window or (None, None)
+    if left is not None:
+        visible &= j >= diagonal - left
+    if right is not None:
+        visible &= j <= diagonal + right
+    return visible
 
 
-def reference(q, k, v, *, bias=None, causal=None, scale=None, keep=None, p=0.0, grad_out=None):
-    """float64 attention and, with grad_out, its gradients.  keep: dropout mask [B, H, M, N]."""
+def reference(q, k, v, *, bias=None, causal=None, scale=None, keep=None, p=0.0, grad_out=None, window=None,
+              softcap=0.0):
+    """float64 attention and, with grad_out, its gradients.  keep: dropout mask [B, H, M, N];
+    softcap: scores become softcap * tanh(scores / softcap)."""
     q, k, v = f64(q), f64(k), f64(v)
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = cupy.einsum("bmhk,bnhk->bhmn", q, k) * scale
+    slope = 1.0
+    if softcap:
+        t = cupy.tanh(s / softcap)
+        s, slope = softcap * t, 1 - t * t
     if bias is not None:
         s = s + f64(bias)
-    m = mask_matrix(q.shape[1], k.shape[1], causal)
+    m = mask_matrix(q.shape[1], k.shape[1], causal, window)
     if m is not None:
         s = cupy.where(m, s, -cupy.inf)
     lse = logsumexp(s)
@@ -109,8 +126,8 @@ def reference(q, k, v, *, bias=None, causal=None, scale=None, keep=None, p=0.0, 
     dv = cupy.einsum("bhmn,bmhk->bnhk", prob * drop, do)
     dp = cupy.einsum("bmhk,bnhk->bhmn", do, v) * drop
     ds = prob * (dp - (dp * prob).sum(-1, keepdims=True))
-    dq = cupy.einsum("bhmn,bnhk->bmhk", ds, k) * scale
-    dk = cupy.einsum("bhmn,bmhk->bnhk", ds, q) * scale
+    dq = cupy.einsum("bhmn,bnhk->bmhk", ds * slope, k) * scale
+    dk = cupy.einsum("bhmn,bmhk->bnhk", ds * slope, q) * scale
     return out, lse, (dq, dk, dv, ds)
 
 

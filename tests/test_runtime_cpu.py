@@ -763,6 +763,44 @@ def test_valid_inputs():
     assert common(*qkv(M=0, N=0)).M == 0  # empty sequences are valid (no launch)
 
 
+@pytest.mark.parametrize("window,causal,M,N,band", [
+    (None, "top_left", 5, 7, (-2**30, 0)),
+    (None, "bottom_right", 5, 7, (-2**30, 2)),
+    ((3, None), None, 5, 7, (-3, 2**30)),
+    ((None, 4), None, 5, 7, (-2**30, 4)),
+    ((3, 4), "bottom_right", 5, 7, (2 - 3, 2)),  # the causal mask caps the right side at the diagonal
+    ((0, 0), None, 5, 7, (0, 0)),
+    ((2**40, 2**40), None, 5, 7, (-2**30, 2**30)),  # clamped to the kernels' unbounded
+])
+def test_window_becomes_the_kernels_band(window, causal, M, N, band):
+    c = api._common(*qkv(M=M, N=N), causal, None, 0.0, None, 0, None, None, window=window)
+    assert api._band(c) == band
+
+
+def test_window_and_softcap_are_checked():
+    q, k, v = qkv()
+    c = api._common(q, k, v, None, None, 0.0, None, 0, None, None, window=[None, None], softcap=0)
+    assert (c.window, c.softcap) == (None, 0.0), "a window without limits is no window"
+    assert api._common(q, k, v, None, None, 0.0, None, 0, None, None, window=(np.int64(3), None)).window == (3, None)
+    for bad, error in (((1,), TypeError), ((1, 2, 3), TypeError), (5, TypeError), ((1.5, 2), TypeError),
+                       ((True, 2), TypeError), ((-1, 2), ValueError), ((2, -3), ValueError)):
+        with pytest.raises(error, match="window"):
+            api._common(q, k, v, None, None, 0.0, None, 0, None, None, window=bad)
+    for bad, error in (("5", TypeError), (True, TypeError), (None, TypeError), (-1.0, ValueError),
+                       (float("inf"), ValueError), (float("nan"), ValueError)):
+        with pytest.raises(error, match="softcap"):
+            api._common(q, k, v, None, None, 0.0, None, 0, None, None, softcap=bad)
+    c = api._common(q, k, v, None, 0.25, 0.0, None, 0, None, None, softcap=10)
+    assert api._softcap_fields(c) == {"softcap_in": 0.025, "softcap_out": 40.0}
+
+
+def test_window_and_softcap_outside_the_sm90_kernels_are_refused():
+    c = api._common(*qkv(), None, None, 0.0, None, 0, None, None, window=(4, 4), softcap=3.0)
+    with pytest.raises(UnsupportedError, match=r"window and softcap run only on flashgen's sm90"):
+        api._only_on_sm90(c)
+    api._only_on_sm90(api._common(*qkv(), None, None, 0.0, None, 0, None, None))  # nothing to refuse
+
+
 @pytest.mark.parametrize("which,shapes,match", [
     ("batch", ((2, 5, 3, 64), (3, 7, 3, 64), (2, 7, 3, 64)), r"batch sizes differ: q 2, k 3, v 2"),
     ("batch", ((2, 5, 3, 64), (2, 7, 3, 64), (1, 7, 3, 64)), r"batch sizes differ: q 2, k 2, v 1"),

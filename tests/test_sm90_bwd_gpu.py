@@ -39,23 +39,26 @@ def inputs(rng, dtype, B, M, N, H, K, Hk=None, layout="contiguous"):
     return q, k, v, do
 
 
-def gqa_reference(q, k, v, causal, do):
+def gqa_reference(q, k, v, causal, do, **options):
     """Plain attention on repeated k/v; dk and dv summed back over each group."""
     group = q.shape[2] // k.shape[2]
     k_rep, v_rep = (cupy.repeat(x, group, axis=2) for x in (k, v))
-    _, _, (dq, dk, dv, _) = reference(q, k_rep, v_rep, causal=causal, grad_out=do)
+    _, _, (dq, dk, dv, _) = reference(q, k_rep, v_rep, causal=causal, grad_out=do, **options)
     fold = lambda g: g.reshape(*k.shape[:2], k.shape[2], group, k.shape[3]).sum(axis=3)  # noqa: E731
     return dq, fold(dk), fold(dv)
 
 
-def check_backward(q, k, v, do, causal, deterministic=False):
+def check_backward(q, k, v, do, causal, deterministic=False, **options):
+    """options: window, softcap (both passes get them)."""
     dtype = "bf16" if q.dtype.name == "bfloat16" else "f16"
-    assert selected_backward(q, k, v, causal=causal).startswith("sm90_bwd_"), "the call did not take the sm90 path"
-    out, lse = flashgen.attention_forward(q, k, v, causal=causal)
+    assert selected_backward(q, k, v, causal=causal, **options).startswith("sm90_bwd_"), \
+        "the call did not take the sm90 path"
+    out, lse = flashgen.attention_forward(q, k, v, causal=causal, **options)
     with poisoned_allocations():
-        grads = flashgen.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=deterministic)
+        grads = flashgen.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=deterministic,
+                                            **options)
     errors = {}
-    for name, g, r in zip(("dq", "dk", "dv"), grads, gqa_reference(q, k, v, causal, do)):
+    for name, g, r in zip(("dq", "dk", "dv"), grads, gqa_reference(q, k, v, causal, do, **options)):
         assert g.shape == r.shape, name
         errors[name] = rel_err(g, r)
     assert all(e < BWD_TOL[dtype] for e in errors.values()), errors
@@ -95,18 +98,22 @@ def test_grouped_query_attention(group, causal):
 @needs_sm90
 @pytest.mark.parametrize("binary", KERNELS, ids=[b.name for b in KERNELS])
 def test_every_instance(binary):
-    """Each built kernel (not only the ones the priority order picks) on odd sizes, M != N."""
+    """Each built kernel (not only the ones the priority order picks) on odd sizes, M != N: band
+    kernels with a causal mask and a sliding window, softcap kernels with soft-capping."""
     spec = binary.spec
     rng = np.random.default_rng(abs(hash(spec.name)) % 2**32)
-    causal = "bottom_right" if spec.causal else None
-    for (M, N), K in (((129, 1000), spec.max_k), ((1000, 300), spec.max_k - 24), ((7, 7), spec.max_k)):
+    causal = "bottom_right" if spec.band else None
+    options = {"softcap": 8.0} if spec.softcap else {}
+    cases = (((129, 1000), spec.max_k, None), ((1000, 300), spec.max_k - 24, None), ((7, 7), spec.max_k, None),
+             ((700, 1000), spec.max_k, (300, 77) if spec.band else None))
+    for (M, N), K, window in cases:
         q, k, v, do = inputs(rng, spec.dtype, B=2, M=M, N=N, H=4, K=K, Hk=2)
-        out, lse = flashgen.attention_forward(q, k, v, causal=causal)
-        c = api._common(q, k, v, causal, None, 0.0, None, 0, None, None)
+        out, lse = flashgen.attention_forward(q, k, v, causal=causal, window=window, **options)
+        c = api._common(q, k, v, causal, None, 0.0, None, 0, None, None, window=window, **options)
         with poisoned_allocations():
             grads = api._backward_sm90(default_registry(), binary, c, do, q, k, v, out, lse, False, None, None)
-        for name, g, r in zip(("dq", "dk", "dv"), grads, gqa_reference(q, k, v, causal, do)):
-            assert rel_err(g, r) < BWD_TOL[spec.dtype], (name, M, N, K)
+        for name, g, r in zip(("dq", "dk", "dv"), grads, gqa_reference(q, k, v, causal, do, window=window, **options)):
+            assert rel_err(g, r) < BWD_TOL[spec.dtype], (name, M, N, K, window)
 
 
 @needs_sm90
@@ -129,7 +136,7 @@ def test_deterministic_mode_repeats_bit_for_bit(causal):
 
 @needs_sm90
 def test_planned_repeat_uses_the_new_inputs():
-    """The second call with a signature goes through its launch plan (two kernels, four tensor
+    """The second call with a signature goes through its launch plan (three kernels, four tensor
     maps), which must read the new arrays."""
     rng = np.random.default_rng(11)
     plans.clear()

@@ -77,18 +77,21 @@ def test_strided_inputs(layout, causal):
 @needs_sm90
 @pytest.mark.parametrize("binary", KERNELS, ids=[b.name for b in KERNELS])
 def test_every_instance(binary):
-    """Each built kernel (not only the ones the priority order picks) on odd sizes, M != N."""
+    """Each built kernel (not only the ones the priority order picks) on odd sizes, M != N; band
+    kernels with a causal mask, then a sliding window; soft-capping (a run-time option) on one size."""
     spec = binary.spec
     rng = np.random.default_rng(abs(hash(spec.name)) % 2**32)
-    causal = "bottom_right" if spec.causal else None
-    for (M, N), K in (((129, 1000), spec.max_k), ((1000, 1000), spec.max_k - 24), ((7, 7), spec.max_k)):
+    causal = "bottom_right" if spec.band else None
+    cases = (((129, 1000), spec.max_k, None, 0.0), ((1000, 1000), spec.max_k - 24, None, 0.0),
+             ((7, 7), spec.max_k, None, 0.0), ((300, 700), spec.max_k, (200, 33) if spec.band else None, 8.0))
+    for (M, N), K, window, softcap in cases:
         q, k, v = (randn(rng, (2, S, 3, K), spec.dtype) for S in (M, N, N))
-        c = api._common(q, k, v, causal, None, 0.0, None, 0, None, None)
+        c = api._common(q, k, v, causal, None, 0.0, None, 0, None, None, window=window, softcap=softcap)
         with poisoned_allocations():
             out = cupy.empty(q.shape, dtype=q.dtype)
             lse = cupy.empty((2, 3, -(-M // 32) * 32), dtype=cupy.float32)
         api._forward_sm90(default_registry(), binary, c, q, k, v, out, lse, None, None)
-        ref_out, ref_lse = reference(q, k, v, causal=causal)
+        ref_out, ref_lse = reference(q, k, v, causal=causal, window=window, softcap=softcap)
         assert rel_err(out, ref_out) < FWD_TOL[spec.dtype], (M, N, K)
         assert lse_err(lse[:, :, :M], ref_lse) < FWD_TOL[spec.dtype], (M, N, K)
         assert bool((lse[:, :, M:] == np.inf).all()), "lse padding rows must be +inf, as example 41 writes them"
@@ -152,7 +155,7 @@ def test_kernel_choice_follows_head_dim_tier_and_mask():
         q = randn(rng, (1, 64, 2, K), "bf16")
         for causal in (None, "top_left"):
             name = selected(q, q, q, causal=causal)
-            assert f"_k{tier}_" in name and name.startswith("sm90_fwd_bf16") and ("causal" in name) == bool(causal)
+            assert f"_k{tier}_" in name and name.startswith("sm90_fwd_bf16") and ("_band_" in name) == bool(causal)
     big = randn(rng, (1, 64, 2, 136), "f16")
     assert selected(big, big, big).startswith("mem_eff"), "no sm90 tier above 128: example 41 serves it"
 

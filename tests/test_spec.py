@@ -46,27 +46,29 @@ def test_default_set_sizes_are_what_the_readme_says():
     sm80 = [k for k in default_kernels() if k.runs_on("sm80")]
     assert len(sm80) == 68
     assert len(Sm90Fwd.default_set()) == 32
-    assert len(Sm90Bwd.default_set()) == 8
-    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 32 + 8
+    assert len(Sm90Bwd.default_set()) == 16
+    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 32 + 16
     assert len([k for k in default_kernels() if k.runs_on("sm90")]) == 68, "plain sm90 cannot build wgmma code"
 
 
 def test_sm90_forward_covers_dtypes_head_dims_and_masks():
     kernels = Sm90Fwd.default_set()
     for dtype in ("f16", "bf16"):
-        for causal in (False, True):
-            assert {k.max_k for k in kernels if k.dtype == dtype and k.causal == causal} == {64, 96, 128}
+        for band in (False, True):
+            assert {k.max_k for k in kernels if k.dtype == dtype and k.band == band} == {64, 96, 128}
     assert all(k.runs_on("sm90a") and not k.runs_on("sm90") and not k.runs_on("sm80") for k in kernels)
 
 
-def test_sm90_backward_covers_dtypes_head_dims_and_masks():
+def test_sm90_backward_covers_dtypes_head_dims_masks_and_softcap():
     """Head dim 96 runs on the 128 tier (TMA zero-fills the missing columns); each tier keeps the
     one query-step size whose dQ split and registers work out (the rules say why)."""
     kernels = Sm90Bwd.default_set()
     for dtype in ("f16", "bf16"):
-        for causal in (False, True):
-            tiles = {(k.max_k, k.block_m) for k in kernels if k.dtype == dtype and k.causal == causal}
-            assert tiles == {(64, 128), (128, 64)}
+        for band in (False, True):
+            for softcap in (False, True):
+                tiles = {(k.max_k, k.block_m) for k in kernels
+                         if k.dtype == dtype and k.band == band and k.softcap == softcap}
+                assert tiles == {(64, 128), (128, 64)}
     assert all(k.runs_on("sm90a") and not k.runs_on("sm90") for k in kernels)
     assert Sm90Bwd.params_dtype().itemsize == 768, "four 128-byte-aligned tensor maps round Params up to 128"
 

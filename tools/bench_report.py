@@ -144,11 +144,12 @@ Lowest flashgen / efficient ratio of the two runs: forward {worst['fwd']:.2f}, b
                   f"{f'{r:.2f}' if r else '-'} | {f'{rf:.2f}' if rf else '-'} | {f'{rc:.2f}' if rc else '-'} | "
                   f"{f'{max(spreads):.0%}' if spreads else '-'} |")
     print("\n## Per-call host overhead and import time\n")
-    print("A tiny problem (1 x 128 x 1 x 64, f16), wall time per call over 2000 back-to-back calls; flashgen's")
-    print("calls repeat one signature and take the launch plan (flashgen/runtime/plans.py), as every training")
-    print("step after the first does.\n")
-    print("First run / repeat run (the repeat ran the final code; the first ran it one change earlier, before")
-    print("launch plans re-encoded only the tensor maps whose address moved):\n")
+    print("A tiny problem (1 x 128 x 1 x 64, f16), wall time per call over 500 back-to-back calls, median of")
+    print("9 rounds with the implementations interleaved; flashgen's calls repeat one signature and take the")
+    print("launch plan (flashgen/runtime/plans.py), as every training step after the first does.  On the")
+    print("H200 the backward is sm90_bwd: one allocation, two launches (prep and the main kernel, which also")
+    print("writes dQ), four tensor maps re-encoded only when an input's address moved.\n")
+    print("First run / repeat run:\n")
     for name, us in data["overhead_us"].items():
         print(f"- {name}: {us:.1f} us / {repeat_data['overhead_us'].get(name, float('nan')):.1f} us")
     print("\nImport, median of 5 fresh interpreters (no GPU work):\n")

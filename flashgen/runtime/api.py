@@ -13,7 +13,7 @@ import math
 import numbers
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from flashgen.spec.sm90_fwd import Sm90Fwd
 
 _MASKS = {None: 0, "top_left": 1, "bottom_right": 2}
 _INT32_MAX = 2**31 - 1
+_UNBOUNDED = 2**30  # an unbounded side of the sm90 band mask (flashgen::sm90::kUnbounded)
 _selectors = {}
 _params = threading.local()
 
@@ -205,6 +206,8 @@ class _Common:
     batches: int  # B, or the number of sequences when varlen
     starts_q: object = None  # host copies of the validated offsets (varlen only)
     starts_k: object = None
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None  # (left, right); None: no window
+    softcap: float = 0.0  # 0: no soft-capping
 
 
 def _read_offsets(cu, name, total):
@@ -351,7 +354,63 @@ def _check_rng(dropout_p, seed, offset):
             raise ValueError(f"{name} must be an integer in [0, 2**64); got {value!r}")
 
 
-def _common(q, k, v, causal, scale, dropout_p, seed, offset, cu_seqlens_q, cu_seqlens_k) -> _Common:
+def _check_window(window):
+    """``window`` as (left, right) with None for an unbounded side, or None for no window."""
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be (left, right): how many keys before and after the diagonal a query "
+                        f"sees, None for no limit; got {window!r}")
+    for side, w in zip(("left", "right"), window):
+        if w is not None and (isinstance(w, bool) or not isinstance(w, (int, np.integer))):
+            raise TypeError(f"window's {side} size must be an int or None; got {w!r}")
+        if w is not None and w < 0:
+            raise ValueError(f"window's {side} size must be >= 0; got {w}")
+    left, right = (None if w is None else int(w) for w in window)
+    return None if left is None and right is None else (left, right)
+
+
+def _check_softcap(softcap) -> float:
+    if isinstance(softcap, (bool, str, bytes)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number (0 for none); got {softcap!r}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be finite and >= 0 (0 for none); got {softcap!r}")
+    return float(softcap)
+
+
+def _band(c: _Common) -> Tuple[int, int]:
+    """(band_lo, band_hi) of the sm90 kernels' band mask: key j is visible to query i iff
+    i + band_lo <= j <= i + band_hi.  The window sits on the causal diagonal (top-left unless
+    causal='bottom_right'); a causal mask caps its right side at 0.  Unbounded sides are
+    +-2**30, which the kernels' block arithmetic stays clear of (M, N < 2**30)."""
+    diagonal = c.N - c.M if c.mask == _MASKS["bottom_right"] else 0
+    left, right = c.window if c.window is not None else (None, None)
+    lo = -_UNBOUNDED if left is None else diagonal - left
+    hi = _UNBOUNDED if right is None else diagonal + right
+    if c.mask:
+        hi = min(hi, diagonal)
+    return max(lo, -_UNBOUNDED), min(hi, _UNBOUNDED)
+
+
+def _softcap_fields(c: _Common) -> dict:
+    """The sm90 kernels' soft-capping fields: scores become softcap * tanh(scale * q.k / softcap)."""
+    if not c.softcap:
+        return {"softcap_in": 0.0, "softcap_out": 0.0}
+    return {"softcap_in": c.scale / c.softcap, "softcap_out": c.softcap / c.scale}
+
+
+def _only_on_sm90(c: _Common):
+    """Sliding windows and soft-capping exist only in flashgen's sm90 kernels."""
+    if c.window is not None or c.softcap:
+        what = " and ".join(n for n, on in (("window", c.window is not None), ("softcap", c.softcap)) if on)
+        raise UnsupportedError(
+            f"{what} run only on flashgen's sm90_fwd/sm90_bwd kernels: a compute-capability 9.0 GPU, float16 or "
+            "bfloat16 inputs with 16-byte aligned pointers and strides, equal q/v head dims up to 128, no attn_bias, "
+            "dropout or cu_seqlens, and cubins from `flashgen build --arch sm90a`")
+
+
+def _common(q, k, v, causal, scale, dropout_p, seed, offset, cu_seqlens_q, cu_seqlens_k, *, window=None,
+            softcap=0.0) -> _Common:
     """Shape, dtype, device and option checks shared by forward and backward (no GPU work
     unless cu_seqlens must be validated)."""
     _check_bmhk("q", q)
@@ -383,6 +442,7 @@ def _common(q, k, v, causal, scale, dropout_p, seed, offset, cu_seqlens_q, cu_se
         raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p!r}")
     _check_rng(dropout_p, seed, offset)
     scale = 1.0 / math.sqrt(K) if scale is None else _check_scale(scale)
+    window, softcap = _check_window(window), _check_softcap(softcap)
     seqstart_q = seqstart_k = starts_q = starts_k = None
     batches = B
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
@@ -401,7 +461,7 @@ def _common(q, k, v, causal, scale, dropout_p, seed, offset, cu_seqlens_q, cu_se
     c = _Common(B, M, H=H, N=N, K=K, Kv=Kv, dtype=dtype, device=q.device.id, mask=_MASKS[causal],
                 scale=scale, dropout_p=float(dropout_p), seed=int(seed or 0), offset=int(offset),
                 seqstart_q=seqstart_q, seqstart_k=seqstart_k, batches=batches,
-                starts_q=starts_q, starts_k=starts_k)
+                starts_q=starts_q, starts_k=starts_k, window=window, softcap=softcap)
     _check_kernel_limits(c, q, k, v)
     return c
 
@@ -568,7 +628,8 @@ def _rows_without_keys(c: _Common, q, k) -> int:
 
 
 def attention_forward(q, k, v, *, attn_bias=None, causal=None, scale=None, dropout_p=0.0, seed=None, offset=0,
-                      cu_seqlens_q=None, cu_seqlens_k=None, stream=None, registry: Optional[Registry] = None):
+                      cu_seqlens_q=None, cu_seqlens_k=None, window=None, softcap=0.0, stream=None,
+                      registry: Optional[Registry] = None):
     """Fused attention forward: returns ``(out [B, M, H, Kv], lse [B, H, M] float32)``.
 
     ``causal``: None, "top_left" (query i sees keys <= i) or "bottom_right"
@@ -576,26 +637,33 @@ def attention_forward(q, k, v, *, attn_bias=None, causal=None, scale=None, dropo
     [S+1] offsets) the batch is S packed sequences in dim 1 of a batch of 1;
     ``lse`` is then [S, H, max_seqlen_q].  ``dropout_p > 0`` needs ``seed``;
     pass the same ``seed``/``offset`` to the backward.
+    ``window=(left, right)``: a sliding window -- query i sees keys i + d - left
+    .. i + d + right (None: no limit on that side), d = N - M with
+    causal="bottom_right", else 0; with a causal mask as well, right is 0.
+    ``softcap > 0``: scores become softcap * tanh(scale * q.k / softcap).
+    Both run on flashgen's sm90 kernels only (9.0 GPUs; else UnsupportedError).
     """
     cupy = _cupy()
     registry = registry or default_registry()
     key = None
     if attn_bias is None and cu_seqlens_q is None and cu_seqlens_k is None:
-        key = _plan_key(cupy, "fwd", (q, k, v), causal, scale, dropout_p, registry)
+        key = _plan_key(cupy, "fwd", (q, k, v), causal, scale, dropout_p, window, softcap, registry)
         plan = plans.lookup(key) if key is not None else None
         if plan is not None:
             if dropout_p or seed is not None or offset:
                 _check_rng(dropout_p, seed, offset)
             return _forward_planned(cupy, plan, q, k, v, seed, offset, stream)
     q, k, v = as_array(q, "q"), as_array(k, "k"), as_array(v, "v")
-    c = _common(q, k, v, causal, scale, dropout_p, seed, offset, cu_seqlens_q, cu_seqlens_k)
+    c = _common(q, k, v, causal, scale, dropout_p, seed, offset, cu_seqlens_q, cu_seqlens_k, window=window,
+                softcap=softcap)
     bias = _bias(cupy, attn_bias, c, q, q.shape[1], k.shape[1])
     _check_varlen_bottom_right(c)
     skip = _rows_without_keys(c, q, k)
     if skip:
         part_out, part_lse = attention_forward(
             q[:, skip:], k, v, attn_bias=None if bias is None else bias[:, :, skip:], causal=causal, scale=c.scale,
-            dropout_p=dropout_p, seed=seed, offset=offset, stream=stream, registry=registry)
+            dropout_p=dropout_p, seed=seed, offset=offset, window=window, softcap=softcap, stream=stream,
+            registry=registry)
     with cupy.cuda.Device(c.device):
         lse_rows = -(-c.M // 32) * 32
         if skip:
@@ -616,6 +684,7 @@ def attention_forward(q, k, v, *, attn_bias=None, causal=None, scale=None, dropo
         if binary is not None:
             _forward_sm90(registry, binary, c, q, k, v, out, lse, stream, key)
             return out, lse[:, :, :c.M]
+        _only_on_sm90(c)
         if k.shape[2] != c.H:  # grouped-query attention: the example-41 kernels need one k/v head per q head
             k, v = _repeat_heads(k, c.H), _repeat_heads(v, c.H)
             key = None  # a per-call copy: not a plan
@@ -681,12 +750,14 @@ def _sm90_request(c: _Common, q, k, v, bias, family: str = Sm90Fwd.FAMILY, more=
     GPU is not a 9.0 one."""
     if bias is not None or c.dropout_p > 0 or c.seqstart_q is not None or c.dtype == "f32" or c.K != c.Kv:
         return None
+    if max(c.M, c.N) >= _UNBOUNDED:  # the band arithmetic's range (see _band)
+        return None
     info = device_info(c.device)
     arrays = (q, k, v) + tuple(more)
     if info.cc != 90 or any(tensormap.bmhk_problem(x) for x in arrays):
         return None
     return Request(family, c.dtype, c.K, c.Kv, _alignment(arrays, (c.K, c.Kv)), False, False, info,
-                   causal=c.mask != 0)
+                   band=c.mask != 0 or c.window is not None, softcap=c.softcap > 0)
 
 
 def _forward_sm90(registry, binary: KernelBinary, c: _Common, q, k, v, out, lse, stream, key):
@@ -694,11 +765,12 @@ def _forward_sm90(registry, binary: KernelBinary, c: _Common, q, k, v, out, lse,
     kc = binary.constants
     lse_rows = lse.shape[2]
     _check_int32(lse_stride_b=c.H * lse_rows)
+    band_lo, band_hi = _band(c)
     p = _params_buffer(Sm90Fwd)
     _fill(p, out_ptr=out.data.ptr, lse_ptr=lse.data.ptr, out_stride_b=c.M * c.H * c.Kv, out_stride_m=c.H * c.Kv,
           out_stride_h=c.Kv, lse_stride_b=c.H * lse_rows, lse_stride_h=lse_rows, lse_rows=lse_rows,
-          num_queries=c.M, num_keys=c.N, head_dim=c.K, head_group=c.H // k.shape[2],
-          diagonal_offset=c.N - c.M if c.mask == _MASKS["bottom_right"] else 0, scale_log2=c.scale * math.log2(math.e))
+          num_queries=c.M, num_keys=c.N, head_dim=c.K, head_group=c.H // k.shape[2], band_lo=band_lo,
+          band_hi=band_hi, scale_log2=c.scale * math.log2(math.e), **_softcap_fields(c))
     raw = p.view(np.uint8)
     maps = ("q_map", "k_map", "v_map")
     for name, x, rows in zip(maps, (q, k, v), (kc["block_m"], kc["block_n"], kc["block_n"])):
@@ -732,12 +804,13 @@ def _forward_planned(cupy, plan: plans.LaunchPlan, q, k, v, seed, offset, stream
 
 def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requires_grad=False, causal=None,
                        scale=None, dropout_p=0.0, seed=None, offset=0, cu_seqlens_q=None, cu_seqlens_k=None,
-                       deterministic=False, stream=None, registry: Optional[Registry] = None):
+                       window=None, softcap=0.0, deterministic=False, stream=None,
+                       registry: Optional[Registry] = None):
     """Gradients of ``attention_forward``: returns ``(dq, dk, dv)``, plus ``dbias`` when
     ``bias_requires_grad`` (full [B, H, M, N]; sum over broadcast dims yourself).
 
     ``out`` and ``lse`` are what the forward returned for the same inputs and
-    options (same ``seed``/``offset`` when dropout is on).  From the second
+    options (same ``seed``/``offset`` when dropout is on, same ``window`` and ``softcap``).  From the second
     call with the same shapes, strides and options on, dq, dk and dv are
     contiguous arrays carved from one allocation (freed once all three are).
     ``deterministic=True``: dq adds up in a fixed order, so repeated calls give the same bits
@@ -749,7 +822,8 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
     registry = registry or default_registry()
     key = None
     if attn_bias is None and not bias_requires_grad and cu_seqlens_q is None and cu_seqlens_k is None:
-        key = _plan_key(cupy, "bwd", (grad_out, q, k, v, out, lse), causal, scale, dropout_p, deterministic, registry)
+        key = _plan_key(cupy, "bwd", (grad_out, q, k, v, out, lse), causal, scale, dropout_p, window, softcap,
+                        deterministic, registry)
         plan = plans.lookup(key) if key is not None else None
         if plan is not None:
             if dropout_p or seed is not None or offset:
@@ -759,7 +833,8 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
             return _backward_planned(cupy, plan, grad_out, q, k, v, out, lse, seed, offset, stream)
     q, k, v = as_array(q, "q"), as_array(k, "k"), as_array(v, "v")
     grad_out, out, lse = as_array(grad_out, "grad_out"), as_array(out, "out"), as_array(lse, "lse")
-    c = _common(q, k, v, causal, scale, dropout_p, seed, offset, cu_seqlens_q, cu_seqlens_k)
+    c = _common(q, k, v, causal, scale, dropout_p, seed, offset, cu_seqlens_q, cu_seqlens_k, window=window,
+                softcap=softcap)
     out_shape = (q.shape[0], q.shape[1], c.H, c.Kv)
     for name, x in (("out", out), ("grad_out", grad_out)):
         _check_bmhk(name, x, q.dtype, c.device)
@@ -780,6 +855,7 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
     binary = _selector(registry).find(hopper, _tuned(hopper, c)) if hopper is not None else None
     if binary is not None and c.M and c.N:
         return _backward_sm90(registry, binary, c, grad_out, q, k, v, out, lse, deterministic, stream, key)
+    _only_on_sm90(c)
     if k.shape[2] != c.H:  # grouped-query attention: gradients of the repeated k/v, summed per group
         with cupy.cuda.Device(c.device):
             grads = attention_backward(
@@ -976,7 +1052,7 @@ def _sm90_bwd_buffers(cupy, offsets, q, k, v):
 
 def _backward_sm90(registry, binary: KernelBinary, c: _Common, grad_out, q, k, v, out, lse, deterministic, stream,
                    key):
-    """Launch an sm90_bwd instance's two kernels (prep, main; see spec/sm90_bwd.py)."""
+    """Launch an sm90_bwd instance's three kernels (prep, main, convert; see spec/sm90_bwd.py)."""
     cupy = _cupy()
     kc = binary.constants
     with cupy.cuda.Device(c.device):
@@ -986,6 +1062,7 @@ def _backward_sm90(registry, binary: KernelBinary, c: _Common, grad_out, q, k, v
         rows, *offsets = _sm90_bwd_layout(kc, c, k)
         dq, dk, dv, (lse_log2, delta, accum, counters) = _sm90_bwd_buffers(cupy, offsets, q, k, v)
         os_, gos, ls = _elem_strides(out), _elem_strides(grad_out), _elem_strides(lse)
+        band_lo, band_hi = _band(c)
         _check_int32(out_stride_m=os_[1], out_stride_h=os_[2], dout_stride_m=gos[1], dout_stride_h=gos[2],
                      lse_stride_b=ls[0], lse_stride_h=ls[1], rows_padded=rows * c.H * c.batches)
         p = _params_buffer(Sm90Bwd)
@@ -996,8 +1073,8 @@ def _backward_sm90(registry, binary: KernelBinary, c: _Common, grad_out, q, k, v
               dout_stride_m=gos[1], dout_stride_h=gos[2], dq_stride_m=c.H * c.K, dq_stride_h=c.K,
               dkv_stride_n=k.shape[2] * c.K, dkv_stride_h=c.K, lse_stride_b=ls[0], lse_stride_h=ls[1],
               num_queries=c.M, num_keys=c.N, num_heads=c.H, head_dim=c.K, head_group=c.H // k.shape[2],
-              diagonal_offset=c.N - c.M if c.mask == _MASKS["bottom_right"] else 0, rows_padded=rows,
-              deterministic=int(deterministic), scale=c.scale, scale_log2=c.scale * math.log2(math.e))
+              band_lo=band_lo, band_hi=band_hi, rows_padded=rows, deterministic=int(deterministic), scale=c.scale,
+              scale_log2=c.scale * math.log2(math.e), **_softcap_fields(c))
         raw = p.view(np.uint8)
         for name, x, rows_per_box in zip(_SM90_BWD_MAPS, (q, k, v, grad_out),
                                          (kc["block_m"], kc["block_n"], kc["block_n"], kc["block_m"])):
@@ -1008,17 +1085,18 @@ def _backward_sm90(registry, binary: KernelBinary, c: _Common, grad_out, q, k, v
         grid, block = (-(-c.N // kc["block_n"]), k.shape[2], c.batches), (kc["threads_per_block"], 1, 1)
         _launch(registry, binary, c.device, aux_grid, aux_block, p, stream, "_prep")
         _launch(registry, binary, c.device, grid, block, p, stream)
+        _launch(registry, binary, c.device, aux_grid, aux_block, p, stream, "_convert")
         if key is not None:
             handle = lambda entry: _handle(registry, binary, c.device, entry)  # noqa: E731
             plans.remember(key, plans.LaunchPlan.from_params(
                 handle(""), c.device, grid, block, kc["shared_memory_bytes"], p, _SM90_BWD_POINTERS, False,
                 {"sm90": True, "layout": tuple(offsets)}, tensor_maps=_SM90_BWD_MAPS,
-                before=[(handle("_prep"), aux_grid, aux_block)]))
+                before=[(handle("_prep"), aux_grid, aux_block)], after=[(handle("_convert"), aux_grid, aux_block)]))
     return dq, dk, dv
 
 
 def _backward_sm90_planned(cupy, plan: plans.LaunchPlan, grad_out, q, k, v, out, lse, stream):
-    """An sm90 backward whose signature was seen before: one allocation, two launches."""
+    """An sm90 backward whose signature was seen before: one allocation, three launches."""
     with _on_device(cupy, plan.device):
         dq, dk, dv, workspace = _sm90_bwd_buffers(cupy, plan.sizes["layout"], q, k, v)
         # tensor maps (q, k, v, grad_out), then _SM90_BWD_POINTERS' order
@@ -1028,13 +1106,14 @@ def _backward_sm90_planned(cupy, plan: plans.LaunchPlan, grad_out, q, k, v, out,
     return dq, dk, dv
 
 
-def explain(q, k, v, *, backward=False, attn_bias=None, dropout_p=0.0, causal=None,
+def explain(q, k, v, *, backward=False, attn_bias=None, dropout_p=0.0, causal=None, window=None, softcap=0.0,
             registry: Optional[Registry] = None):
     """Every candidate kernel for this call, in the order tried, with why it was rejected or chosen
     (on a 9.0 GPU flashgen's sm90_fwd / sm90_bwd kernels are tried first)."""
     cupy = _cupy()
     q, k, v = as_array(q, "q"), as_array(k, "k"), as_array(v, "v")
-    c = _common(q, k, v, causal, None, dropout_p, 0 if dropout_p else None, 0, None, None)
+    c = _common(q, k, v, causal, None, dropout_p, 0 if dropout_p else None, 0, None, None, window=window,
+                softcap=softcap)
     bias = _bias(cupy, attn_bias, c, q, q.shape[1], k.shape[1])
     arrays = [q, k, v] + ([bias] if bias is not None else [])
     family = "mem_eff_bwd" if backward else "mem_eff_fwd"
@@ -1046,6 +1125,8 @@ def explain(q, k, v, *, backward=False, attn_bias=None, dropout_p=0.0, causal=No
     if hopper is not None and selector.find(hopper) is not None:  # tried first on 9.0 GPUs
         rows = selector.explain(hopper)
     later = selector.explain(req)
+    if c.window is not None or c.softcap:
+        later = [(name, target, "no sliding window or soft-capping (sm90 kernels only)") for name, target, _ in later]
     if any(verdict == "selected" for _, _, verdict in rows):
         later = [(name, target, "not tried: an earlier kernel was selected") for name, target, _ in later]
     return rows + later

@@ -76,9 +76,9 @@ class LaunchPlan:
     pointers of a launch become their global addresses, re-encoded only where
     they differ from what the map holds already (CuPy's pool often hands a
     training step the same addresses as the last; each re-encode is a driver
-    call).  ``before`` are (CUfunction, grid, block) of helper kernels launched
-    ahead of the main one with the same ``Params`` and no dynamic shared
-    memory (sm90_bwd's prep).
+    call).  ``before`` and ``after`` are (CUfunction, grid, block) of helper
+    kernels launched around the main one with the same ``Params`` and no
+    dynamic shared memory (sm90_bwd's prep and convert).
     """
 
     handle: int  # CUfunction
@@ -92,6 +92,7 @@ class LaunchPlan:
     launcher: Callable = _driver_launch
     tensor_maps: Tuple[int, ...] = ()
     before: Tuple[tuple, ...] = ()
+    after: Tuple[tuple, ...] = ()
     buffer: memoryview = field(default=None, compare=False, repr=False)  # 64-bit words of a NumPy array
     argv: np.ndarray = field(default=None, compare=False, repr=False)  # void *kernelParams[1] = {buffer}
     argv_address: int = 0
@@ -102,7 +103,7 @@ class LaunchPlan:
     def from_params(cls, handle: int, device: int, grid, block, shared_memory: int, params: np.ndarray,
                     pointer_fields: Sequence[str], dropout: bool, sizes: Mapping[str, object],
                     launcher: Callable = _driver_launch, tensor_maps: Sequence[str] = (),
-                    before: Sequence[tuple] = ()) -> "LaunchPlan":
+                    before: Sequence[tuple] = (), after: Sequence[tuple] = ()) -> "LaunchPlan":
         """A plan from a filled ``Params`` record (the structured one-item array that launched);
         a launch takes the pointers for ``tensor_maps`` (field names), then ``pointer_fields``."""
         assert params.dtype.itemsize % 8 == 0, "Params must be a whole number of 64-bit words"
@@ -118,7 +119,7 @@ class LaunchPlan:
         maps = tuple(params.dtype.fields[name][1] for name in tensor_maps)
         return cls(handle, device, tuple(grid), tuple(block), shared_memory, tuple(words), dropout, dict(sizes),
                    launcher, maps,
-                   tuple(before), memoryview(storage).cast("Q"), argv,
+                   tuple(before), tuple(after), memoryview(storage).cast("Q"), argv,
                    argv.__array_interface__["data"][0], [None] * len(maps))
 
     def launch(self, pointers: Sequence[int], seed: int, offset: int, stream: int) -> None:
@@ -137,6 +138,8 @@ class LaunchPlan:
             for handle, grid, block in self.before:
                 self.launcher(handle, grid, block, 0, stream, self.argv_address)
             self.launcher(self.handle, self.grid, self.block, self.shared_memory, stream, self.argv_address)
+            for handle, grid, block in self.after:
+                self.launcher(handle, grid, block, 0, stream, self.argv_address)
 
 
 def lookup(key) -> Optional[LaunchPlan]:

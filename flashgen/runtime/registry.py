@@ -113,7 +113,7 @@ class Registry:
 
     def function(self, binary: KernelBinary, device: int, entry: str = ""):
         """The kernel's entry point ``<name><entry>`` as a CuPy function on ``device``; the
-        module is loaded on first use (the sm90_bwd family has ``_prep`` too)."""
+        module is loaded on first use (the sm90_bwd family has ``_prep`` and ``_convert`` too)."""
         key = (binary.path, device)
         loaded = self._modules.get(key)
         if loaded is None:

@@ -34,7 +34,8 @@ class Request:
     # largest powers of two up to 128 dividing M and N (0, 0 with cu_seqlens): whether a
     # block-aligned kernel (no bounds checks) may serve the call
     seq_multiples: Tuple[int, int] = (0, 0)
-    causal: bool = False  # any causal mask: families that compile it in (sm90_fwd) must match
+    band: bool = False  # a causal mask or sliding window: families that compile it in (sm90) must match
+    softcap: bool = False  # soft-capping: families with a softcap axis (sm90_bwd) must match
 
 
 def seq_multiples(num_queries: int, num_keys: int, varlen: bool) -> Tuple[int, int]:
@@ -65,8 +66,10 @@ def rejection(binary: KernelBinary, req: Request) -> Optional[str]:
         return "built without dropout"
     if req.bias and not getattr(spec, "bias", True):
         return "built without bias"
-    if getattr(spec, "causal", req.causal) != req.causal:
-        return f"built {'with' if spec.causal else 'without'} the causal mask"
+    if getattr(spec, "band", req.band) != req.band:
+        return f"built {'with' if spec.band else 'without'} the band mask (causal, sliding window)"
+    if getattr(spec, "softcap", req.softcap) != req.softcap:
+        return f"built {'with' if spec.softcap else 'without'} soft-capping"
     if getattr(spec, "block_aligned", False):
         rows, keys = req.seq_multiples
         if not rows or rows % spec.block_i or keys % spec.block_j:

@@ -1,22 +1,25 @@
 """``sm90_bwd``: flashgen's own Hopper backward (``flashgen/csrc/flashgen/sm90_bwd.h``).
 
 Template: ``flashgen::sm90::BwdKernel<Element, kHeadDim, kBlockM, kBlockN,
-kStages, kCausal>`` -- one CTA per ``block_n`` keys of one (batch, k/v head),
+kStages, kBand, kSoftcap>`` -- one CTA per ``block_n`` keys of one (batch, k/v head),
 one consumer warpgroup per 64 of them, Q/dO/lse/delta streamed by a producer
 warpgroup through a ``kStages``-deep ring of ``block_m``-query tiles.  Each instance
-holds two entry points, launched in order on one stream:
+holds three entry points, launched in order on one stream:
 
 * ``<name>_prep``: grid (rows_padded / block_m, heads, batch), ``aux_threads``
   threads -- delta, the lse in log2, zeroed dQ accumulator and counters;
 * ``<name>``: grid (ceil(N / block_n), k/v heads, batch), ``threads_per_block``
-  threads, ``shared_memory_bytes`` of dynamic shared memory; the last CTA to add
-  into a part of the dQ accumulator writes that part of dQ.
+  threads, ``shared_memory_bytes`` of dynamic shared memory;
+* ``<name>_convert``: grid as prep -- dQ from the fp32 accumulator.
 
 Workspace (float32 unless said): lse_log2 and delta [B, H, rows_padded], the dQ
-accumulator [B, H, rows_padded, max_k], int32 counters [B, H, rows_padded /
-block_m, warp_groups]; rows_padded is M rounded up to ``block_m``.  q, k, v and dO reach the kernel as TMA tensor maps (16-byte
+accumulator [B, H, rows_padded, max_k], int32 counters for the deterministic
+order [B, H, rows_padded / block_m, warp_groups]; rows_padded is M rounded up
+to ``block_m``.  q, k, v and dO reach the kernel as TMA tensor maps (16-byte
 aligned pointers and strides, head dim a multiple of 8, up to ``max_k``); O as a
 pointer with the same alignment.  dq, dk, dv are written with the strides given.
+Masks and soft-capping as in ``sm90_fwd`` (the same ``band_lo``/``band_hi`` and
+``softcap_in``/``softcap_out`` fields), but soft-capping needs a ``softcap`` instance.
 """
 from __future__ import annotations
 
@@ -28,10 +31,13 @@ from flashgen.spec.sm90_tile import Sm90Tile
 
 @dataclass(frozen=True)
 class Sm90Bwd(Sm90Tile):
+    softcap: bool  # soft-capping compiled in: it needs registers the plain path spares (BwdKernel::kSoftcap)
+
     FAMILY = "sm90_bwd"
     TEMPLATE = "sm90_bwd.cu.j2"
     HEADER = "flashgen/sm90_bwd.h"
     KERNEL = "flashgen::sm90::BwdKernel"
+    FLAGS = ("band", "softcap")
     AXES = {
         "arch": ("sm90a",),
         "dtype": ("f16", "bf16"),
@@ -39,7 +45,8 @@ class Sm90Bwd(Sm90Tile):
         "block_m": (64, 128),
         "block_n": (128,),
         "stages": (2,),
-        "causal": (False, True),
+        "band": (False, True),
+        "softcap": (False, True),
     }
     RULES = (
         Rule("a 64-query step of head dim 64 would split dQ into 32-column halves, less than one "
@@ -52,7 +59,7 @@ class Sm90Bwd(Sm90Tile):
 
     @property
     def priority(self) -> tuple:
-        return (tuple(DTYPES).index(self.dtype), self.causal, self.max_k, self.block_m, self.stages, self.block_n)
+        return (tuple(DTYPES).index(self.dtype), self.band, self.softcap, self.max_k, self.block_m, self.stages, self.block_n)
 
     # `flashgen::sm90::BwdParams`
     ABI = (
@@ -89,11 +96,14 @@ class Sm90Bwd(Sm90Tile):
         Field("num_heads", "i32"),
         Field("head_dim", "i32"),
         Field("head_group", "i32"),
-        Field("diagonal_offset", "i32"),
+        Field("band_lo", "i32"),
+        Field("band_hi", "i32"),
         Field("rows_padded", "i32"),
         Field("deterministic", "i32"),
         Field("scale", "f32"),
         Field("scale_log2", "f32"),
+        Field("softcap_in", "f32"),
+        Field("softcap_out", "f32"),
     )
 
     CONSTANTS = (

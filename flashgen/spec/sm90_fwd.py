@@ -1,7 +1,7 @@
 """``sm90_fwd``: flashgen's own Hopper forward (``flashgen/csrc/flashgen/sm90_fwd.h``).
 
 Template: ``flashgen::sm90::FwdKernel<Element, kHeadDim, kBlockM, kBlockN,
-kStages, kCausal>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
+kStages, kBand>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
 K/V streamed by TMA through a ``kStages``-deep shared-memory ring, one
 producer warp.  Launch: block (threads_per_block, 1, 1), grid
 (ceil(M / block_m), heads, batch), dynamic shared memory
@@ -14,6 +14,12 @@ bytes.  A head dim below the kernel's ``max_k`` works (TMA reads the missing
 columns as zeros and the kernel does not store them) as long as it is a multiple
 of 8.  The lse is written like the example-41 forward's: [B, H, rows padded to
 32], +inf in the padding, so the mem-eff backward takes it as it is.
+
+Masks: a ``band`` instance shows query i the keys i + band_lo .. i + band_hi
+(``runtime.api._band``: causal masks and sliding windows, either alignment) and
+skips the key blocks outside; the others show every key.  Soft-capping is a
+run-time option of every instance: ``softcap_in`` = scale / softcap (0: off),
+``softcap_out`` = softcap / scale.
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ class Sm90Fwd(Sm90Tile):
         "block_m": (128, 192),
         "block_n": (128,),
         "stages": (2, 3),
-        "causal": (False, True),
+        "band": (False, True),
     }
     RULES = (
         Rule("192 query rows are three consumer warpgroups (416 threads): at most 152 registers each, "
@@ -49,7 +55,7 @@ class Sm90Fwd(Sm90Tile):
         # the smallest head-dim tier that fits, then the default tile (tuning tables pick per bucket):
         # 192 query rows where they exist (head dim 64: +5-15% from 512 to 16k tokens on an H200,
         # within noise of 128 for causal 1k), two stages (a third never won by more than noise)
-        return (tuple(DTYPES).index(self.dtype), self.causal, self.max_k, -self.block_m, self.stages, self.block_n)
+        return (tuple(DTYPES).index(self.dtype), self.band, self.max_k, -self.block_m, self.stages, self.block_n)
 
     # `flashgen::sm90::FwdParams`
     ABI = (
@@ -68,8 +74,11 @@ class Sm90Fwd(Sm90Tile):
         Field("num_keys", "i32"),
         Field("head_dim", "i32"),
         Field("head_group", "i32"),
-        Field("diagonal_offset", "i32"),
+        Field("band_lo", "i32"),
+        Field("band_hi", "i32"),
         Field("scale_log2", "f32"),
+        Field("softcap_in", "f32"),
+        Field("softcap_out", "f32"),
     )
 
     CONSTANTS = (

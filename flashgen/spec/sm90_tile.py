@@ -16,9 +16,11 @@ class Sm90Tile(KernelSpec):
     block_m: int  # query rows per CTA (forward) or per step (backward)
     block_n: int  # key rows per step (forward) or per CTA (backward)
     stages: int   # depth of the TMA ring
-    causal: bool
+    band: bool    # keys limited to a band around the diagonal: causal masks, sliding windows
 
     KERNEL: ClassVar[str]  # the C++ class template, e.g. flashgen::sm90::FwdKernel
+    # boolean axes, in the order of the template's last arguments; a true one is spelled in the name
+    FLAGS: ClassVar[tuple] = ("band",)
     TUNED_AXES = ("block_m", "block_n", "stages")
 
     def runs_on(self, target: str) -> bool:
@@ -28,10 +30,10 @@ class Sm90Tile(KernelSpec):
     @property
     def name(self) -> str:
         parts = [self.FAMILY, self.dtype, f"k{self.max_k}", f"q{self.block_m}x{self.block_n}", f"s{self.stages}"]
-        parts += ["causal"] if self.causal else []
+        parts += [flag for flag in self.FLAGS if getattr(self, flag)]
         return "_".join(parts + [self.arch])
 
     @property
     def cpp_type(self) -> str:
-        return (f"{self.KERNEL}<{DTYPES[self.dtype]}, {self.max_k}, {self.block_m}, {self.block_n}, "
-                f"{self.stages}, {cpp_bool(self.causal)}>")
+        flags = "".join(f", {cpp_bool(getattr(self, flag))}" for flag in self.FLAGS)
+        return f"{self.KERNEL}<{DTYPES[self.dtype]}, {self.max_k}, {self.block_m}, {self.block_n}, {self.stages}{flags}>"

@@ -9,8 +9,9 @@ space: dtype, batch, heads, M, N (1 to 1000), head dims (multiples of 4 up to
 512, K != Kv), layouts (contiguous, heads-major, padded slices, element offsets
 that leave only 4-element alignment), causal kinds, bias (full or broadcast),
 dropout (checked through the mask recovered with an identity V), varlen
-batches with empty sequences, and the softmax scale.  Outputs come from
-poisoned memory, so an unwritten element fails.
+batches with empty sequences, the softmax scale, and on the sm90 path sliding
+windows and soft-capping.  Outputs come from poisoned memory, so an unwritten
+element fails.
 """
 from __future__ import annotations
 
@@ -55,6 +56,14 @@ def draw(seed: int, case: int) -> dict:
                  seed=int(r.integers(2**40)))
         p["Kv"] = p["K"] = min(p["K"], 256)
     p["deterministic"] = bool(r.random() < 0.3)  # drawn last: earlier draws stay what they were
+    p.update(window=None, softcap=0.0)
+    if kind >= 0.5 and r.random() < 0.4:  # the sm90-only options: f16/bf16, K = Kv <= 128, TMA-friendly strides
+        p.update(dtype=pick(["f16", "bf16"]), K=int(pick([64, 96, 128, 8 * int(r.integers(1, 17))])),
+                 layout=pick(["contiguous", "bhsk", "padded"]))
+        p["Kv"] = p["K"]
+        side = lambda: None if r.random() < 0.25 else int(pick([0, 1, int(r.integers(0, 300))]))  # noqa: E731
+        p["window"] = (side(), side()) if r.random() < 0.7 else None
+        p["softcap"] = float(r.uniform(1, 50)) if r.random() < 0.4 else 0.0
     return p
 
 
@@ -106,7 +115,7 @@ def run_case(seed: int, case: int) -> dict:
     if p["bias"]:
         bias = randn(r, (B, H, M, N) if p["bias"] == "full" else (1, H, 1, N), dt)
         bias = cupy.broadcast_to(bias, (B, H, M, N))
-    opts = dict(causal=p["causal"], scale=p["scale"], attn_bias=bias)
+    opts = dict(causal=p["causal"], scale=p["scale"], attn_bias=bias, window=p["window"], softcap=p["softcap"])
     keep = None
     if p["dropout"]:
         opts.update(dropout_p=p["dropout"], seed=p["seed"])
@@ -116,7 +125,7 @@ def run_case(seed: int, case: int) -> dict:
         grads = flashgen.attention_backward(do, q, k, v, out, lse, bias_requires_grad=bias is not None,
                                             deterministic=p["deterministic"], **opts)
     ro, rl, rgrads = reference(q, k, v, bias=bias, causal=p["causal"], scale=p["scale"], keep=keep,
-                               p=p["dropout"], grad_out=do)
+                               p=p["dropout"], grad_out=do, window=p["window"], softcap=p["softcap"])
     checks = [("out", rel_err, out, ro, tol_f), ("lse", lse_err, lse, rl, tol_f)]
     checks += [(n, rel_err, g, ref, tol_b) for n, g, ref in zip(("dq", "dk", "dv", "dbias"), grads, rgrads)
                if n != "dbias" or bias is not None]

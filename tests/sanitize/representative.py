@@ -58,13 +58,15 @@ for dtype in ("f32", "f16", "bf16"):
     call(dtype, 2, 64, 64, 2, 64)
 # flashgen's Hopper forward and backward (9.0 GPUs; the aligned, bias-free f16/bf16 calls above
 # take them too): several key blocks with partial tiles, a head dim below its tier, grouped-query
-# k/v, rows without keys, the deterministic dQ order
+# k/v, rows without keys, the deterministic dQ order, sliding windows and soft-capping
 for dtype in ("f16", "bf16"):
     call(dtype, 1, 300, 260, 4, 96, causal="bottom_right")
     call(dtype, 2, 129, 200, 2, 40)
     call(dtype, 1, 200, 333, 8, 128, heads_kv=2, causal="top_left")
     call(dtype, 1, 300, 130, 2, 64, causal="bottom_right")
     call(dtype, 2, 257, 300, 2, 128, deterministic=True)
+    call(dtype, 1, 300, 700, 4, 64, heads_kv=2, window=(100, 20), softcap=10.0)   # band at both edges, softcap
+    call(dtype, 1, 400, 100, 2, 128, window=(0, 5), deterministic=True)          # rows whose window is empty
 cu_q, cu_k = np.array([0, 5, 5, 40], np.int32), np.array([0, 0, 30, 70], np.int32)
 q = randn(r, (1, 40, 2, 64), "f16")
 kv = randn(r, (1, 70, 2, 64), "f16")

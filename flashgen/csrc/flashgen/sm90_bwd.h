@@ -1,6 +1,6 @@
 // flashgen's Hopper attention backward (sm_90a): TMA loads, wgmma, one producer warpgroup.
 //
-// Two kernels per instance, launched in this order on one stream:
+// Three kernels per instance, launched in this order on one stream:
 //   prep     per query row: delta = rowsum(dO * O), the forward's lse in the
 //            log2 domain (+inf where no key contributes, so P is 0 there), and
 //            zeroes of the row's fp32 dQ accumulator and of its block's counters;
@@ -8,15 +8,16 @@
 //            stay in shared memory while Q, dO, lse and delta stream through a
 //            kStages-deep ring, block after block of kBlockM queries, for every
 //            query head of the k/v head's group (grouped-query attention sums
-//            dK and dV in registers, nothing is repeated in memory).  The last
-//            CTA to add into a part of the dQ accumulator (a counter per query
-//            block and warpgroup part says which) writes that part of dQ =
-//            scale * accumulator in the input dtype and the caller's strides:
-//            no third kernel, one launch fewer per call.
+//            dK and dV in registers, nothing is repeated in memory);
+//   convert  dQ = scale * accumulator, in the input dtype and the caller's strides.
+//            (Writing dQ from the main kernel's last CTA per query block instead
+//            saved a launch but cost 10-20% with causal masks: the longest key
+//            block finishes last and then converts nearly every block alone.)
 //
 // In the main kernel each consumer warpgroup owns 64 keys; the last warpgroup loads.  Per query block:
 //   S^T  = K Q^T,  dP^T = V dO^T            (wgmma, both operands in shared memory)
 //   P^T  = exp2(S^T * scale_log2 - lse_log2),   dS^T = P^T * (dP^T - delta)
+//          (with soft-capping S^T is capped first and dS^T carries tanh's derivative)
 //   dV  += P^T dO,  dK += dS^T Q             (wgmma, P^T / dS^T from registers)
 //   dQ  += dS K                              (dS^T through shared memory; fp32 atomics)
 // Transposing S rather than dQ keeps every per-row softmax quantity a column
@@ -44,7 +45,7 @@
 namespace flashgen {
 namespace sm90 {
 
-// What the runtime passes by value to both kernels (__grid_constant__).
+// What the runtime passes by value to all three kernels (__grid_constant__).
 // q/do maps: (head_dim, queries, heads, batch), boxes (kBoxCols, kBlockM);
 // k/v maps: (head_dim, keys, k/v heads, batch), boxes (kBoxCols, kBlockN).
 // Workspace rows are padded per head to rows_padded, a multiple of kBlockM.
@@ -59,7 +60,7 @@ struct BwdParams {
   float* lse_log2_ptr;        // workspace [B, H, rows_padded]
   float* delta_ptr;           // workspace [B, H, rows_padded]
   float* dq_accum_ptr;        // workspace [B, H, rows_padded, kHeadDim], zeroed by prep
-  int* dq_counter_ptr;        // workspace [B, H, rows_padded / kBlockM, warpgroups], zeroed by prep
+  int* dq_counter_ptr;        // deterministic order: [B, H, rows_padded / kBlockM, warpgroups], zeroed by prep
   void* dq_ptr;
   void* dk_ptr;
   void* dv_ptr;
@@ -82,21 +83,27 @@ struct BwdParams {
   int num_heads;              // query heads
   int head_dim;               // <= kHeadDim, a multiple of 8
   int head_group;             // query heads per k/v head
-  int diagonal_offset;        // causal: key j is visible to query i iff j <= i + diagonal_offset
+  int band_lo;                // kBand: key j is visible to query i iff i + band_lo <= j <= i + band_hi
+  int band_hi;
   int rows_padded;
   int deterministic;
   float scale;
   float scale_log2;           // scale * log2(e)
+  float softcap_in;           // kSoftcap: scale / softcap (see FwdParams)
+  float softcap_out;          // softcap / scale
 };
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBand_, bool kSoftcap_>
 struct BwdKernel {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // queries per step
   static constexpr int kBlockN = kBlockN_;  // keys per CTA
   static constexpr int kStages = kStages_;
-  static constexpr bool kCausal = kCausal_;
+  static constexpr bool kBand = kBand_;
+  // Soft-capping is compiled in (not a run-time branch as in the forward): its P / dS path keeps
+  // tanh's slope in registers, and a kernel holding both paths spilled ~300 bytes at head dim 64.
+  static constexpr bool kSoftcap = kSoftcap_;
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
   static_assert(kBlockN % 64 == 0 && kBlockM % 64 == 0 && kHeadDim % 32 == 0, "wgmma tile shapes");
@@ -110,7 +117,7 @@ struct BwdKernel {
   static constexpr int kConsumerRegisters = 240;
   static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <= 65536, "register file");
   static constexpr int kMinBlocksPerSm = 1;
-  static constexpr int kAuxThreads = 128;  // prep
+  static constexpr int kAuxThreads = 128;  // prep and convert
 
   static constexpr int kSwizzleBytes = kHeadDim % 64 == 0 ? 128 : 64;
   static constexpr int kBoxCols = kSwizzleBytes / sizeof(Element);
@@ -170,35 +177,30 @@ struct BwdKernel {
     alignas(8) uint64_t kv_full;
     uint64_t full[kStages];
     uint64_t empty[kStages];
-    int dq_last[kWarpGroups];  // this warpgroup's dQ part got its last contribution here
   };
   static constexpr int kSharedBytes = int(sizeof(SharedStorage)) + 1024;  // +1024: the base is rounded up
   static_assert(kSharedBytes <= 227 * 1024, "K, V, the Q/dO ring and dS exceed the shared memory of a Hopper block");
 
-  // The query blocks a key block meets: all, or from the causal diagonal on.
+  // The query blocks a key block meets: all, or those the band reaches.
   struct Steps {
     int m_begin;
     int m_blocks;  // per query head
   };
   static __device__ Steps steps(BwdParams const& p, int n_block) {
-    int const m_end = (p.num_queries + kBlockM - 1) / kBlockM;
-    int m_begin = 0;
-    if (kCausal) {
-      int const first_query = n_block * kBlockN - p.diagonal_offset;  // the first that sees the block's first key
-      m_begin = first_query <= 0 ? 0 : first_query / kBlockM;
+    if (kBand) {
+      BlockRange const r = band_blocks<kBlockN, kBlockM>(n_block, p.num_queries, -p.band_hi, -p.band_lo);
+      return {r.begin, max(0, r.end - r.begin)};
     }
-    return {m_begin, max(0, m_end - m_begin)};
+    return {0, (p.num_queries + kBlockM - 1) / kBlockM};
   }
 
-  // How many key blocks meet query block m_block (steps() in reverse): key block n does
-  // iff n * kBlockN < (m_block + 1) * kBlockM + diagonal_offset, and those are the first ones.
-  static __device__ int dq_contributors(BwdParams const& p, int m_block) {
-    int const n_blocks = (p.num_keys + kBlockN - 1) / kBlockN;
-    if (!kCausal) {
-      return n_blocks;
+  // The key blocks that meet query block m_block (steps() the other way round): they add
+  // into its dQ, in this order when deterministic.
+  static __device__ BlockRange dq_key_blocks(BwdParams const& p, int m_block) {
+    if (kBand) {
+      return band_blocks<kBlockM, kBlockN>(m_block, p.num_keys, p.band_lo, p.band_hi);
     }
-    int const limit = (m_block + 1) * kBlockM + p.diagonal_offset;
-    return limit <= 0 ? 0 : min(n_blocks, (limit + kBlockN - 1) / kBlockN);
+    return {0, (p.num_keys + kBlockN - 1) / kBlockN};
   }
 
   static __device__ void produce(BwdParams const& p, SharedStorage& s, int n_block, int head_kv, int batch,
@@ -319,31 +321,54 @@ struct BwdKernel {
       warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);
 
-      // P^T, in place of S^T.  Queries past num_queries have lse_log2 = +inf (P = 0);
-      // keys past num_keys or above the causal diagonal are masked here.
+      // P^T.  Queries past num_queries have lse_log2 = +inf (P = 0); keys past
+      // num_keys or outside the band are masked here.
       bool const masked = key0 + kBlockN > p.num_keys ||
-                          (kCausal && key0 + kBlockN - 1 > query0 + p.diagonal_offset);
+                          (kBand && (key0 + kBlockN - 1 > query0 + p.band_hi ||
+                                     key0 < query0 + kBlockM - 1 + p.band_lo));
+      auto hidden = [&](int r, int col) {
+        int const key = key0 + key_row + ((r / 2) % 2) * 8;
+        return key >= p.num_keys || (kBand && (key > query0 + col + p.band_hi || key < query0 + col + p.band_lo));
+      };
       float const* lse_log2 = s.lse_log2[stage];
-      CUTE_UNROLL
-      for (int r = 0; r < size(tSrS); ++r) {
-        int const col = (r / 4) * 8 + col0 + r % 2;
-        float prob = exp2_approx(fmaf(tSrS(r), p.scale_log2, -lse_log2[col]));
-        if (masked) {
-          int const key = key0 + key_row + ((r / 2) % 2) * 8;
-          if (key >= p.num_keys || (kCausal && key > query0 + col + p.diagonal_offset)) {
-            prob = 0.f;
-          }
-        }
-        tSrS(r) = prob;
-      }
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tPrDp);
       float const* delta = s.delta[stage];
-      CUTE_UNROLL
-      for (int r = 0; r < size(tSrS); ++r) {
-        int const col = (r / 4) * 8 + col0 + r % 2;
-        tVrP(r) = static_cast<Element>(tSrS(r));
-        tKrDs(r) = static_cast<Element>(tSrS(r) * (tPrDp(r) - delta[col]));
+      if constexpr (!kSoftcap) {
+        CUTE_UNROLL
+        for (int r = 0; r < size(tSrS); ++r) {  // P^T in place of S^T
+          int const col = (r / 4) * 8 + col0 + r % 2;
+          float prob = exp2_approx(fmaf(tSrS(r), p.scale_log2, -lse_log2[col]));
+          if (masked) {
+            if (hidden(r, col)) {
+              prob = 0.f;
+            }
+          }
+          tSrS(r) = prob;
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tPrDp);
+        CUTE_UNROLL
+        for (int r = 0; r < size(tSrS); ++r) {
+          int const col = (r / 4) * 8 + col0 + r % 2;
+          tVrP(r) = static_cast<Element>(tSrS(r));
+          tKrDs(r) = static_cast<Element>(tSrS(r) * (tPrDp(r) - delta[col]));
+        }
+      } else {
+        CUTE_UNROLL
+        for (int r = 0; r < size(tSrS); ++r) {  // P^T into its A operand, tanh's slope 1 - t^2 into dS^T's
+          int const col = (r / 4) * 8 + col0 + r % 2;
+          float const t = tanh_approx(tSrS(r) * p.softcap_in);
+          float const prob = exp2_approx(fmaf(t * p.softcap_out, p.scale_log2, -lse_log2[col]));
+          tVrP(r) = static_cast<Element>(masked && hidden(r, col) ? 0.f : prob);
+          tKrDs(r) = static_cast<Element>(1.f - t * t);
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tPrDp);
+        CUTE_UNROLL
+        for (int r = 0; r < size(tSrS); ++r) {  // d(softcap_out * t) / dS = scale (1 - t^2); scale comes at the end
+          int const col = (r / 4) * 8 + col0 + r % 2;
+          tKrDs(r) = static_cast<Element>(static_cast<float>(tVrP(r)) * (tPrDp(r) - delta[col]) *
+                                          static_cast<float>(tKrDs(r)));
+        }
       }
       // dS^T -> dS in shared memory (a query pair is adjacent there), for the dQ product.
       CUTE_UNROLL
@@ -393,28 +418,38 @@ struct BwdKernel {
       Barrier::arrive(&s.empty[stage]);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_dq);
-      add_dq(p, s, acc_dq, head, batch, m_block, n_block, query0 + (kDqSplitRows ? 64 * wg : 0),
+      add_dq(p, acc_dq, head, batch, m_block, n_block, query0 + (kDqSplitRows ? 64 * wg : 0),
              kDqSplitRows ? 0 : wg * kDqCols);
     }
     store_dkv(p, acc_dk, p.dk_ptr, p.scale, key0 + key_row, col0, head_kv, batch);
     store_dkv(p, acc_dv, p.dv_ptr, 1.f, key0 + key_row, col0, head_kv, batch);
   }
 
+  // The counter of this warpgroup's part of query block m_block's dQ: how many key blocks
+  // have added into it so far.
+  static __device__ cuda::atomic_ref<int, cuda::thread_scope_device> dq_counter(BwdParams const& p, int head,
+                                                                                  int batch, int m_block, int wg) {
+    long long const block = (long long)(batch * p.num_heads + head) * (p.rows_padded / kBlockM) + m_block;
+    return cuda::atomic_ref<int, cuda::thread_scope_device>(p.dq_counter_ptr[block * kWarpGroups + wg]);
+  }
+
   // Adds this warpgroup's dQ part (64 rows from part_row0, kDqCols columns from part_col0 of
-  // query block m_block) into the fp32 accumulator; the last key block to do so writes it out.
+  // query block m_block) into the fp32 accumulator; deterministic: after the key blocks
+  // before this one, counted by the part's counter.
   template <class Accumulator>
-  static __device__ void add_dq(BwdParams const& p, SharedStorage& s, Accumulator const& acc, int head, int batch,
-                                int m_block, int n_block, int part_row0, int part_col0) {
+  static __device__ void add_dq(BwdParams const& p, Accumulator const& acc, int head, int batch, int m_block,
+                                int n_block, int part_row0, int part_col0) {
     using namespace cute;
     int const wg = threadIdx.x / 128;
     int const lane = threadIdx.x % 32;
     int const barrier = 1 + wg;  // named barrier of this warpgroup's 128 threads
     long long const head_row0 = (long long)(batch * p.num_heads + head) * p.rows_padded;
     cuda::atomic_ref<int, cuda::thread_scope_device> counter(
-        p.dq_counter_ptr[((head_row0 / kBlockM) + m_block) * kWarpGroups + wg]);
+        p.dq_counter_ptr[(head_row0 / kBlockM + m_block) * kWarpGroups + wg]);
     if (p.deterministic) {  // wait for the key blocks before this one (they all meet this query block too)
+      int const earlier = n_block - dq_key_blocks(p, m_block).begin;
       if (threadIdx.x % 128 == 0) {
-        while (counter.load(cuda::memory_order_acquire) != n_block) {
+        while (counter.load(cuda::memory_order_acquire) != earlier) {
         }
       }
       cutlass::arch::NamedBarrier::sync(128, barrier);
@@ -426,35 +461,11 @@ struct BwdKernel {
       int const offset = ((r / 2) % 2) * 8 * kHeadDim + (r / 4) * 8;
       atomicAdd(reinterpret_cast<float2*>(accum + offset), make_float2(acc(r), acc(r + 1)));
     }
-    __threadfence();
-    cutlass::arch::NamedBarrier::sync(128, barrier);
-    if (threadIdx.x % 128 == 0) {
-      s.dq_last[wg] = counter.fetch_add(1, cuda::memory_order_acq_rel) + 1 == dq_contributors(p, m_block);
-    }
-    cutlass::arch::NamedBarrier::sync(128, barrier);
-    if (s.dq_last[wg]) {
-      store_dq(p, head, batch, part_row0, part_col0, kDqCols, threadIdx.x % 128, 128);
-    }
-  }
-
-  // dQ = scale * accumulator for `rows` x `cols` from (row0, col0) of one head, by `threads` threads.
-  static __device__ void store_dq(BwdParams const& p, int head, int batch, int row0, int col0, int cols,
-                                  int thread, int threads) {
-    int const quads = cols / 4;
-    long long const accum_row0 = (long long)(batch * p.num_heads + head) * p.rows_padded;
-    Element* dq = static_cast<Element*>(p.dq_ptr) + batch * p.dq_stride_b + head * (long long)p.dq_stride_h;
-    for (int i = thread; i < 64 * quads; i += threads) {
-      int const row = row0 + i / quads;
-      int const col = col0 + (i % quads) * 4;
-      if (row < p.num_queries && col < p.head_dim) {
-        // L2 (cg): other SMs' atomics wrote these
-        float4 const a = __ldcg(reinterpret_cast<float4 const*>(p.dq_accum_ptr + (accum_row0 + row) * kHeadDim + col));
-        cutlass::Array<Element, 4> out;
-        out[0] = static_cast<Element>(a.x * p.scale);
-        out[1] = static_cast<Element>(a.y * p.scale);
-        out[2] = static_cast<Element>(a.z * p.scale);
-        out[3] = static_cast<Element>(a.w * p.scale);
-        *reinterpret_cast<cutlass::Array<Element, 4>*>(dq + row * (long long)p.dq_stride_m + col) = out;
+    if (p.deterministic) {
+      __threadfence();
+      cutlass::arch::NamedBarrier::sync(128, barrier);
+      if (threadIdx.x % 128 == 0) {
+        counter.fetch_add(1, cuda::memory_order_release);
       }
     }
   }
@@ -564,14 +575,27 @@ struct BwdKernel {
     if (threadIdx.x < kWarpGroups) {
       p.dq_counter_ptr[(head_row0 / kBlockM + m_block) * kWarpGroups + threadIdx.x] = 0;
     }
-    if (dq_contributors(p, m_block) == 0) {  // queries that see no key (causal, M > N): no CTA writes their dQ
-      Element* dq = static_cast<Element*>(p.dq_ptr) + batch * p.dq_stride_b + head * (long long)p.dq_stride_h;
-      for (int i = threadIdx.x; i < kBlockM * kHeadDim / 8; i += kAuxThreads) {
-        int const row = m_block * kBlockM + i / (kHeadDim / 8);
-        int const col = (i % (kHeadDim / 8)) * 8;
-        if (row < p.num_queries && col < p.head_dim) {
-          *reinterpret_cast<uint4*>(dq + row * (long long)p.dq_stride_m + col) = make_uint4(0, 0, 0, 0);
-        }
+  }
+
+  // grid (rows_padded / kBlockM, heads, batch), kAuxThreads threads
+  static __device__ void convert(BwdParams const& p) {
+    constexpr int kQuads = kHeadDim / 4;
+    int const m_block = blockIdx.x;
+    int const head = blockIdx.y;
+    int const batch = blockIdx.z;
+    long long const head_row0 = (long long)(batch * p.num_heads + head) * p.rows_padded;
+    Element* dq = static_cast<Element*>(p.dq_ptr) + batch * p.dq_stride_b + head * (long long)p.dq_stride_h;
+    for (int i = threadIdx.x; i < kBlockM * kQuads; i += kAuxThreads) {
+      int const row = m_block * kBlockM + i / kQuads;
+      int const col = (i % kQuads) * 4;
+      if (row < p.num_queries && col < p.head_dim) {
+        float4 const a = *reinterpret_cast<float4 const*>(p.dq_accum_ptr + (head_row0 + row) * kHeadDim + col);
+        cutlass::Array<Element, 4> out;
+        out[0] = static_cast<Element>(a.x * p.scale);
+        out[1] = static_cast<Element>(a.y * p.scale);
+        out[2] = static_cast<Element>(a.z * p.scale);
+        out[3] = static_cast<Element>(a.w * p.scale);
+        *reinterpret_cast<cutlass::Array<Element, 4>*>(dq + row * (long long)p.dq_stride_m + col) = out;
       }
     }
   }

@@ -1,5 +1,6 @@
 // Pieces both Hopper kernels (sm90_fwd.h, sm90_bwd.h) use: fast math on
-// accumulator rows, one warpgroup-wide wgmma GEMM, a tile's TMA loads.
+// accumulator rows, band-mask block ranges, one warpgroup-wide wgmma GEMM, a
+// tile's TMA loads.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
@@ -15,6 +16,34 @@ __device__ __forceinline__ float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Band masks (the kBand instances of both families): key j is visible to query i iff
+// i + band_lo <= j <= i + band_hi.  A causal mask is the band (-kUnbounded, diagonal
+// offset); a sliding window bounds both sides.  The runtime clamps both to +-kUnbounded.
+constexpr int kUnbounded = 1 << 30;
+
+__device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((b - 1 - a) / b); }
+
+struct BlockRange {
+  int begin;
+  int end;  // may be <= begin: no block
+};
+
+// The blocks of kCols columns (keys) that the kRows rows (queries) of row block `block`
+// meet under a band, within [0, ceil(cols / kCols)).  With rows and columns swapped
+// (band_lo <-> -band_hi), the query blocks a key block meets.
+template <int kRows, int kCols>
+__device__ __forceinline__ BlockRange band_blocks(int block, int cols, int band_lo, int band_hi) {
+  int const begin = max(0, floor_div(block * kRows + band_lo, kCols));
+  int const end = min((cols + kCols - 1) / kCols, floor_div((block + 1) * kRows - 1 + band_hi, kCols) + 1);
+  return {begin, end};
 }
 
 __device__ __forceinline__ float quad_max(float x) {

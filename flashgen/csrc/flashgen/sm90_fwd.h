@@ -13,7 +13,10 @@
 // the log2 domain), rescales its output accumulator and adds P V with wgmma
 // (P from registers: the S accumulator layout is the A-operand register layout,
 // so P is converted in place).  Out-of-range rows and keys come from TMA as
-// zeros; keys past num_keys and above the causal diagonal are masked to -inf.
+// zeros; keys past num_keys and, in kBand instances, outside the band (causal
+// diagonal, sliding window) are masked to -inf, and key blocks wholly outside
+// it are never loaded.  With soft-capping the scores pass through
+// softcap * tanh(score / softcap) first.
 //
 // The output is written from registers; the log-sum-exp (natural log, of the
 // scaled scores) goes to lse[batch, head, row] like the example-41 forward, so
@@ -55,18 +58,21 @@ struct FwdParams {
   int num_keys;
   int head_dim;           // <= kHeadDim, a multiple of 8: columns past it are zeros from TMA, never stored
   int head_group;         // query heads per key/value head (1: MHA; H: MQA)
-  int diagonal_offset;    // causal: key j is visible to query i iff j <= i + diagonal_offset
+  int band_lo;            // kBand: key j is visible to query i iff i + band_lo <= j <= i + band_hi
+  int band_hi;
   float scale_log2;       // softmax scale * log2(e)
+  float softcap_in;       // scale / softcap (0: no soft-capping): scores become
+  float softcap_out;      //   softcap_out * tanh(softcap_in * q.k), softcap_out = softcap / scale
 };
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kCausal_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBand_>
 struct FwdKernel {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  static constexpr bool kCausal = kCausal_;
+  static constexpr bool kBand = kBand_;
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 32 == 0, "wgmma tile shapes");
@@ -120,14 +126,12 @@ struct FwdKernel {
   static constexpr int kSharedBytes = int(sizeof(SharedStorage)) + 1024;
   static_assert(kSharedBytes <= 227 * 1024, "the Q tile and K/V rings exceed the shared memory of a Hopper block");
 
-  // Key blocks this query block visits: all, or up to the causal diagonal.
-  static __device__ int key_blocks(FwdParams const& p, int m_block) {
-    int n = (p.num_keys + kBlockN - 1) / kBlockN;
-    if (kCausal) {
-      int last_visible = (m_block + 1) * kBlockM - 1 + p.diagonal_offset;  // for the block's last row
-      n = last_visible < 0 ? 0 : min(n, last_visible / kBlockN + 1);
+  // Key blocks this query block visits: all, or those the band reaches.
+  static __device__ BlockRange key_blocks(FwdParams const& p, int m_block) {
+    if (kBand) {
+      return band_blocks<kBlockM, kBlockN>(m_block, p.num_keys, p.band_lo, p.band_hi);
     }
-    return n;
+    return {0, (p.num_keys + kBlockN - 1) / kBlockN};
   }
 
   // One tile (rows x kHeadDim) of a tensor map, box by box along the head dim, into `smem`;
@@ -139,26 +143,27 @@ struct FwdKernel {
   }
 
   static __device__ void produce(FwdParams const& p, SharedStorage& s, int m_block, int head, int batch,
-                                 int n_blocks) {
+                                 BlockRange blocks) {
     using Barrier = cutlass::arch::ClusterBarrier;
     int const head_kv = head / p.head_group;
     load_tile(&p.q_map, &s.q_full, s.q, kBlockM, m_block * kBlockM, head, batch);
-    for (int j = 0; j < n_blocks; ++j) {
-      int const stage = j % kStages;
-      int const round = j / kStages;  // the ring's round: buffers are reused from the second on
+    for (int t = 0; t < blocks.end - blocks.begin; ++t) {
+      int const key0 = (blocks.begin + t) * kBlockN;
+      int const stage = t % kStages;
+      int const round = t / kStages;  // the ring's round: buffers are reused from the second on
       if (round > 0) {
         Barrier::wait(&s.k_empty[stage], (round - 1) & 1);
       }
-      load_tile(&p.k_map, &s.k_full[stage], s.k + stage * kBlockN * kHeadDim, kBlockN, j * kBlockN, head_kv, batch);
+      load_tile(&p.k_map, &s.k_full[stage], s.k + stage * kBlockN * kHeadDim, kBlockN, key0, head_kv, batch);
       if (round > 0) {
         Barrier::wait(&s.v_empty[stage], (round - 1) & 1);
       }
-      load_tile(&p.v_map, &s.v_full[stage], s.v + stage * kBlockN * kHeadDim, kBlockN, j * kBlockN, head_kv, batch);
+      load_tile(&p.v_map, &s.v_full[stage], s.v + stage * kBlockN * kHeadDim, kBlockN, key0, head_kv, batch);
     }
   }
 
   static __device__ void consume(FwdParams const& p, SharedStorage& s, int m_block, int head, int batch,
-                                 int n_blocks) {
+                                 BlockRange blocks) {
     using namespace cute;
     using Barrier = cutlass::arch::ClusterBarrier;
     int const tid = threadIdx.x;  // 0 .. 128 * kConsumerWarpGroups - 1
@@ -191,9 +196,9 @@ struct FwdKernel {
     float row_sum[2] = {0.f, 0.f};
 
     Barrier::wait(&s.q_full, 0);
-    for (int j = 0; j < n_blocks; ++j) {
-      int const stage = j % kStages;
-      int const phase = (j / kStages) & 1;
+    for (int t = 0; t < blocks.end - blocks.begin; ++t) {
+      int const stage = t % kStages;
+      int const phase = (t / kStages) & 1;
       Barrier::wait(&s.k_full[stage], phase);
       warpgroup_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, stage), tSrS);
       __syncwarp();
@@ -201,15 +206,23 @@ struct FwdKernel {
         Barrier::arrive(&s.k_empty[stage]);
       }
 
-      int const key0 = j * kBlockN;
+      if (p.softcap_in != 0.f) {
+        CUTE_UNROLL
+        for (int r = 0; r < size(tSrS); ++r) {
+          tSrS(r) = p.softcap_out * tanh_approx(tSrS(r) * p.softcap_in);
+        }
+      }
+      int const key0 = (blocks.begin + t) * kBlockN;
+      int const block_row0 = m_block * kBlockM;
       bool const partial = key0 + kBlockN > p.num_keys;
-      bool const diagonal = kCausal && key0 + kBlockN - 1 > m_block * kBlockM + p.diagonal_offset;
-      if (partial || diagonal) {
+      bool const edge = kBand && (key0 + kBlockN - 1 > block_row0 + p.band_hi ||
+                                  key0 < block_row0 + kBlockM - 1 + p.band_lo);
+      if (partial || edge) {
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {
           int const row = row0 + ((r / 2) % 2) * 8;
           int const key = key0 + (r / 4) * 8 + col0 + r % 2;
-          if (key >= p.num_keys || (kCausal && key > row + p.diagonal_offset)) {
+          if (key >= p.num_keys || (kBand && (key > row + p.band_hi || key < row + p.band_lo))) {
             tSrS(r) = -INFINITY;
           }
         }
@@ -293,7 +306,7 @@ struct FwdKernel {
     int const head = blockIdx.y;
     int const batch = blockIdx.z;
     int const warp = threadIdx.x / 32;
-    int const n_blocks = key_blocks(p, m_block);
+    BlockRange const blocks = key_blocks(p, m_block);
 
     if (threadIdx.x == 0) {
       using Barrier = cutlass::arch::ClusterBarrier;
@@ -310,11 +323,11 @@ struct FwdKernel {
     __syncthreads();
 
     if (warp == kProducerWarp) {
-      if (threadIdx.x % 32 == 0 && n_blocks > 0) {
-        produce(p, s, m_block, head, batch, n_blocks);
+      if (threadIdx.x % 32 == 0 && blocks.end > blocks.begin) {
+        produce(p, s, m_block, head, batch, blocks);
       }
-    } else if (n_blocks > 0) {
-      consume(p, s, m_block, head, batch, n_blocks);
+    } else if (blocks.end > blocks.begin) {
+      consume(p, s, m_block, head, batch, blocks);
     } else {  // no key visible to any row of the block
       auto zeros = cute::make_tensor<float>(cute::Int<kHeadDim / 2>{});
       cute::clear(zeros);

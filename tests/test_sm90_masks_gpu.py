@@ -1,0 +1,158 @@
+"""Sliding windows and logit soft-capping on flashgen's Hopper families (sm90_fwd, sm90_bwd).
+
+Both options exist only in the sm90 kernels: on a 9.0 GPU with the families
+built they are checked against a float64 reference (forward and all three
+gradients, outputs in poisoned memory); everywhere else a call with them must
+raise UnsupportedError rather than ignore them.  Skipped cleanly without a GPU.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+import flashgen  # noqa: E402
+from attention_reference import (  # noqa: E402
+    BWD_TOL, FWD_TOL, gpu_marks, hopper_kernels, lse_err, make_input, poisoned_allocations, randn, reference,
+    rel_err,
+)
+from flashgen.runtime import plans  # noqa: E402
+from flashgen.spec.sm90_bwd import Sm90Bwd  # noqa: E402
+from flashgen.spec.sm90_fwd import Sm90Fwd  # noqa: E402
+
+HAVE_GPU, pytestmark = gpu_marks()
+
+SM90 = bool(hopper_kernels(Sm90Fwd.FAMILY)) and bool(hopper_kernels(Sm90Bwd.FAMILY))
+needs_sm90 = pytest.mark.skipif(not SM90, reason="needs a 9.0 GPU and both sm90 families (flashgen build --arch sm90a)")
+
+
+def chosen(q, k, v, backward=False, **options):
+    return next(name for name, _, verdict in flashgen.explain(q, k, v, backward=backward, **options)
+                if verdict == "selected")
+
+
+def grouped_reference(q, k, v, do, **options):
+    """float64 attention on k/v repeated per query head; dk/dv summed back over each group."""
+    group = q.shape[2] // k.shape[2]
+    k_rep, v_rep = (cupy.repeat(x, group, axis=2) for x in (k, v))
+    out, lse, (dq, dk, dv, _) = reference(q, k_rep, v_rep, grad_out=do, **options)
+    fold = lambda g: g.reshape(*k.shape[:2], k.shape[2], group, k.shape[3]).sum(axis=3)  # noqa: E731
+    return out, lse, (dq, fold(dk), fold(dv))
+
+
+def check(rng, dtype, B, M, N, H, K, Hk=None, layout="contiguous", deterministic=False, **options):
+    """Forward and backward with ``options`` (causal, window, softcap) against the reference;
+    returns the inputs (q, k, v, do) and the results (out, lse, grads)."""
+    q = make_input(rng, (B, M, H, K), dtype, layout)
+    k, v = (make_input(rng, (B, N, Hk or H, K), dtype, layout) for _ in range(2))
+    do = make_input(rng, (B, M, H, K), dtype, layout)
+    mask = {name: options[name] for name in ("causal", "window", "softcap") if name in options}
+    assert chosen(q, k, v, **mask).startswith("sm90_fwd_"), "the forward did not take the sm90 path"
+    assert chosen(q, k, v, backward=True, **mask).startswith("sm90_bwd_"), "the backward did not take the sm90 path"
+    with poisoned_allocations():
+        out, lse = flashgen.attention_forward(q, k, v, **options)
+        grads = flashgen.attention_backward(do, q, k, v, out, lse, deterministic=deterministic, **options)
+    ref_out, ref_lse, ref_grads = grouped_reference(q, k, v, do, **options)
+    errors = {"out": rel_err(out, ref_out), "lse": lse_err(lse, ref_lse)}
+    assert max(errors.values()) < FWD_TOL[dtype], (errors, options)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        errors[name] = rel_err(g, r)
+    assert max(errors[n] for n in ("dq", "dk", "dv")) < BWD_TOL[dtype], (errors, options)
+    return (q, k, v, do), (out, lse, grads)
+
+
+# (left, right) windows: one-key band, left-only, right-only, both, right beyond every key
+WINDOWS = ((0, 0), (3, None), (None, 5), (100, 50), (1, 1000), (127, 0))
+SIZES = ((1, 1), (7, 129), (129, 7), (1000, 129), (129, 1000), (1000, 1000), (1, 1000), (2048, 2048))
+GRID = [(dtype, K, *SIZES[(i + j + w) % len(SIZES)], window, causal)
+        for i, dtype in enumerate(("f16", "bf16")) for j, K in enumerate((64, 96, 128))
+        for w, window in enumerate(WINDOWS) for causal in (None, "bottom_right")]
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype,K,M,N,window,causal", GRID,
+                         ids=[f"{d}-k{k}-{m}x{n}-w{w[0]},{w[1]}-{c}" for d, k, m, n, w, c in GRID])
+def test_sliding_window_matches_float64_reference(dtype, K, M, N, window, causal):
+    rng = np.random.default_rng([K, M, N, len(dtype), len(causal or ""), *(x or 0 for x in window)])
+    check(rng, dtype, B=2, M=M, N=N, H=3, K=K, window=window, causal=causal)
+
+
+@needs_sm90
+@pytest.mark.parametrize("softcap", [1.0, 8.0, 50.0])
+@pytest.mark.parametrize("causal", [None, "top_left"])
+@pytest.mark.parametrize("dtype,K", [("f16", 64), ("bf16", 128), ("bf16", 96)])
+def test_softcap_matches_float64_reference(dtype, K, causal, softcap):
+    """Small caps saturate tanh (scores near +-cap, slopes near 0); large ones barely bend it."""
+    rng = np.random.default_rng([K, len(dtype), int(softcap), causal is None])
+    check(rng, dtype, B=2, M=1000, N=777, H=2, K=K, causal=causal, softcap=softcap, scale=0.5)
+
+
+@needs_sm90
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_window_and_softcap_with_grouped_query_attention(group):
+    check(np.random.default_rng(group), "bf16", B=2, M=300, N=1000, H=8, K=128, Hk=8 // group,
+          window=(64, 16), causal="bottom_right", softcap=20.0)
+
+
+@needs_sm90
+@pytest.mark.parametrize("layout", ["bhsk", "padded"])
+def test_window_on_strided_inputs(layout):
+    check(np.random.default_rng(3), "f16", B=2, M=257, N=1000, H=4, K=64, layout=layout, window=(200, 200))
+
+
+@needs_sm90
+def test_window_that_hides_every_key_from_some_rows():
+    """Rows whose window holds no key: out 0, lse -inf, no gradient -- like causal rows without keys."""
+    rng = np.random.default_rng(8)
+    _, (out, lse, grads) = check(rng, "f16", B=1, M=300, N=100, H=2, K=64, window=(0, 10))  # rows >= 100: no key
+    assert bool((out[:, 100:] == 0).all()) and bool(cupy.isneginf(lse[:, :, 100:]).all())
+    assert bool((grads[0][:, 100:] == 0).all())
+
+
+@needs_sm90
+def test_deterministic_window_repeats_bit_for_bit():
+    """Each query block's dQ gets its key blocks (a window's range, not from 0) in order."""
+    plans.clear()
+    options = dict(window=(700, 300), softcap=30.0)
+    (q, k, v, do), (_, _, first) = check(np.random.default_rng(9), "bf16", B=2, M=2048, N=2048, H=4, K=128,
+                                         deterministic=True, **options)
+    out, lse = flashgen.attention_forward(q, k, v, **options)
+    for _ in range(3):
+        again = flashgen.attention_backward(do, q, k, v, out, lse, deterministic=True, **options)
+        for a, b in zip(first, again):
+            assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), "deterministic backward changed bits"
+
+
+@needs_sm90
+def test_planned_repeat_keeps_window_and_softcap_apart():
+    """Launch plans are keyed by window and softcap: a call differing only in them must not reuse
+    another's plan."""
+    rng = np.random.default_rng(12)
+    plans.clear()
+    q, k, v = (randn(rng, (1, 513, 2, 64), "f16") for _ in range(3))
+    results = {}
+    for options in ({}, {"window": (32, 32)}, {"softcap": 2.0}, {"window": (32, 32), "softcap": 2.0}):
+        for _ in range(2):  # the second call of each runs from its plan
+            out, _ = flashgen.attention_forward(q, k, v, **options)
+        ref_out, _ = reference(q, k, v, **options)
+        assert rel_err(out, ref_out) < FWD_TOL["f16"], options
+        results[str(options)] = out
+    assert len({float(abs(x.astype(cupy.float32)).sum()) for x in results.values()}) == 4
+
+
+@needs_sm90
+def test_calls_the_sm90_kernels_cannot_take_are_refused():
+    """A window or softcap with an option only example 41 has must fail loudly, not be dropped."""
+    rng = np.random.default_rng(4)
+    q, k, v = (randn(rng, (1, 64, 2, 64), "f16") for _ in range(3))
+    bias = randn(rng, (1, 2, 64, 64), "f16")
+    out, lse = flashgen.attention_forward(q, k, v)
+    for options in ({"window": (4, 4)}, {"softcap": 5.0}):
+        with pytest.raises(flashgen.UnsupportedError, match="sm90"):
+            flashgen.attention_forward(q, k, v, attn_bias=bias, **options)
+        with pytest.raises(flashgen.UnsupportedError, match="sm90"):
+            flashgen.attention_forward(*(x.astype(cupy.float32) for x in (q, k, v)), **options)
+        with pytest.raises(flashgen.UnsupportedError, match="sm90"):
+            flashgen.attention_backward(q, q, k, v, out, lse, dropout_p=0.1, seed=1, **options)
+        rows = flashgen.explain(q, k, v, attn_bias=bias, **options)
+        assert not any(verdict == "selected" for _, _, verdict in rows)
