@@ -131,6 +131,16 @@ def reference(q, k, v, *, bias=None, causal=None, scale=None, keep=None, p=0.0, 
     return out, lse, (dq, dk, dv, ds)
 
 
+def grouped_reference(q, k, v, grad_out, **options):
+    """Grouped-query attention (k/v with H / group heads) as ``reference`` on k/v repeated per
+    query head, dk and dv summed back over each group: (out, lse, (dq, dk, dv))."""
+    group = q.shape[2] // k.shape[2]
+    k_rep, v_rep = (cupy.repeat(x, group, axis=2) for x in (k, v))
+    out, lse, (dq, dk, dv, _) = reference(q, k_rep, v_rep, grad_out=grad_out, **options)
+    fold = lambda g: g.reshape(*k.shape[:2], k.shape[2], group, k.shape[3]).sum(axis=3)  # noqa: E731
+    return out, lse, (dq, fold(dk), fold(dv))
+
+
 def logsumexp(s):
     """log(sum(exp(s), -1)), -inf for a row that sees no key."""
     top = s.max(-1)

@@ -14,7 +14,8 @@ import pytest
 cupy = pytest.importorskip("cupy")
 import flashgen  # noqa: E402
 from attention_reference import (  # noqa: E402
-    BWD_TOL, FWD_TOL, lse_err, make_input, poisoned_allocations, randn, reference, rel_err, gpu_marks, hopper_kernels,
+    BWD_TOL, FWD_TOL, grouped_reference, lse_err, make_input, poisoned_allocations, randn, reference, rel_err,
+    gpu_marks, hopper_kernels,
 )
 from flashgen.runtime import api, plans  # noqa: E402
 from flashgen.runtime.device import device_info  # noqa: E402
@@ -160,15 +161,6 @@ def test_kernel_choice_follows_head_dim_tier_and_mask():
     assert selected(big, big, big).startswith("mem_eff"), "no sm90 tier above 128: example 41 serves it"
 
 
-def _gqa_reference(q, k, v, causal, grad_out):
-    """Grouped-query attention as plain attention on repeated k/v; dk/dv summed back per group."""
-    group = q.shape[2] // k.shape[2]
-    k_rep, v_rep = (cupy.repeat(x, group, axis=2) for x in (k, v))
-    out, lse, (dq, dk, dv, _) = reference(q, k_rep, v_rep, causal=causal, grad_out=grad_out)
-    fold = lambda g: g.reshape(*k.shape[:2], k.shape[2], group, k.shape[3]).sum(axis=3)  # noqa: E731
-    return out, lse, (dq, fold(dk), fold(dv))
-
-
 @needs_kernels
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("causal", [None, "bottom_right"])
@@ -185,7 +177,7 @@ def test_grouped_query_attention(group, causal):
     with poisoned_allocations():
         out, lse = flashgen.attention_forward(q, k, v, causal=causal)
         grads = flashgen.attention_backward(do, q, k, v, out, lse, causal=causal)
-    ref_out, ref_lse, ref_grads = _gqa_reference(q, k, v, causal, do)
+    ref_out, ref_lse, ref_grads = grouped_reference(q, k, v, do, causal=causal)
     assert rel_err(out, ref_out) < FWD_TOL["bf16"] and lse_err(lse, ref_lse) < FWD_TOL["bf16"]
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert g.shape == r.shape, name

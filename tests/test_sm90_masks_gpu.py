@@ -13,8 +13,8 @@ import pytest
 cupy = pytest.importorskip("cupy")
 import flashgen  # noqa: E402
 from attention_reference import (  # noqa: E402
-    BWD_TOL, FWD_TOL, gpu_marks, hopper_kernels, lse_err, make_input, poisoned_allocations, randn, reference,
-    rel_err,
+    BWD_TOL, FWD_TOL, gpu_marks, grouped_reference, hopper_kernels, lse_err, make_input, poisoned_allocations,
+    randn, reference, rel_err,
 )
 from flashgen.runtime import plans  # noqa: E402
 from flashgen.spec.sm90_bwd import Sm90Bwd  # noqa: E402
@@ -29,15 +29,6 @@ needs_sm90 = pytest.mark.skipif(not SM90, reason="needs a 9.0 GPU and both sm90 
 def chosen(q, k, v, backward=False, **options):
     return next(name for name, _, verdict in flashgen.explain(q, k, v, backward=backward, **options)
                 if verdict == "selected")
-
-
-def grouped_reference(q, k, v, do, **options):
-    """float64 attention on k/v repeated per query head; dk/dv summed back over each group."""
-    group = q.shape[2] // k.shape[2]
-    k_rep, v_rep = (cupy.repeat(x, group, axis=2) for x in (k, v))
-    out, lse, (dq, dk, dv, _) = reference(q, k_rep, v_rep, grad_out=do, **options)
-    fold = lambda g: g.reshape(*k.shape[:2], k.shape[2], group, k.shape[3]).sum(axis=3)  # noqa: E731
-    return out, lse, (dq, fold(dk), fold(dv))
 
 
 def check(rng, dtype, B, M, N, H, K, Hk=None, layout="contiguous", deterministic=False, **options):
