@@ -7,6 +7,7 @@ each other (bitwise) and with the float64 reference.
 from __future__ import annotations
 
 import ctypes
+import types
 
 import numpy as np
 import pytest
@@ -23,9 +24,11 @@ class RecordingLauncher:
     def __init__(self, size):
         self.size, self.calls = size, []
 
-    def __call__(self, handle, grid, block, shared_memory, stream, argv):
+    def __call__(self, handle, gx, gy, gz, bx, by, bz, shared_memory, stream, argv, extra):
+        assert extra == 0
         params_address = ctypes.c_void_p.from_address(argv).value  # kernelParams[0]
-        self.calls.append((handle, grid, block, ctypes.string_at(params_address, self.size), shared_memory, stream))
+        self.calls.append((handle, (gx, gy, gz), (bx, by, bz), ctypes.string_at(params_address, self.size),
+                           shared_memory, stream))
 
 
 def filled(spec, **fields):
@@ -100,6 +103,38 @@ def test_plan_cache_is_bounded_and_evicts_the_oldest(monkeypatch):
     assert [plans.lookup(("k", i)) for i in range(5)] == [None, None, 2, 3, 4]
     plans.clear()
     assert plans.lookup(("k", 4)) is None
+
+
+class FakeArray:
+    """What plans.signature reads of a CuPy array."""
+
+    def __init__(self, shape, ptr, device=0):
+        self.shape, self.strides, self.dtype = shape, tuple(8 for _ in shape), np.dtype(np.float16)
+        self.data = types.SimpleNamespace(ptr=ptr, device_id=device)
+
+
+def test_find_plan_keys_apart_what_launches_apart(monkeypatch):
+    from flashgen.runtime import api
+
+    monkeypatch.setattr(plans, "_plans", {})
+    fake_cupy = types.SimpleNamespace(ndarray=FakeArray)
+    arrays = (FakeArray((2, 3), 4096), FakeArray((2, 3), 8192))
+    key, plan = api._find_plan(fake_cupy, "fwd", arrays, (None, 0.5))
+    assert key is not None and plan is None
+    plans.remember(key, "the plan")
+    assert api._find_plan(fake_cupy, "fwd", (FakeArray((2, 3), 128), FakeArray((2, 3), 64)), (None, 0.5)) == \
+        (key, "the plan")  # other pointers with the same 64-byte alignment
+    for other in [("bwd", arrays, (None, 0.5)), ("fwd", arrays, (None, 1)),
+                  ("fwd", (FakeArray((2, 3), 4096), FakeArray((2, 3), 8200)), (None, 0.5)),  # 8-byte aligned
+                  ("fwd", (FakeArray((2, 3), 4096), FakeArray((2, 3), 8192, device=1)), (None, 0.5)),
+                  ("fwd", (FakeArray((2, 3), 4096), FakeArray((3, 2), 8192)), (None, 0.5))]:
+        other_key, other_plan = api._find_plan(fake_cupy, *other)
+        assert other_key is not None and other_key != key and other_plan is None
+    assert api._find_plan(fake_cupy, "fwd", arrays, (None, True)) != api._find_plan(fake_cupy, "fwd", arrays,
+                                                                                      (None, 1))
+    # not plannable: an unhashable option (a window given as a list), an input that is not a CuPy array
+    assert api._find_plan(fake_cupy, "fwd", arrays, ([3, 4], 0.5)) == (None, None)
+    assert api._find_plan(fake_cupy, "fwd", (np.zeros((2, 3)),) + arrays[1:], (None, 0.5)) == (None, None)
 
 
 # === on a GPU: the plan against the full path ====================================================

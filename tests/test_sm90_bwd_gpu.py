@@ -126,7 +126,9 @@ def test_deterministic_mode_repeats_bit_for_bit(causal):
         again = flashgen.attention_backward(do, q, k, v, out, lse, causal=causal, deterministic=True)
         for a, b in zip(first, again):
             assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), "deterministic backward changed bits"
-    assert any((bool, True) in key and plan.sizes.get("sm90") for key, plan in plans._plans.items()), \
+    # a key is (direction, signature, options, their types); deterministic is the one bool option
+    assert any((True, bool) in zip(key[2], key[3]) and plan.sizes.get("sm90")
+               for key, plan in plans._plans.items()), \
         "the repeats did not use a deterministic sm90 plan"
 
 

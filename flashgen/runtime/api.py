@@ -508,21 +508,17 @@ def _launch(registry, binary: KernelBinary, device: int, grid, block, params, st
     fn(grid, block, (raw,), shared_mem=0 if entry else binary.constants["shared_memory_bytes"], stream=stream)
 
 
-def _plan_key(cupy, direction: str, arrays, *options):
-    """The plan-cache key of a call (see plans.py), or None when it cannot be planned: an input
-    that is not a CuPy array (its conversion is per call), or an unhashable option."""
-    ndarray = cupy.ndarray
-    for x in arrays:
-        if type(x) is not ndarray:
-            return None
-    parts = [direction, plans.signature(arrays)]
-    parts.extend((type(o), o) for o in options)  # type: 1 and True hash alike but validate differently
-    key = tuple(parts)
+def _find_plan(cupy, direction: str, arrays, options: tuple):
+    """(key, plan) of a call (see plans.py): the plan made for its key, or None; the key is None
+    when the call cannot be planned (an input that is not a CuPy array, an unhashable option)."""
+    signature = plans.signature(arrays, cupy.ndarray)
+    if signature is None:
+        return None, None
+    key = (direction, signature, options, tuple(map(type, options)))  # 1 and True hash alike, validate apart
     try:
-        hash(key)
+        return key, plans.lookup(key)
     except TypeError:
-        return None
-    return key
+        return None, None
 
 
 def _handle(registry: Registry, binary: KernelBinary, device: int, entry: str = "") -> int:
@@ -647,8 +643,7 @@ def attention_forward(q, k, v, *, attn_bias=None, causal=None, scale=None, dropo
     registry = registry or default_registry()
     key = None
     if attn_bias is None and cu_seqlens_q is None and cu_seqlens_k is None:
-        key = _plan_key(cupy, "fwd", (q, k, v), causal, scale, dropout_p, window, softcap, registry)
-        plan = plans.lookup(key) if key is not None else None
+        key, plan = _find_plan(cupy, "fwd", (q, k, v), (causal, scale, dropout_p, window, softcap, registry))
         if plan is not None:
             if dropout_p or seed is not None or offset:
                 _check_rng(dropout_p, seed, offset)
@@ -822,9 +817,8 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
     registry = registry or default_registry()
     key = None
     if attn_bias is None and not bias_requires_grad and cu_seqlens_q is None and cu_seqlens_k is None:
-        key = _plan_key(cupy, "bwd", (grad_out, q, k, v, out, lse), causal, scale, dropout_p, window, softcap,
-                        deterministic, registry)
-        plan = plans.lookup(key) if key is not None else None
+        key, plan = _find_plan(cupy, "bwd", (grad_out, q, k, v, out, lse),
+                               (causal, scale, dropout_p, window, softcap, deterministic, registry))
         if plan is not None:
             if dropout_p or seed is not None or offset:
                 _check_rng(dropout_p, seed, offset)
@@ -1039,15 +1033,17 @@ def _sm90_bwd_layout(kc, c: _Common, k):
 
 
 def _sm90_bwd_buffers(cupy, offsets, q, k, v):
-    """dq, dk, dv and the workspace pointers (lse_log2, delta, dq accumulator, counters) carved
-    from one new allocation laid out by ``offsets`` (``_sm90_bwd_layout`` without its rows)."""
+    """dq, dk, dv carved from one new allocation laid out by ``offsets`` (``_sm90_bwd_layout``
+    without its rows), and the pointers of the workspace (lse_log2, delta, dq accumulator,
+    counters) and of dq, dk, dv: the tail of ``_SM90_BWD_POINTERS``."""
     at_dk, at_dv, at_lse2, at_delta, at_accum, at_counters, total = offsets
     memory = cupy.cuda.alloc(total)  # CuPy's pool, as cupy.empty would use, minus the array
     base = memory.ptr
     dq = cupy.ndarray(q.shape, q.dtype, memory)
     dk = cupy.ndarray(k.shape, k.dtype, memory + at_dk)
     dv = cupy.ndarray(v.shape, v.dtype, memory + at_dv)
-    return dq, dk, dv, (base + at_lse2, base + at_delta, base + at_accum, base + at_counters)
+    return dq, dk, dv, (base + at_lse2, base + at_delta, base + at_accum, base + at_counters, base, base + at_dk,
+                        base + at_dv)
 
 
 def _backward_sm90(registry, binary: KernelBinary, c: _Common, grad_out, q, k, v, out, lse, deterministic, stream,
@@ -1060,7 +1056,7 @@ def _backward_sm90(registry, binary: KernelBinary, c: _Common, grad_out, q, k, v
             lse = cupy.ascontiguousarray(lse)  # the prep kernel reads a row's lse with unit stride
             key = None  # a per-call copy: not a plan
         rows, *offsets = _sm90_bwd_layout(kc, c, k)
-        dq, dk, dv, (lse_log2, delta, accum, counters) = _sm90_bwd_buffers(cupy, offsets, q, k, v)
+        dq, dk, dv, (lse_log2, delta, accum, counters, *_) = _sm90_bwd_buffers(cupy, offsets, q, k, v)
         os_, gos, ls = _elem_strides(out), _elem_strides(grad_out), _elem_strides(lse)
         band_lo, band_hi = _band(c)
         _check_int32(out_stride_m=os_[1], out_stride_h=os_[2], dout_stride_m=gos[1], dout_stride_h=gos[2],
@@ -1098,10 +1094,10 @@ def _backward_sm90(registry, binary: KernelBinary, c: _Common, grad_out, q, k, v
 def _backward_sm90_planned(cupy, plan: plans.LaunchPlan, grad_out, q, k, v, out, lse, stream):
     """An sm90 backward whose signature was seen before: one allocation, three launches."""
     with _on_device(cupy, plan.device):
-        dq, dk, dv, workspace = _sm90_bwd_buffers(cupy, plan.sizes["layout"], q, k, v)
+        dq, dk, dv, carved = _sm90_bwd_buffers(cupy, plan.sizes["layout"], q, k, v)
+        dout = grad_out.data.ptr
         # tensor maps (q, k, v, grad_out), then _SM90_BWD_POINTERS' order
-        plan.launch((q.data.ptr, k.data.ptr, v.data.ptr, grad_out.data.ptr, out.data.ptr, grad_out.data.ptr,
-                     lse.data.ptr) + workspace + (dq.data.ptr, dk.data.ptr, dv.data.ptr), 0, 0,
+        plan.launch((q.data.ptr, k.data.ptr, v.data.ptr, dout, out.data.ptr, dout, lse.data.ptr) + carved, 0, 0,
                     _stream_handle(cupy, stream))
     return dq, dk, dv
 

@@ -28,12 +28,15 @@ _plans: Dict[tuple, "LaunchPlan"] = {}
 _lock = threading.Lock()
 
 
-def signature(arrays) -> tuple:
-    """What of the call's CuPy arrays a plan depends on: shapes, strides, dtypes, devices, and
-    the pointers' common alignment (the OR of all pointers modulo 64 bytes: its lowest set bit
-    is the largest power of two, up to 64, that divides every pointer)."""
+def signature(arrays, ndarray) -> Optional[tuple]:
+    """What of the call's arrays a plan depends on: shapes, strides, dtypes, devices, and the
+    pointers' common alignment (the OR of all pointers modulo 64 bytes: its lowest set bit is
+    the largest power of two, up to 64, that divides every pointer).  None when one is not of
+    type ``ndarray`` (CuPy's): converting it is per-call work a plan cannot skip."""
     parts, pointers = [], 0
     for x in arrays:
+        if type(x) is not ndarray:
+            return None
         mem = x.data
         pointers |= mem.ptr
         parts += (x.shape, x.strides, x.dtype, mem.device_id)
@@ -41,21 +44,12 @@ def signature(arrays) -> tuple:
     return tuple(parts)
 
 
-def _driver_launch(handle: int, grid, block, shared_memory: int, stream: int, argv: int) -> None:
-    """cuLaunchKernel through CuPy's driver binding (a RawKernel call costs ~7 us more)."""
-    _driver().launchKernel(handle, *grid, *block, shared_memory, stream, argv, 0)
+def _driver_launch():
+    """cuLaunchKernel through CuPy's driver binding (a RawKernel call costs ~7 us more), called as
+    launch(handle, gx, gy, gz, bx, by, bz, shared_memory, stream, argv, extra)."""
+    from cupy.cuda import driver
 
-
-def _driver():
-    global _cuda_driver
-    if _cuda_driver is None:
-        from cupy.cuda import driver
-
-        _cuda_driver = driver
-    return _cuda_driver
-
-
-_cuda_driver = None
+    return driver.launchKernel
 
 
 @dataclass(frozen=True)
@@ -89,7 +83,7 @@ class LaunchPlan:
     words: Tuple[int, ...]
     has_rng: bool
     sizes: Mapping[str, object]
-    launcher: Callable = _driver_launch
+    launcher: Callable
     tensor_maps: Tuple[int, ...] = ()
     before: Tuple[tuple, ...] = ()
     after: Tuple[tuple, ...] = ()
@@ -98,14 +92,16 @@ class LaunchPlan:
     argv_address: int = 0
     map_addresses: list = field(default_factory=list, compare=False, repr=False)  # what the buffer's maps hold
     lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+    launches: Tuple[tuple, ...] = ()
 
     @classmethod
     def from_params(cls, handle: int, device: int, grid, block, shared_memory: int, params: np.ndarray,
                     pointer_fields: Sequence[str], dropout: bool, sizes: Mapping[str, object],
-                    launcher: Callable = _driver_launch, tensor_maps: Sequence[str] = (),
+                    launcher: Optional[Callable] = None, tensor_maps: Sequence[str] = (),
                     before: Sequence[tuple] = (), after: Sequence[tuple] = ()) -> "LaunchPlan":
         """A plan from a filled ``Params`` record (the structured one-item array that launched);
-        a launch takes the pointers for ``tensor_maps`` (field names), then ``pointer_fields``."""
+        a launch takes the pointers for ``tensor_maps`` (field names), then ``pointer_fields``.
+        ``launcher`` stands in for cuLaunchKernel (tests)."""
         assert params.dtype.itemsize % 8 == 0, "Params must be a whole number of 64-bit words"
         fields = list(pointer_fields) + (["rng_engine_inputs_seed", "rng_engine_inputs_offset"] if dropout else [])
         words = []
@@ -117,10 +113,12 @@ class LaunchPlan:
         storage[:] = params.view(np.uint8)
         argv = np.array([storage.ctypes.data], dtype=np.uint64)
         maps = tuple(params.dtype.fields[name][1] for name in tensor_maps)
+        steps = ([(h, g, b, 0) for h, g, b in before] + [(handle, grid, block, shared_memory)] +
+                 [(h, g, b, 0) for h, g, b in after])
+        launches = tuple((h, *g, *b, smem) for h, g, b, smem in steps)
         return cls(handle, device, tuple(grid), tuple(block), shared_memory, tuple(words), dropout, dict(sizes),
-                   launcher, maps,
-                   tuple(before), tuple(after), memoryview(storage).cast("Q"), argv,
-                   argv.__array_interface__["data"][0], [None] * len(maps))
+                   launcher or _driver_launch(), maps, tuple(before), tuple(after), memoryview(storage).cast("Q"),
+                   argv, argv.__array_interface__["data"][0], [None] * len(maps), launches=launches)
 
     def launch(self, pointers: Sequence[int], seed: int, offset: int, stream: int) -> None:
         """Launch on the CUDA stream handle ``stream`` with these pointers (and dropout seed/offset)."""
@@ -135,14 +133,13 @@ class LaunchPlan:
                     held[i] = pointers[i]
             for index, value in zip(self.words, values):
                 buffer[index] = value
-            for handle, grid, block in self.before:
-                self.launcher(handle, grid, block, 0, stream, self.argv_address)
-            self.launcher(self.handle, self.grid, self.block, self.shared_memory, stream, self.argv_address)
-            for handle, grid, block in self.after:
-                self.launcher(handle, grid, block, 0, stream, self.argv_address)
+            launch, argv = self.launcher, self.argv_address
+            for arguments in self.launches:
+                launch(*arguments, stream, argv, 0)
 
 
 def lookup(key) -> Optional[LaunchPlan]:
+    """The plan made for ``key``; raises TypeError if an option in the key is unhashable."""
     return _plans.get(key)
 
 
