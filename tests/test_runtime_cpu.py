@@ -10,6 +10,7 @@ CuPy: a fixture makes ``import cupy`` fail inside every test.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -774,7 +775,11 @@ def test_valid_inputs():
 ])
 def test_window_becomes_the_kernels_band(window, causal, M, N, band):
     c = api._common(*qkv(M=M, N=N), causal, None, 0.0, None, 0, None, None, window=window)
-    assert api._band(c) == band
+    assert api._band(c) == band + (0,)
+    # packed batches: top-left bounds, and the kernels shift each sequence onto its own diagonal
+    packed = dataclasses.replace(c, seqstart_q="offsets", seqstart_k="offsets")
+    top_left = api._band(dataclasses.replace(c, mask=api._MASKS["top_left"] if causal else 0))
+    assert api._band(packed) == top_left[:2] + (int(causal == "bottom_right"),)
 
 
 def test_window_and_softcap_are_checked():

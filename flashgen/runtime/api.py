@@ -30,6 +30,7 @@ from flashgen.spec.sm90_fwd import Sm90Fwd
 _MASKS = {None: 0, "top_left": 1, "bottom_right": 2}
 _INT32_MAX = 2**31 - 1
 _UNBOUNDED = 2**30  # an unbounded side of the sm90 band mask (flashgen::sm90::kUnbounded)
+_PACKED_ROWS_LIMIT = 2**28  # packed batches on the sm90 kernels: a sequence's band shift stays in int32
 _selectors = {}
 _params = threading.local()
 
@@ -378,18 +379,38 @@ def _check_softcap(softcap) -> float:
     return float(softcap)
 
 
-def _band(c: _Common) -> Tuple[int, int]:
-    """(band_lo, band_hi) of the sm90 kernels' band mask: key j is visible to query i iff
-    i + band_lo <= j <= i + band_hi.  The window sits on the causal diagonal (top-left unless
-    causal='bottom_right'); a causal mask caps its right side at 0.  Unbounded sides are
-    +-2**30, which the kernels' block arithmetic stays clear of (M, N < 2**30)."""
-    diagonal = c.N - c.M if c.mask == _MASKS["bottom_right"] else 0
+def _band(c: _Common) -> Tuple[int, int, int]:
+    """(band_lo, band_hi, band_from_end) of the sm90 kernels' band mask: key j is visible to
+    query i iff i + band_lo <= j <= i + band_hi.  The window sits on the causal diagonal
+    (top-left unless causal='bottom_right'); a causal mask caps its right side at 0.
+    Unbounded sides are +-2**30, which the kernels' block arithmetic stays clear of (M, N <
+    2**30).  Packed batches get top-left bounds and band_from_end = 1 under 'bottom_right':
+    the kernels move each sequence's band onto its own diagonal (M, N < 2**28 there)."""
+    from_end = c.mask == _MASKS["bottom_right"]
+    packed = c.seqstart_q is not None
+    diagonal = c.N - c.M if from_end and not packed else 0
     left, right = c.window if c.window is not None else (None, None)
     lo = -_UNBOUNDED if left is None else diagonal - left
     hi = _UNBOUNDED if right is None else diagonal + right
     if c.mask:
         hi = min(hi, diagonal)
-    return max(lo, -_UNBOUNDED), min(hi, _UNBOUNDED)
+    return max(lo, -_UNBOUNDED), min(hi, _UNBOUNDED), int(from_end and packed)
+
+
+def _seqstarts(c: _Common) -> dict:
+    """The sm90 kernels' packed-batch fields: the device offsets, or nullptr for fixed length."""
+    return {"seqstart_q": c.seqstart_q.data.ptr if c.seqstart_q is not None else 0,
+            "seqstart_k": c.seqstart_k.data.ptr if c.seqstart_k is not None else 0}
+
+
+def _zero_unpacked_rows(c: _Common, *arrays) -> None:
+    """Rows past the last sequence of a packed batch belong to no sequence, so no sm90 kernel
+    writes them: zeros (arrays given as q-row, then k-row shaped: out or dq, dk, dv)."""
+    if c.seqstart_q is None:
+        return
+    for x, end in zip(arrays, (c.starts_q[-1], c.starts_k[-1], c.starts_k[-1])):
+        if end < x.shape[1]:
+            x[:, int(end):] = 0
 
 
 def _softcap_fields(c: _Common) -> dict:
@@ -405,8 +426,8 @@ def _only_on_sm90(c: _Common):
         what = " and ".join(n for n, on in (("window", c.window is not None), ("softcap", c.softcap)) if on)
         raise UnsupportedError(
             f"{what} run only on flashgen's sm90_fwd/sm90_bwd kernels: a compute-capability 9.0 GPU, float16 or "
-            "bfloat16 inputs with 16-byte aligned pointers and strides, equal q/v head dims up to 128, no attn_bias, "
-            "dropout or cu_seqlens, and cubins from `flashgen build --arch sm90a`")
+            "bfloat16 inputs with 16-byte aligned pointers and strides, equal q/v head dims up to 128, no attn_bias "
+            "or dropout, and cubins from `flashgen build --arch sm90a`")
 
 
 def _common(q, k, v, causal, scale, dropout_p, seed, offset, cu_seqlens_q, cu_seqlens_k, *, window=None,
@@ -740,12 +761,13 @@ def _sum_groups(grad, heads_kv: int):
 
 def _sm90_request(c: _Common, q, k, v, bias, family: str = Sm90Fwd.FAMILY, more=()) -> Optional[Request]:
     """The request for one of flashgen's Hopper families, or None when the call needs what only
-    the example-41 kernels have (bias, dropout, cu_seqlens, float32, different q/v head dims,
-    strides the TMA engine cannot describe; ``more``: other arrays with the same needs) or the
-    GPU is not a 9.0 one."""
-    if bias is not None or c.dropout_p > 0 or c.seqstart_q is not None or c.dtype == "f32" or c.K != c.Kv:
+    the example-41 kernels have (bias, dropout, float32, different q/v head dims, strides the
+    TMA engine cannot describe; ``more``: other arrays with the same needs) or the GPU is not
+    a 9.0 one."""
+    if bias is not None or c.dropout_p > 0 or c.dtype == "f32" or c.K != c.Kv:
         return None
-    if max(c.M, c.N) >= _UNBOUNDED:  # the band arithmetic's range (see _band)
+    limit = _UNBOUNDED if c.seqstart_q is None else _PACKED_ROWS_LIMIT  # the band arithmetic's range (_band)
+    if max(q.shape[1], k.shape[1]) >= limit:
         return None
     info = device_info(c.device)
     arrays = (q, k, v) + tuple(more)
@@ -760,20 +782,22 @@ def _forward_sm90(registry, binary: KernelBinary, c: _Common, q, k, v, out, lse,
     kc = binary.constants
     lse_rows = lse.shape[2]
     _check_int32(lse_stride_b=c.H * lse_rows)
-    band_lo, band_hi = _band(c)
+    band_lo, band_hi, band_from_end = _band(c)
     p = _params_buffer(Sm90Fwd)
-    _fill(p, out_ptr=out.data.ptr, lse_ptr=lse.data.ptr, out_stride_b=c.M * c.H * c.Kv, out_stride_m=c.H * c.Kv,
-          out_stride_h=c.Kv, lse_stride_b=c.H * lse_rows, lse_stride_h=lse_rows, lse_rows=lse_rows,
-          num_queries=c.M, num_keys=c.N, head_dim=c.K, head_group=c.H // k.shape[2], band_lo=band_lo,
-          band_hi=band_hi, scale_log2=c.scale * math.log2(math.e), **_softcap_fields(c))
+    _fill(p, out_ptr=out.data.ptr, lse_ptr=lse.data.ptr, out_stride_b=out.shape[1] * c.H * c.Kv,
+          out_stride_m=c.H * c.Kv, out_stride_h=c.Kv, lse_stride_b=c.H * lse_rows, lse_stride_h=lse_rows,
+          lse_rows=lse_rows, **_seqstarts(c), num_queries=c.M, num_keys=c.N, head_dim=c.K,
+          head_group=c.H // k.shape[2], band_lo=band_lo, band_hi=band_hi, band_from_end=band_from_end,
+          scale_log2=c.scale * math.log2(math.e), **_softcap_fields(c))
     raw = p.view(np.uint8)
     maps = ("q_map", "k_map", "v_map")
     for name, x, rows in zip(maps, (q, k, v), (kc["block_m"], kc["block_n"], kc["block_n"])):
         at = p.dtype.fields[name][1]
         tensormap.encode_bmhk(raw[at:at + tensormap.TENSOR_MAP_BYTES], x, c.dtype, kc["box_cols"], rows,
                               kc["swizzle_bytes"])
-    grid, block = (-(-c.M // kc["block_m"]), c.H, c.B), (kc["threads_per_block"], 1, 1)
+    grid, block = (-(-c.M // kc["block_m"]), c.H, c.batches), (kc["threads_per_block"], 1, 1)
     _launch(registry, binary, c.device, grid, block, p, stream)
+    _zero_unpacked_rows(c, out)
     if key is not None:
         plans.remember(key, plans.LaunchPlan.from_params(
             _handle(registry, binary, c.device), c.device, grid, block, kc["shared_memory_bytes"], p,
@@ -1020,13 +1044,17 @@ _SM90_BWD_POINTERS = ("out_ptr", "dout_ptr", "lse_ptr", "lse_log2_ptr", "delta_p
                       "dq_counter_ptr", "dq_ptr", "dk_ptr", "dv_ptr")
 
 
-def _sm90_bwd_layout(kc, c: _Common, k):
+def _sm90_bwd_layout(kc, c: _Common, q, k):
     """(rows_padded, byte offsets of dk, dv, lse_log2, delta, dq accumulator, counters, total) of
     one allocation holding an sm90_bwd call's outputs and workspace (spec/sm90_bwd.py)."""
-    rows = -(-c.M // kc["block_m"]) * kc["block_m"]
-    heads_rows = c.batches * c.H * rows
-    dq_bytes = c.batches * c.M * c.H * c.K * k.itemsize
-    dkv_bytes = c.batches * c.N * k.shape[2] * c.K * k.itemsize
+    block_m = kc["block_m"]
+    if c.seqstart_q is None:
+        rows = -(-c.M // block_m) * block_m
+    else:  # every sequence's rows start on a block boundary past the blocks of the ones before
+        rows = (q.shape[1] + c.batches * block_m) // block_m * block_m
+    heads_rows = c.B * c.H * rows
+    dq_bytes = q.size * q.itemsize
+    dkv_bytes = k.size * k.itemsize
     counters = heads_rows // kc["block_m"] * kc["warp_groups"] * 4
     return (rows,) + _packed_offsets(dq_bytes, dkv_bytes, dkv_bytes, heads_rows * 4, heads_rows * 4,
                                      heads_rows * kc["max_k"] * 4, counters)
@@ -1055,21 +1083,23 @@ def _backward_sm90(registry, binary: KernelBinary, c: _Common, grad_out, q, k, v
         if c.M > 1 and lse.strides[2] != 4:
             lse = cupy.ascontiguousarray(lse)  # the prep kernel reads a row's lse with unit stride
             key = None  # a per-call copy: not a plan
-        rows, *offsets = _sm90_bwd_layout(kc, c, k)
+        rows, *offsets = _sm90_bwd_layout(kc, c, q, k)
         dq, dk, dv, (lse_log2, delta, accum, counters, *_) = _sm90_bwd_buffers(cupy, offsets, q, k, v)
         os_, gos, ls = _elem_strides(out), _elem_strides(grad_out), _elem_strides(lse)
-        band_lo, band_hi = _band(c)
+        band_lo, band_hi, band_from_end = _band(c)
         _check_int32(out_stride_m=os_[1], out_stride_h=os_[2], dout_stride_m=gos[1], dout_stride_h=gos[2],
-                     lse_stride_b=ls[0], lse_stride_h=ls[1], rows_padded=rows * c.H * c.batches)
+                     lse_stride_b=ls[0], lse_stride_h=ls[1], rows_padded=rows * c.H * c.B)
         p = _params_buffer(Sm90Bwd)
         _fill(p, out_ptr=out.data.ptr, dout_ptr=grad_out.data.ptr, lse_ptr=lse.data.ptr, lse_log2_ptr=lse_log2,
               delta_ptr=delta, dq_accum_ptr=accum, dq_counter_ptr=counters, dq_ptr=dq.data.ptr, dk_ptr=dk.data.ptr,
-              dv_ptr=dv.data.ptr, out_stride_b=os_[0], dout_stride_b=gos[0], dq_stride_b=c.M * c.H * c.K,
-              dkv_stride_b=k.shape[1] * k.shape[2] * c.K, out_stride_m=os_[1], out_stride_h=os_[2],
+              dv_ptr=dv.data.ptr, **_seqstarts(c), out_stride_b=os_[0], dout_stride_b=gos[0],
+              dq_stride_b=q.shape[1] * c.H * c.K, dkv_stride_b=k.shape[1] * k.shape[2] * c.K,
+              out_stride_m=os_[1], out_stride_h=os_[2],
               dout_stride_m=gos[1], dout_stride_h=gos[2], dq_stride_m=c.H * c.K, dq_stride_h=c.K,
               dkv_stride_n=k.shape[2] * c.K, dkv_stride_h=c.K, lse_stride_b=ls[0], lse_stride_h=ls[1],
               num_queries=c.M, num_keys=c.N, num_heads=c.H, head_dim=c.K, head_group=c.H // k.shape[2],
-              band_lo=band_lo, band_hi=band_hi, rows_padded=rows, deterministic=int(deterministic), scale=c.scale,
+              band_lo=band_lo, band_hi=band_hi, band_from_end=band_from_end, rows_padded=rows,
+              deterministic=int(deterministic), scale=c.scale,
               scale_log2=c.scale * math.log2(math.e), **_softcap_fields(c))
         raw = p.view(np.uint8)
         for name, x, rows_per_box in zip(_SM90_BWD_MAPS, (q, k, v, grad_out),
@@ -1077,11 +1107,12 @@ def _backward_sm90(registry, binary: KernelBinary, c: _Common, grad_out, q, k, v
             at = p.dtype.fields[name][1]
             tensormap.encode_bmhk(raw[at:at + tensormap.TENSOR_MAP_BYTES], x, c.dtype, kc["box_cols"], rows_per_box,
                                   kc["swizzle_bytes"])
-        aux_grid, aux_block = (rows // kc["block_m"], c.H, c.batches), (kc["aux_threads"], 1, 1)
+        aux_grid, aux_block = (-(-c.M // kc["block_m"]), c.H, c.batches), (kc["aux_threads"], 1, 1)
         grid, block = (-(-c.N // kc["block_n"]), k.shape[2], c.batches), (kc["threads_per_block"], 1, 1)
         _launch(registry, binary, c.device, aux_grid, aux_block, p, stream, "_prep")
         _launch(registry, binary, c.device, grid, block, p, stream)
         _launch(registry, binary, c.device, aux_grid, aux_block, p, stream, "_convert")
+        _zero_unpacked_rows(c, dq, dk, dv)
         if key is not None:
             handle = lambda entry: _handle(registry, binary, c.device, entry)  # noqa: E731
             plans.remember(key, plans.LaunchPlan.from_params(
@@ -1103,13 +1134,13 @@ def _backward_sm90_planned(cupy, plan: plans.LaunchPlan, grad_out, q, k, v, out,
 
 
 def explain(q, k, v, *, backward=False, attn_bias=None, dropout_p=0.0, causal=None, window=None, softcap=0.0,
-            registry: Optional[Registry] = None):
+            cu_seqlens_q=None, cu_seqlens_k=None, registry: Optional[Registry] = None):
     """Every candidate kernel for this call, in the order tried, with why it was rejected or chosen
     (on a 9.0 GPU flashgen's sm90_fwd / sm90_bwd kernels are tried first)."""
     cupy = _cupy()
     q, k, v = as_array(q, "q"), as_array(k, "k"), as_array(v, "v")
-    c = _common(q, k, v, causal, None, dropout_p, 0 if dropout_p else None, 0, None, None, window=window,
-                softcap=softcap)
+    c = _common(q, k, v, causal, None, dropout_p, 0 if dropout_p else None, 0, cu_seqlens_q, cu_seqlens_k,
+                window=window, softcap=softcap)
     bias = _bias(cupy, attn_bias, c, q, q.shape[1], k.shape[1])
     arrays = [q, k, v] + ([bias] if bias is not None else [])
     family = "mem_eff_bwd" if backward else "mem_eff_fwd"

@@ -1,21 +1,24 @@
 """``sm90_bwd``: flashgen's own Hopper backward (``flashgen/csrc/flashgen/sm90_bwd.h``).
 
 Template: ``flashgen::sm90::BwdKernel<Element, kHeadDim, kBlockM, kBlockN,
-kStages, kBand, kSoftcap>`` -- one CTA per ``block_n`` keys of one (batch, k/v head),
+kStages, kBand, kSoftcap>`` -- one CTA per ``block_n`` keys of one (sequence, k/v head),
 one consumer warpgroup per 64 of them, Q/dO/lse/delta streamed by a producer
 warpgroup through a ``kStages``-deep ring of ``block_m``-query tiles.  Each instance
 holds three entry points, launched in order on one stream:
 
-* ``<name>_prep``: grid (rows_padded / block_m, heads, batch), ``aux_threads``
+* ``<name>_prep``: grid (ceil(M / block_m), heads, batch or sequences), ``aux_threads``
   threads -- delta, the lse in log2, zeroed dQ accumulator and counters;
-* ``<name>``: grid (ceil(N / block_n), k/v heads, batch), ``threads_per_block``
+* ``<name>``: grid (ceil(N / block_n), k/v heads, batch or sequences), ``threads_per_block``
   threads, ``shared_memory_bytes`` of dynamic shared memory;
 * ``<name>_convert``: grid as prep -- dQ from the fp32 accumulator.
 
 Workspace (float32 unless said): lse_log2 and delta [B, H, rows_padded], the dQ
 accumulator [B, H, rows_padded, max_k], int32 counters for the deterministic
 order [B, H, rows_padded / block_m, warp_groups]; rows_padded is M rounded up
-to ``block_m``.  q, k, v and dO reach the kernel as TMA tensor maps (16-byte
+to ``block_m``.  Packed (varlen) batches (``seqstart_q/k`` as in ``sm90_fwd``, M and N
+the longest sequence's lengths, B = 1): sequence b's workspace rows start at
+floor((seqstart_q[b] + b * block_m) / block_m) * block_m, and rows_padded is
+floor((total queries + S * block_m) / block_m) * block_m.  q, k, v and dO reach the kernel as TMA tensor maps (16-byte
 aligned pointers and strides, head dim a multiple of 8, up to ``max_k``); O as a
 pointer with the same alignment.  dq, dk, dv are written with the strides given.
 Masks and soft-capping as in ``sm90_fwd`` (the same ``band_lo``/``band_hi`` and
@@ -77,6 +80,8 @@ class Sm90Bwd(Sm90Tile):
         Field("dq_ptr", "ptr"),
         Field("dk_ptr", "ptr"),
         Field("dv_ptr", "ptr"),
+        Field("seqstart_q", "ptr"),
+        Field("seqstart_k", "ptr"),
         Field("out_stride_b", "i64"),
         Field("dout_stride_b", "i64"),
         Field("dq_stride_b", "i64"),
@@ -98,6 +103,7 @@ class Sm90Bwd(Sm90Tile):
         Field("head_group", "i32"),
         Field("band_lo", "i32"),
         Field("band_hi", "i32"),
+        Field("band_from_end", "i32"),
         Field("rows_padded", "i32"),
         Field("deterministic", "i32"),
         Field("scale", "f32"),

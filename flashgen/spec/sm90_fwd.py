@@ -4,7 +4,7 @@ Template: ``flashgen::sm90::FwdKernel<Element, kHeadDim, kBlockM, kBlockN,
 kStages, kBand>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
 K/V streamed by TMA through a ``kStages``-deep shared-memory ring, one
 producer warp.  Launch: block (threads_per_block, 1, 1), grid
-(ceil(M / block_m), heads, batch), dynamic shared memory
+(ceil(M / block_m), heads, batch or sequences), dynamic shared memory
 ``shared_memory_bytes``.  Built only for ``sm_90a`` (wgmma and setmaxnreg do
 not exist in plain sm_90 code).
 
@@ -20,6 +20,12 @@ Masks: a ``band`` instance shows query i the keys i + band_lo .. i + band_hi
 skips the key blocks outside; the others show every key.  Soft-capping is a
 run-time option of every instance: ``softcap_in`` = scale / softcap (0: off),
 ``softcap_out`` = softcap / scale.
+
+Packed (varlen) batches are a run-time option too: ``seqstart_q/k`` point at
+the int32 [S+1] offsets of S sequences packed along dim 1 of a batch of 1
+(nullptr: fixed length), M is the longest sequence's length and the lse is
+[S, H, rows]; with ``band_from_end`` every sequence's band is shifted onto its
+own bottom-right diagonal (the runtime then passes the top-left bounds).
 """
 from __future__ import annotations
 
@@ -70,12 +76,15 @@ class Sm90Fwd(Sm90Tile):
         Field("lse_stride_b", "i32"),
         Field("lse_stride_h", "i32"),
         Field("lse_rows", "i32"),
+        Field("seqstart_q", "ptr"),
+        Field("seqstart_k", "ptr"),
         Field("num_queries", "i32"),
         Field("num_keys", "i32"),
         Field("head_dim", "i32"),
         Field("head_group", "i32"),
         Field("band_lo", "i32"),
         Field("band_hi", "i32"),
+        Field("band_from_end", "i32"),
         Field("scale_log2", "f32"),
         Field("softcap_in", "f32"),
         Field("softcap_out", "f32"),

@@ -37,59 +37,65 @@ static_assert(offsetof(Params, dk_ptr) == 576 && sizeof(((Params*)nullptr)->dk_p
               "flashgen ABI: Params::dk_ptr moved or changed size; update flashgen/spec/sm90_bwd.py");
 static_assert(offsetof(Params, dv_ptr) == 584 && sizeof(((Params*)nullptr)->dv_ptr) == 8,
               "flashgen ABI: Params::dv_ptr moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, out_stride_b) == 592 && sizeof(((Params*)nullptr)->out_stride_b) == 8,
+static_assert(offsetof(Params, seqstart_q) == 592 && sizeof(((Params*)nullptr)->seqstart_q) == 8,
+              "flashgen ABI: Params::seqstart_q moved or changed size; update flashgen/spec/sm90_bwd.py");
+static_assert(offsetof(Params, seqstart_k) == 600 && sizeof(((Params*)nullptr)->seqstart_k) == 8,
+              "flashgen ABI: Params::seqstart_k moved or changed size; update flashgen/spec/sm90_bwd.py");
+static_assert(offsetof(Params, out_stride_b) == 608 && sizeof(((Params*)nullptr)->out_stride_b) == 8,
               "flashgen ABI: Params::out_stride_b moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dout_stride_b) == 600 && sizeof(((Params*)nullptr)->dout_stride_b) == 8,
+static_assert(offsetof(Params, dout_stride_b) == 616 && sizeof(((Params*)nullptr)->dout_stride_b) == 8,
               "flashgen ABI: Params::dout_stride_b moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dq_stride_b) == 608 && sizeof(((Params*)nullptr)->dq_stride_b) == 8,
+static_assert(offsetof(Params, dq_stride_b) == 624 && sizeof(((Params*)nullptr)->dq_stride_b) == 8,
               "flashgen ABI: Params::dq_stride_b moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dkv_stride_b) == 616 && sizeof(((Params*)nullptr)->dkv_stride_b) == 8,
+static_assert(offsetof(Params, dkv_stride_b) == 632 && sizeof(((Params*)nullptr)->dkv_stride_b) == 8,
               "flashgen ABI: Params::dkv_stride_b moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, out_stride_m) == 624 && sizeof(((Params*)nullptr)->out_stride_m) == 4,
+static_assert(offsetof(Params, out_stride_m) == 640 && sizeof(((Params*)nullptr)->out_stride_m) == 4,
               "flashgen ABI: Params::out_stride_m moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, out_stride_h) == 628 && sizeof(((Params*)nullptr)->out_stride_h) == 4,
+static_assert(offsetof(Params, out_stride_h) == 644 && sizeof(((Params*)nullptr)->out_stride_h) == 4,
               "flashgen ABI: Params::out_stride_h moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dout_stride_m) == 632 && sizeof(((Params*)nullptr)->dout_stride_m) == 4,
+static_assert(offsetof(Params, dout_stride_m) == 648 && sizeof(((Params*)nullptr)->dout_stride_m) == 4,
               "flashgen ABI: Params::dout_stride_m moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dout_stride_h) == 636 && sizeof(((Params*)nullptr)->dout_stride_h) == 4,
+static_assert(offsetof(Params, dout_stride_h) == 652 && sizeof(((Params*)nullptr)->dout_stride_h) == 4,
               "flashgen ABI: Params::dout_stride_h moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dq_stride_m) == 640 && sizeof(((Params*)nullptr)->dq_stride_m) == 4,
+static_assert(offsetof(Params, dq_stride_m) == 656 && sizeof(((Params*)nullptr)->dq_stride_m) == 4,
               "flashgen ABI: Params::dq_stride_m moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dq_stride_h) == 644 && sizeof(((Params*)nullptr)->dq_stride_h) == 4,
+static_assert(offsetof(Params, dq_stride_h) == 660 && sizeof(((Params*)nullptr)->dq_stride_h) == 4,
               "flashgen ABI: Params::dq_stride_h moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dkv_stride_n) == 648 && sizeof(((Params*)nullptr)->dkv_stride_n) == 4,
+static_assert(offsetof(Params, dkv_stride_n) == 664 && sizeof(((Params*)nullptr)->dkv_stride_n) == 4,
               "flashgen ABI: Params::dkv_stride_n moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dkv_stride_h) == 652 && sizeof(((Params*)nullptr)->dkv_stride_h) == 4,
+static_assert(offsetof(Params, dkv_stride_h) == 668 && sizeof(((Params*)nullptr)->dkv_stride_h) == 4,
               "flashgen ABI: Params::dkv_stride_h moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, lse_stride_b) == 656 && sizeof(((Params*)nullptr)->lse_stride_b) == 4,
+static_assert(offsetof(Params, lse_stride_b) == 672 && sizeof(((Params*)nullptr)->lse_stride_b) == 4,
               "flashgen ABI: Params::lse_stride_b moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, lse_stride_h) == 660 && sizeof(((Params*)nullptr)->lse_stride_h) == 4,
+static_assert(offsetof(Params, lse_stride_h) == 676 && sizeof(((Params*)nullptr)->lse_stride_h) == 4,
               "flashgen ABI: Params::lse_stride_h moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, num_queries) == 664 && sizeof(((Params*)nullptr)->num_queries) == 4,
+static_assert(offsetof(Params, num_queries) == 680 && sizeof(((Params*)nullptr)->num_queries) == 4,
               "flashgen ABI: Params::num_queries moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, num_keys) == 668 && sizeof(((Params*)nullptr)->num_keys) == 4,
+static_assert(offsetof(Params, num_keys) == 684 && sizeof(((Params*)nullptr)->num_keys) == 4,
               "flashgen ABI: Params::num_keys moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, num_heads) == 672 && sizeof(((Params*)nullptr)->num_heads) == 4,
+static_assert(offsetof(Params, num_heads) == 688 && sizeof(((Params*)nullptr)->num_heads) == 4,
               "flashgen ABI: Params::num_heads moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, head_dim) == 676 && sizeof(((Params*)nullptr)->head_dim) == 4,
+static_assert(offsetof(Params, head_dim) == 692 && sizeof(((Params*)nullptr)->head_dim) == 4,
               "flashgen ABI: Params::head_dim moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, head_group) == 680 && sizeof(((Params*)nullptr)->head_group) == 4,
+static_assert(offsetof(Params, head_group) == 696 && sizeof(((Params*)nullptr)->head_group) == 4,
               "flashgen ABI: Params::head_group moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, band_lo) == 684 && sizeof(((Params*)nullptr)->band_lo) == 4,
+static_assert(offsetof(Params, band_lo) == 700 && sizeof(((Params*)nullptr)->band_lo) == 4,
               "flashgen ABI: Params::band_lo moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, band_hi) == 688 && sizeof(((Params*)nullptr)->band_hi) == 4,
+static_assert(offsetof(Params, band_hi) == 704 && sizeof(((Params*)nullptr)->band_hi) == 4,
               "flashgen ABI: Params::band_hi moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, rows_padded) == 692 && sizeof(((Params*)nullptr)->rows_padded) == 4,
+static_assert(offsetof(Params, band_from_end) == 708 && sizeof(((Params*)nullptr)->band_from_end) == 4,
+              "flashgen ABI: Params::band_from_end moved or changed size; update flashgen/spec/sm90_bwd.py");
+static_assert(offsetof(Params, rows_padded) == 712 && sizeof(((Params*)nullptr)->rows_padded) == 4,
               "flashgen ABI: Params::rows_padded moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, deterministic) == 696 && sizeof(((Params*)nullptr)->deterministic) == 4,
+static_assert(offsetof(Params, deterministic) == 716 && sizeof(((Params*)nullptr)->deterministic) == 4,
               "flashgen ABI: Params::deterministic moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, scale) == 700 && sizeof(((Params*)nullptr)->scale) == 4,
+static_assert(offsetof(Params, scale) == 720 && sizeof(((Params*)nullptr)->scale) == 4,
               "flashgen ABI: Params::scale moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, scale_log2) == 704 && sizeof(((Params*)nullptr)->scale_log2) == 4,
+static_assert(offsetof(Params, scale_log2) == 724 && sizeof(((Params*)nullptr)->scale_log2) == 4,
               "flashgen ABI: Params::scale_log2 moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, softcap_in) == 708 && sizeof(((Params*)nullptr)->softcap_in) == 4,
+static_assert(offsetof(Params, softcap_in) == 728 && sizeof(((Params*)nullptr)->softcap_in) == 4,
               "flashgen ABI: Params::softcap_in moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, softcap_out) == 712 && sizeof(((Params*)nullptr)->softcap_out) == 4,
+static_assert(offsetof(Params, softcap_out) == 732 && sizeof(((Params*)nullptr)->softcap_out) == 4,
               "flashgen ABI: Params::softcap_out moved or changed size; update flashgen/spec/sm90_bwd.py");
 
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -31,23 +31,29 @@ static_assert(offsetof(Params, lse_stride_h) == 420 && sizeof(((Params*)nullptr)
               "flashgen ABI: Params::lse_stride_h moved or changed size; update flashgen/spec/sm90_fwd.py");
 static_assert(offsetof(Params, lse_rows) == 424 && sizeof(((Params*)nullptr)->lse_rows) == 4,
               "flashgen ABI: Params::lse_rows moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, num_queries) == 428 && sizeof(((Params*)nullptr)->num_queries) == 4,
+static_assert(offsetof(Params, seqstart_q) == 432 && sizeof(((Params*)nullptr)->seqstart_q) == 8,
+              "flashgen ABI: Params::seqstart_q moved or changed size; update flashgen/spec/sm90_fwd.py");
+static_assert(offsetof(Params, seqstart_k) == 440 && sizeof(((Params*)nullptr)->seqstart_k) == 8,
+              "flashgen ABI: Params::seqstart_k moved or changed size; update flashgen/spec/sm90_fwd.py");
+static_assert(offsetof(Params, num_queries) == 448 && sizeof(((Params*)nullptr)->num_queries) == 4,
               "flashgen ABI: Params::num_queries moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, num_keys) == 432 && sizeof(((Params*)nullptr)->num_keys) == 4,
+static_assert(offsetof(Params, num_keys) == 452 && sizeof(((Params*)nullptr)->num_keys) == 4,
               "flashgen ABI: Params::num_keys moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, head_dim) == 436 && sizeof(((Params*)nullptr)->head_dim) == 4,
+static_assert(offsetof(Params, head_dim) == 456 && sizeof(((Params*)nullptr)->head_dim) == 4,
               "flashgen ABI: Params::head_dim moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, head_group) == 440 && sizeof(((Params*)nullptr)->head_group) == 4,
+static_assert(offsetof(Params, head_group) == 460 && sizeof(((Params*)nullptr)->head_group) == 4,
               "flashgen ABI: Params::head_group moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, band_lo) == 444 && sizeof(((Params*)nullptr)->band_lo) == 4,
+static_assert(offsetof(Params, band_lo) == 464 && sizeof(((Params*)nullptr)->band_lo) == 4,
               "flashgen ABI: Params::band_lo moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, band_hi) == 448 && sizeof(((Params*)nullptr)->band_hi) == 4,
+static_assert(offsetof(Params, band_hi) == 468 && sizeof(((Params*)nullptr)->band_hi) == 4,
               "flashgen ABI: Params::band_hi moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, scale_log2) == 452 && sizeof(((Params*)nullptr)->scale_log2) == 4,
+static_assert(offsetof(Params, band_from_end) == 472 && sizeof(((Params*)nullptr)->band_from_end) == 4,
+              "flashgen ABI: Params::band_from_end moved or changed size; update flashgen/spec/sm90_fwd.py");
+static_assert(offsetof(Params, scale_log2) == 476 && sizeof(((Params*)nullptr)->scale_log2) == 4,
               "flashgen ABI: Params::scale_log2 moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, softcap_in) == 456 && sizeof(((Params*)nullptr)->softcap_in) == 4,
+static_assert(offsetof(Params, softcap_in) == 480 && sizeof(((Params*)nullptr)->softcap_in) == 4,
               "flashgen ABI: Params::softcap_in moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, softcap_out) == 460 && sizeof(((Params*)nullptr)->softcap_out) == 4,
+static_assert(offsetof(Params, softcap_out) == 484 && sizeof(((Params*)nullptr)->softcap_out) == 4,
               "flashgen ABI: Params::softcap_out moved or changed size; update flashgen/spec/sm90_fwd.py");
 
 // The tensor maps must live in parameter (or global) memory: __grid_constant__.

@@ -67,10 +67,21 @@ for dtype in ("f16", "bf16"):
     call(dtype, 2, 257, 300, 2, 128, deterministic=True)
     call(dtype, 1, 300, 700, 4, 64, heads_kv=2, window=(100, 20), softcap=10.0)   # band at both edges, softcap
     call(dtype, 1, 400, 100, 2, 128, window=(0, 5), deterministic=True)          # rows whose window is empty
+# packed batches: example 41 (float32) and, on a 9.0 GPU, sm90 (a sequence without keys, one
+# without queries, rows past the last sequence, a band per sequence, the deterministic order)
 cu_q, cu_k = np.array([0, 5, 5, 40], np.int32), np.array([0, 0, 30, 70], np.int32)
-q = randn(r, (1, 40, 2, 64), "f16")
-kv = randn(r, (1, 70, 2, 64), "f16")
-out, lse = flashgen.attention_forward(q, kv, kv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-flashgen.attention_backward(out, q, kv, kv, out, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+for dtype in ("f32", "f16"):
+    q = randn(r, (1, 40, 2, 64), dtype)
+    kv = randn(r, (1, 70, 2, 64), dtype)
+    out, lse = flashgen.attention_forward(q, kv, kv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    flashgen.attention_backward(out, q, kv, kv, out, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+cu_q, cu_k = np.array([0, 300, 300, 301, 560], np.int32), np.array([0, 400, 410, 420, 1000], np.int32)
+q = randn(r, (1, 570, 4, 128), "bf16")
+kv = randn(r, (1, 1000, 2, 128), "bf16")
+for options in (dict(causal="bottom_right", deterministic=True), dict(window=(64, 8), softcap=5.0)):
+    deterministic = options.pop("deterministic", False)
+    out, lse = flashgen.attention_forward(q, kv, kv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **options)
+    flashgen.attention_backward(out, q, kv, kv, out, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                deterministic=deterministic, **options)
 cupy.cuda.runtime.deviceSynchronize()
 print("representative set done")

@@ -64,6 +64,8 @@ struct BwdParams {
   void* dq_ptr;
   void* dk_ptr;
   void* dv_ptr;
+  int const* seqstart_q;      // packed (varlen) batches: [sequences + 1] row offsets into batch 0; else nullptr
+  int const* seqstart_k;
   long long out_stride_b;     // elements
   long long dout_stride_b;
   long long dq_stride_b;
@@ -85,7 +87,8 @@ struct BwdParams {
   int head_group;             // query heads per k/v head
   int band_lo;                // kBand: key j is visible to query i iff i + band_lo <= j <= i + band_hi
   int band_hi;
-  int rows_padded;
+  int band_from_end;          // packed: each sequence's band sits on its own bottom-right diagonal (sequence())
+  int rows_padded;            // workspace rows per (batch, head); see workspace_row0
   int deterministic;
   float scale;
   float scale_log2;           // scale * log2(e)
@@ -186,33 +189,44 @@ struct BwdKernel {
     int m_begin;
     int m_blocks;  // per query head
   };
-  static __device__ Steps steps(BwdParams const& p, int n_block) {
+  static __device__ Steps steps(Sequence const& seq, int n_block) {
+    if (n_block * kBlockN >= seq.num_keys) {  // past a packed sequence's keys: nothing, not even dK/dV
+      return {0, 0};
+    }
     if (kBand) {
-      BlockRange const r = band_blocks<kBlockN, kBlockM>(n_block, p.num_queries, -p.band_hi, -p.band_lo);
+      BlockRange const r = band_blocks<kBlockN, kBlockM>(n_block, seq.num_queries, -seq.band_hi, -seq.band_lo);
       return {r.begin, max(0, r.end - r.begin)};
     }
-    return {0, (p.num_queries + kBlockM - 1) / kBlockM};
+    return {0, (seq.num_queries + kBlockM - 1) / kBlockM};
   }
 
   // The key blocks that meet query block m_block (steps() the other way round): they add
   // into its dQ, in this order when deterministic.
-  static __device__ BlockRange dq_key_blocks(BwdParams const& p, int m_block) {
+  static __device__ BlockRange dq_key_blocks(Sequence const& seq, int m_block) {
     if (kBand) {
-      return band_blocks<kBlockM, kBlockN>(m_block, p.num_keys, p.band_lo, p.band_hi);
+      return band_blocks<kBlockM, kBlockN>(m_block, seq.num_keys, seq.band_lo, seq.band_hi);
     }
-    return {0, (p.num_keys + kBlockN - 1) / kBlockN};
+    return {0, (seq.num_keys + kBlockN - 1) / kBlockN};
   }
 
-  static __device__ void produce(BwdParams const& p, SharedStorage& s, int n_block, int head_kv, int batch,
-                                 Steps st) {
+  // The first workspace row of (sequence, head): lse_log2, delta and the dQ accumulator
+  // are [B, H, rows_padded] with a sequence's rows from here.  Packed sequences share batch
+  // 0's rows; each starts on a kBlockM boundary past the blocks of the ones before it.
+  static __device__ long long workspace_row0(BwdParams const& p, Sequence const& seq, int head) {
+    long long const row0 = (long long)(seq.batch * p.num_heads + head) * p.rows_padded;
+    return p.seqstart_q == nullptr ? row0 : row0 + (seq.q0 + seq.index * kBlockM) / kBlockM * kBlockM;
+  }
+
+  static __device__ void produce(BwdParams const& p, SharedStorage& s, Sequence const& seq, int n_block,
+                                 int head_kv, Steps st) {
     using Barrier = cutlass::arch::ClusterBarrier;
     using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
     auto load = [&](CUtensorMap const* map, uint64_t* full, Element* smem, int rows, int row0, int head) {
-      tma_load_tile<kBoxCols, kBoxesPerRow>(map, full, smem, rows, row0, head, batch);
+      tma_load_tile<kBoxCols, kBoxesPerRow>(map, full, smem, rows, row0, head, seq.batch);
     };
     TxBarrier::arrive_and_expect_tx(&s.kv_full, 2 * kBlockN * kHeadDim * int(sizeof(Element)));
-    load(&p.k_map, &s.kv_full, s.k, kBlockN, n_block * kBlockN, head_kv);
-    load(&p.v_map, &s.kv_full, s.v, kBlockN, n_block * kBlockN, head_kv);
+    load(&p.k_map, &s.kv_full, s.k, kBlockN, seq.k0 + n_block * kBlockN, head_kv);
+    load(&p.v_map, &s.kv_full, s.v, kBlockN, seq.k0 + n_block * kBlockN, head_kv);
     int const total = p.head_group * st.m_blocks;
     for (int t = 0; t < total; ++t) {
       int const stage = t % kStages;
@@ -222,17 +236,18 @@ struct BwdKernel {
       }
       int const head = head_kv * p.head_group + t / st.m_blocks;
       int const m_block = st.m_begin + t % st.m_blocks;
-      long long const row = (long long)(batch * p.num_heads + head) * p.rows_padded + m_block * kBlockM;
+      long long const row = workspace_row0(p, seq, head) + m_block * kBlockM;
+      int const query0 = seq.q0 + m_block * kBlockM;
       TxBarrier::arrive_and_expect_tx(&s.full[stage], 2 * kBlockM * (kHeadDim * int(sizeof(Element)) + 4));
-      load(&p.q_map, &s.full[stage], s.q + stage * kBlockM * kHeadDim, kBlockM, m_block * kBlockM, head);
-      load(&p.do_map, &s.full[stage], s.dout + stage * kBlockM * kHeadDim, kBlockM, m_block * kBlockM, head);
+      load(&p.q_map, &s.full[stage], s.q + stage * kBlockM * kHeadDim, kBlockM, query0, head);
+      load(&p.do_map, &s.full[stage], s.dout + stage * kBlockM * kHeadDim, kBlockM, query0, head);
       cute::SM90_BULK_COPY_G2S::copy(p.lse_log2_ptr + row, &s.full[stage], s.lse_log2[stage], kBlockM * 4);
       cute::SM90_BULK_COPY_G2S::copy(p.delta_ptr + row, &s.full[stage], s.delta[stage], kBlockM * 4);
     }
   }
 
-  static __device__ void consume(BwdParams const& p, SharedStorage& s, int n_block, int head_kv, int batch,
-                                 Steps st) {
+  static __device__ void consume(BwdParams const& p, SharedStorage& s, Sequence const& seq, int n_block,
+                                 int head_kv, Steps st) {
     using namespace cute;
     using Barrier = cutlass::arch::ClusterBarrier;
     int const tid = threadIdx.x;  // 0 .. kConsumerThreads - 1
@@ -323,12 +338,13 @@ struct BwdKernel {
 
       // P^T.  Queries past num_queries have lse_log2 = +inf (P = 0); keys past
       // num_keys or outside the band are masked here.
-      bool const masked = key0 + kBlockN > p.num_keys ||
-                          (kBand && (key0 + kBlockN - 1 > query0 + p.band_hi ||
-                                     key0 < query0 + kBlockM - 1 + p.band_lo));
+      bool const masked = key0 + kBlockN > seq.num_keys ||
+                          (kBand && (key0 + kBlockN - 1 > query0 + seq.band_hi ||
+                                     key0 < query0 + kBlockM - 1 + seq.band_lo));
       auto hidden = [&](int r, int col) {  // bitwise ors: a select per element, no branches
         int const key = key0 + key_row + ((r / 2) % 2) * 8;
-        return (key >= p.num_keys) | (kBand & ((key > query0 + col + p.band_hi) | (key < query0 + col + p.band_lo)));
+        return (key >= seq.num_keys) |
+               (kBand & ((key > query0 + col + seq.band_hi) | (key < query0 + col + seq.band_lo)));
       };
       float const* lse_log2 = s.lse_log2[stage];
       float const* delta = s.delta[stage];
@@ -420,36 +436,28 @@ struct BwdKernel {
       Barrier::arrive(&s.empty[stage]);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_dq);
-      add_dq(p, acc_dq, head, batch, m_block, n_block, query0 + (kDqSplitRows ? 64 * wg : 0),
+      add_dq(p, seq, acc_dq, head, m_block, n_block, query0 + (kDqSplitRows ? 64 * wg : 0),
              kDqSplitRows ? 0 : wg * kDqCols);
     }
-    store_dkv(p, acc_dk, p.dk_ptr, p.scale, key0 + key_row, col0, head_kv, batch);
-    store_dkv(p, acc_dv, p.dv_ptr, 1.f, key0 + key_row, col0, head_kv, batch);
-  }
-
-  // The counter of this warpgroup's part of query block m_block's dQ: how many key blocks
-  // have added into it so far.
-  static __device__ cuda::atomic_ref<int, cuda::thread_scope_device> dq_counter(BwdParams const& p, int head,
-                                                                                  int batch, int m_block, int wg) {
-    long long const block = (long long)(batch * p.num_heads + head) * (p.rows_padded / kBlockM) + m_block;
-    return cuda::atomic_ref<int, cuda::thread_scope_device>(p.dq_counter_ptr[block * kWarpGroups + wg]);
+    store_dkv(p, seq, acc_dk, p.dk_ptr, p.scale, key0 + key_row, col0, head_kv);
+    store_dkv(p, seq, acc_dv, p.dv_ptr, 1.f, key0 + key_row, col0, head_kv);
   }
 
   // Adds this warpgroup's dQ part (64 rows from part_row0, kDqCols columns from part_col0 of
   // query block m_block) into the fp32 accumulator; deterministic: after the key blocks
   // before this one, counted by the part's counter.
   template <class Accumulator>
-  static __device__ void add_dq(BwdParams const& p, Accumulator const& acc, int head, int batch, int m_block,
-                                int n_block, int part_row0, int part_col0) {
+  static __device__ void add_dq(BwdParams const& p, Sequence const& seq, Accumulator const& acc, int head,
+                                int m_block, int n_block, int part_row0, int part_col0) {
     using namespace cute;
     int const wg = threadIdx.x / 128;
     int const lane = threadIdx.x % 32;
     int const barrier = 1 + wg;  // named barrier of this warpgroup's 128 threads
-    long long const head_row0 = (long long)(batch * p.num_heads + head) * p.rows_padded;
+    long long const head_row0 = workspace_row0(p, seq, head);
     cuda::atomic_ref<int, cuda::thread_scope_device> counter(
         p.dq_counter_ptr[(head_row0 / kBlockM + m_block) * kWarpGroups + wg]);
     if (p.deterministic) {  // wait for the key blocks before this one (they all meet this query block too)
-      int const earlier = n_block - dq_key_blocks(p, m_block).begin;
+      int const earlier = n_block - dq_key_blocks(seq, m_block).begin;
       if (threadIdx.x % 128 == 0) {
         while (counter.load(cuda::memory_order_acquire) != earlier) {
         }
@@ -473,14 +481,15 @@ struct BwdKernel {
   }
 
   template <class Accumulator>
-  static __device__ void store_dkv(BwdParams const& p, Accumulator const& acc, void* ptr, float scale, int key_row0,
-                                   int col0, int head_kv, int batch) {
+  static __device__ void store_dkv(BwdParams const& p, Sequence const& seq, Accumulator const& acc, void* ptr,
+                                   float scale, int key_row0, int col0, int head_kv) {
     using namespace cute;
-    Element* base = static_cast<Element*>(ptr) + batch * p.dkv_stride_b + head_kv * (long long)p.dkv_stride_h;
+    Element* base = static_cast<Element*>(ptr) + seq.batch * p.dkv_stride_b + seq.k0 * (long long)p.dkv_stride_n +
+                    head_kv * (long long)p.dkv_stride_h;
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       int const key = key_row0 + 8 * h;
-      if (key >= p.num_keys) {
+      if (key >= seq.num_keys) {
         continue;
       }
       Element* row = base + key * (long long)p.dkv_stride_n;
@@ -497,14 +506,14 @@ struct BwdKernel {
     }
   }
 
-  // grid (ceil(N / kBlockN), k/v heads, batch), kThreads threads, kSharedBytes dynamic shared memory
+  // grid (ceil(N / kBlockN), k/v heads, batch or sequences), kThreads threads, kSharedBytes dynamic shared memory
   static __device__ void run(BwdParams const& p, char* smem_raw) {
     SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                                          ~uintptr_t(1023));
     int const n_block = blockIdx.x;  // key blocks in order: the deterministic dQ order, and causal's longest first
     int const head_kv = blockIdx.y;
-    int const batch = blockIdx.z;
-    Steps const st = steps(p, n_block);
+    Sequence const seq = sequence(p, blockIdx.z);
+    Steps const st = steps(seq, n_block);
 
     if (threadIdx.x == 0) {
       using Barrier = cutlass::arch::ClusterBarrier;
@@ -521,34 +530,39 @@ struct BwdKernel {
     if (threadIdx.x >= kConsumerThreads) {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
       if (threadIdx.x == kConsumerThreads && st.m_blocks > 0) {
-        produce(p, s, n_block, head_kv, batch, st);
+        produce(p, s, seq, n_block, head_kv, st);
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
-      consume(p, s, n_block, head_kv, batch, st);
+      consume(p, s, seq, n_block, head_kv, st);
     }
   }
 
-  // grid (rows_padded / kBlockM, heads, batch), kAuxThreads threads
+  // grid (ceil(M / kBlockM), heads, batch or sequences), kAuxThreads threads
   static __device__ void prep(BwdParams const& p) {
     constexpr int kChunks = kHeadDim / 8;  // 16-byte pieces of a row
     constexpr int kRowsPerPass = kAuxThreads / kChunks;
     static_assert(32 % kChunks == 0 && kBlockM % kRowsPerPass == 0, "a row's pieces within one warp");
     int const m_block = blockIdx.x;
     int const head = blockIdx.y;
-    int const batch = blockIdx.z;
+    Sequence const seq = sequence(p, blockIdx.z);
+    if (m_block * kBlockM >= seq.num_queries) {  // past a packed sequence: no workspace rows here
+      return;
+    }
     int const chunk = threadIdx.x % kChunks;
-    long long const head_row0 = (long long)(batch * p.num_heads + head) * p.rows_padded;
+    long long const head_row0 = workspace_row0(p, seq, head);
+    long long const out_row0 = seq.batch * p.out_stride_b + seq.q0 * (long long)p.out_stride_m +
+                               head * (long long)p.out_stride_h;
+    long long const dout_row0 = seq.batch * p.dout_stride_b + seq.q0 * (long long)p.dout_stride_m +
+                                head * (long long)p.dout_stride_h;
     for (int r = threadIdx.x / kChunks; r < kBlockM; r += kRowsPerPass) {
       int const row = m_block * kBlockM + r;
       float dot = 0.f;
-      if (row < p.num_queries && chunk * 8 < p.head_dim) {
-        uint4 const o = *reinterpret_cast<uint4 const*>(static_cast<Element const*>(p.out_ptr) +
-                                                        batch * p.out_stride_b + row * (long long)p.out_stride_m +
-                                                        head * (long long)p.out_stride_h + chunk * 8);
-        uint4 const d = *reinterpret_cast<uint4 const*>(static_cast<Element const*>(p.dout_ptr) +
-                                                        batch * p.dout_stride_b + row * (long long)p.dout_stride_m +
-                                                        head * (long long)p.dout_stride_h + chunk * 8);
+      if (row < seq.num_queries && chunk * 8 < p.head_dim) {
+        uint4 const o = *reinterpret_cast<uint4 const*>(static_cast<Element const*>(p.out_ptr) + out_row0 +
+                                                        row * (long long)p.out_stride_m + chunk * 8);
+        uint4 const d = *reinterpret_cast<uint4 const*>(static_cast<Element const*>(p.dout_ptr) + dout_row0 +
+                                                        row * (long long)p.dout_stride_m + chunk * 8);
         Element const* oe = reinterpret_cast<Element const*>(&o);
         Element const* de = reinterpret_cast<Element const*>(&d);
         CUTE_UNROLL
@@ -562,8 +576,8 @@ struct BwdKernel {
       }
       if (chunk == 0) {
         float lse = INFINITY;  // padding rows: P = 0
-        if (row < p.num_queries) {
-          lse = p.lse_ptr[batch * (long long)p.lse_stride_b + head * (long long)p.lse_stride_h + row];
+        if (row < seq.num_queries) {
+          lse = p.lse_ptr[seq.index * (long long)p.lse_stride_b + head * (long long)p.lse_stride_h + row];
           lse = lse == -INFINITY ? INFINITY : lse * 1.44269504088896341f;  // a row without keys: no gradient
         }
         p.lse_log2_ptr[head_row0 + row] = lse;
@@ -579,18 +593,19 @@ struct BwdKernel {
     }
   }
 
-  // grid (rows_padded / kBlockM, heads, batch), kAuxThreads threads
+  // grid as prep
   static __device__ void convert(BwdParams const& p) {
     constexpr int kQuads = kHeadDim / 4;
     int const m_block = blockIdx.x;
     int const head = blockIdx.y;
-    int const batch = blockIdx.z;
-    long long const head_row0 = (long long)(batch * p.num_heads + head) * p.rows_padded;
-    Element* dq = static_cast<Element*>(p.dq_ptr) + batch * p.dq_stride_b + head * (long long)p.dq_stride_h;
+    Sequence const seq = sequence(p, blockIdx.z);
+    long long const head_row0 = workspace_row0(p, seq, head);
+    Element* dq = static_cast<Element*>(p.dq_ptr) + seq.batch * p.dq_stride_b + seq.q0 * (long long)p.dq_stride_m +
+                  head * (long long)p.dq_stride_h;
     for (int i = threadIdx.x; i < kBlockM * kQuads; i += kAuxThreads) {
       int const row = m_block * kBlockM + i / kQuads;
       int const col = (i % kQuads) * 4;
-      if (row < p.num_queries && col < p.head_dim) {
+      if (row < seq.num_queries && col < p.head_dim) {
         float4 const a = *reinterpret_cast<float4 const*>(p.dq_accum_ptr + (head_row0 + row) * kHeadDim + col);
         cutlass::Array<Element, 4> out;
         out[0] = static_cast<Element>(a.x * p.scale);

@@ -26,10 +26,40 @@ __device__ __forceinline__ float tanh_approx(float x) {
 
 // Band masks (the kBand instances of both families): key j is visible to query i iff
 // i + band_lo <= j <= i + band_hi.  A causal mask is the band (-kUnbounded, diagonal
-// offset); a sliding window bounds both sides.  The runtime clamps both to +-kUnbounded.
+// offset); a sliding window bounds both sides.  The runtime clamps both to +-kUnbounded
+// (and keeps packed batches under 2^28 tokens, so a sequence's shift below stays clear).
 constexpr int kUnbounded = 1 << 30;
 
 __device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((b - 1 - a) / b); }
+
+// One sequence of a call.  A fixed-length batch: sequence b is batch b of the tensors, whole.
+// A packed (varlen) batch, seqstart_q/k != nullptr: sequence b is rows seqstart[b] ..
+// seqstart[b + 1] - 1 of batch 0, and with band_from_end its band sits on its own
+// bottom-right diagonal (shifted by its num_keys - num_queries).  Rows and keys below are
+// the sequence's own (0 .. num_queries - 1); q0 and k0 place them in the tensors.
+struct Sequence {
+  int index;        // b: lse's first index, the launch grid's z
+  int batch;        // the tensors' batch index
+  int q0;           // first query row, first key row in the tensors
+  int k0;
+  int num_queries;
+  int num_keys;
+  int band_lo;      // key j is visible to query i iff i + band_lo <= j <= i + band_hi (kBand instances)
+  int band_hi;
+};
+
+template <class Params>
+__device__ __forceinline__ Sequence sequence(Params const& p, int b) {
+  if (p.seqstart_q == nullptr) {
+    return {b, b, 0, 0, p.num_queries, p.num_keys, p.band_lo, p.band_hi};
+  }
+  int const q0 = p.seqstart_q[b];
+  int const k0 = p.seqstart_k[b];
+  int const num_queries = p.seqstart_q[b + 1] - q0;
+  int const num_keys = p.seqstart_k[b + 1] - k0;
+  int const shift = p.band_from_end ? num_keys - num_queries : 0;  // |shift| < 2^28: see kUnbounded
+  return {b, 0, q0, k0, num_queries, num_keys, p.band_lo + shift, p.band_hi + shift};
+}
 
 struct BlockRange {
   int begin;

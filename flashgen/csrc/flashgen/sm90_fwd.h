@@ -1,6 +1,6 @@
 // flashgen's Hopper attention forward (sm_90a): TMA loads, wgmma, one producer warp.
 //
-// One CTA computes a block of kBlockM queries of one (batch, head).  Warps
+// One CTA computes a block of kBlockM queries of one (sequence, head).  Warps
 // 0 .. 4*kConsumerWarpGroups-1 are consumer warpgroups, each owning 64 query
 // rows; the warp after them is the producer: its lane 0 issues every TMA load
 // (Q once, then K and V tiles through a kStages-deep ring of shared-memory
@@ -19,8 +19,11 @@
 // softcap * tanh(score / softcap) first.
 //
 // The output is written from registers; the log-sum-exp (natural log, of the
-// scaled scores) goes to lse[batch, head, row] like the example-41 forward, so
-// either backward family can consume it.
+// scaled scores) goes to lse[sequence, head, row] like the example-41 forward, so
+// either backward family can consume it.  Packed (varlen) batches run one grid
+// z-slice per sequence (sm90_common.h: Sequence); a tile reaching past its
+// sequence reads the next one's rows, which the key mask and the row bounds of
+// the stores keep out of the results.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
@@ -54,12 +57,15 @@ struct FwdParams {
   int lse_stride_b;       // floats
   int lse_stride_h;
   int lse_rows;           // rows in [num_queries, lse_rows) get +inf (padding, as example 41 writes it)
-  int num_queries;
+  int const* seqstart_q;  // packed (varlen) batches: [sequences + 1] row offsets into batch 0; else nullptr
+  int const* seqstart_k;
+  int num_queries;        // fixed-length batches (packed: each sequence's come from seqstart)
   int num_keys;
   int head_dim;           // <= kHeadDim, a multiple of 8: columns past it are zeros from TMA, never stored
   int head_group;         // query heads per key/value head (1: MHA; H: MQA)
   int band_lo;            // kBand: key j is visible to query i iff i + band_lo <= j <= i + band_hi
   int band_hi;
+  int band_from_end;      // packed: each sequence's band sits on its own bottom-right diagonal (sequence())
   float scale_log2;       // softmax scale * log2(e)
   float softcap_in;       // scale / softcap (0: no soft-capping): scores become
   float softcap_out;      //   softcap_out * tanh(softcap_in * q.k), softcap_out = softcap / scale
@@ -126,12 +132,16 @@ struct FwdKernel {
   static constexpr int kSharedBytes = int(sizeof(SharedStorage)) + 1024;
   static_assert(kSharedBytes <= 227 * 1024, "the Q tile and K/V rings exceed the shared memory of a Hopper block");
 
-  // Key blocks this query block visits: all, or those the band reaches.
-  static __device__ BlockRange key_blocks(FwdParams const& p, int m_block) {
-    if (kBand) {
-      return band_blocks<kBlockM, kBlockN>(m_block, p.num_keys, p.band_lo, p.band_hi);
+  // Key blocks this query block visits: all, or those the band reaches; none past the
+  // sequence's queries (a packed batch's grid is sized for its longest sequence).
+  static __device__ BlockRange key_blocks(Sequence const& seq, int m_block) {
+    if (m_block * kBlockM >= seq.num_queries) {
+      return {0, 0};
     }
-    return {0, (p.num_keys + kBlockN - 1) / kBlockN};
+    if (kBand) {
+      return band_blocks<kBlockM, kBlockN>(m_block, seq.num_keys, seq.band_lo, seq.band_hi);
+    }
+    return {0, (seq.num_keys + kBlockN - 1) / kBlockN};
   }
 
   // One tile (rows x kHeadDim) of a tensor map, box by box along the head dim, into `smem`;
@@ -142,27 +152,27 @@ struct FwdKernel {
     tma_load_tile<kBoxCols, kBoxesPerRow>(map, full, smem, rows, row0, head, batch);
   }
 
-  static __device__ void produce(FwdParams const& p, SharedStorage& s, int m_block, int head, int batch,
+  static __device__ void produce(FwdParams const& p, SharedStorage& s, Sequence const& seq, int m_block, int head,
                                  BlockRange blocks) {
     using Barrier = cutlass::arch::ClusterBarrier;
     int const head_kv = head / p.head_group;
-    load_tile(&p.q_map, &s.q_full, s.q, kBlockM, m_block * kBlockM, head, batch);
+    load_tile(&p.q_map, &s.q_full, s.q, kBlockM, seq.q0 + m_block * kBlockM, head, seq.batch);
     for (int t = 0; t < blocks.end - blocks.begin; ++t) {
-      int const key0 = (blocks.begin + t) * kBlockN;
+      int const key0 = seq.k0 + (blocks.begin + t) * kBlockN;
       int const stage = t % kStages;
       int const round = t / kStages;  // the ring's round: buffers are reused from the second on
       if (round > 0) {
         Barrier::wait(&s.k_empty[stage], (round - 1) & 1);
       }
-      load_tile(&p.k_map, &s.k_full[stage], s.k + stage * kBlockN * kHeadDim, kBlockN, key0, head_kv, batch);
+      load_tile(&p.k_map, &s.k_full[stage], s.k + stage * kBlockN * kHeadDim, kBlockN, key0, head_kv, seq.batch);
       if (round > 0) {
         Barrier::wait(&s.v_empty[stage], (round - 1) & 1);
       }
-      load_tile(&p.v_map, &s.v_full[stage], s.v + stage * kBlockN * kHeadDim, kBlockN, key0, head_kv, batch);
+      load_tile(&p.v_map, &s.v_full[stage], s.v + stage * kBlockN * kHeadDim, kBlockN, key0, head_kv, seq.batch);
     }
   }
 
-  static __device__ void consume(FwdParams const& p, SharedStorage& s, int m_block, int head, int batch,
+  static __device__ void consume(FwdParams const& p, SharedStorage& s, Sequence const& seq, int m_block, int head,
                                  BlockRange blocks) {
     using namespace cute;
     using Barrier = cutlass::arch::ClusterBarrier;
@@ -214,15 +224,15 @@ struct FwdKernel {
       }
       int const key0 = (blocks.begin + t) * kBlockN;
       int const block_row0 = m_block * kBlockM;
-      bool const partial = key0 + kBlockN > p.num_keys;
-      bool const edge = kBand && (key0 + kBlockN - 1 > block_row0 + p.band_hi ||
-                                  key0 < block_row0 + kBlockM - 1 + p.band_lo);
+      bool const partial = key0 + kBlockN > seq.num_keys;
+      bool const edge = kBand && (key0 + kBlockN - 1 > block_row0 + seq.band_hi ||
+                                  key0 < block_row0 + kBlockM - 1 + seq.band_lo);
       if (partial || edge) {
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {
           int const row = row0 + ((r / 2) % 2) * 8;
           int const key = key0 + (r / 4) * 8 + col0 + r % 2;
-          if (key >= p.num_keys || (kBand && (key > row + p.band_hi || key < row + p.band_lo))) {
+          if (key >= seq.num_keys || (kBand && (key > row + seq.band_hi || key < row + seq.band_lo))) {
             tSrS(r) = -INFINITY;
           }
         }
@@ -262,22 +272,23 @@ struct FwdKernel {
         Barrier::arrive(&s.v_empty[stage]);
       }
     }
-    store(p, tOrO, row_max, row_sum, row0, col0, head, batch);
+    store(p, seq, tOrO, row_max, row_sum, row0, col0, head);
   }
 
   template <class Accumulator>
-  static __device__ void store(FwdParams const& p, Accumulator const& acc, float const (&row_max)[2],
-                               float (&row_sum)[2], int row0, int col0, int head, int batch) {
+  static __device__ void store(FwdParams const& p, Sequence const& seq, Accumulator const& acc,
+                               float const (&row_max)[2], float (&row_sum)[2], int row0, int col0, int head) {
     using namespace cute;
     int const lane = threadIdx.x % 32;
-    Element* out = static_cast<Element*>(p.out_ptr) + batch * p.out_stride_b + head * (long long)p.out_stride_h;
-    float* lse = p.lse_ptr + batch * (long long)p.lse_stride_b + head * (long long)p.lse_stride_h;
+    Element* out = static_cast<Element*>(p.out_ptr) + seq.batch * p.out_stride_b +
+                   seq.q0 * (long long)p.out_stride_m + head * (long long)p.out_stride_h;
+    float* lse = p.lse_ptr + seq.index * (long long)p.lse_stride_b + head * (long long)p.lse_stride_h;
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       int const row = row0 + 8 * h;
       float const sum = quad_sum(row_sum[h]);
       float const inv = sum > 0.f ? 1.f / sum : 0.f;  // no visible key: output 0
-      if (row < p.num_queries) {
+      if (row < seq.num_queries) {
         Element* out_row = out + row * (long long)p.out_stride_m;
         CUTE_UNROLL
         for (int r = 2 * h; r < size(acc); r += 4) {
@@ -304,9 +315,9 @@ struct FwdKernel {
                                                          ~uintptr_t(1023));
     int const m_block = gridDim.x - 1 - blockIdx.x;  // the longest causal rows first
     int const head = blockIdx.y;
-    int const batch = blockIdx.z;
+    Sequence const seq = sequence(p, blockIdx.z);
     int const warp = threadIdx.x / 32;
-    BlockRange const blocks = key_blocks(p, m_block);
+    BlockRange const blocks = key_blocks(seq, m_block);
 
     if (threadIdx.x == 0) {
       using Barrier = cutlass::arch::ClusterBarrier;
@@ -324,18 +335,18 @@ struct FwdKernel {
 
     if (warp == kProducerWarp) {
       if (threadIdx.x % 32 == 0 && blocks.end > blocks.begin) {
-        produce(p, s, m_block, head, batch, blocks);
+        produce(p, s, seq, m_block, head, blocks);
       }
     } else if (blocks.end > blocks.begin) {
-      consume(p, s, m_block, head, batch, blocks);
-    } else {  // no key visible to any row of the block
+      consume(p, s, seq, m_block, head, blocks);
+    } else {  // no key visible to any row of the block (or no row: lse padding only)
       auto zeros = cute::make_tensor<float>(cute::Int<kHeadDim / 2>{});
       cute::clear(zeros);
       float row_max[2] = {-INFINITY, -INFINITY};
       float row_sum[2] = {0.f, 0.f};
       int const lane = threadIdx.x % 32;
-      store(p, zeros, row_max, row_sum,
-            m_block * kBlockM + 64 * (threadIdx.x / 128) + 16 * (warp % 4) + lane / 4, 2 * (lane % 4), head, batch);
+      store(p, seq, zeros, row_max, row_sum,
+            m_block * kBlockM + 64 * (threadIdx.x / 128) + 16 * (warp % 4) + lane / 4, 2 * (lane % 4), head);
     }
   }
 };
