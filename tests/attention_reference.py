@@ -101,9 +101,10 @@ def mask_matrix(M, N, causal, window=None):
 
 
 def reference(q, k, v, *, bias=None, causal=None, scale=None, keep=None, p=0.0, grad_out=None, window=None,
-              softcap=0.0):
+              softcap=0.0, out_for_delta=None):
     """float64 attention and, with grad_out, its gradients.  keep: dropout mask [B, H, M, N];
-    softcap: scores become softcap * tanh(scores / softcap)."""
+    softcap: scores become softcap * tanh(scores / softcap); out_for_delta: the gradients a
+    flash-style backward computes from this (rounded) output, delta = rowsum(grad_out * out)."""
     q, k, v = f64(q), f64(k), f64(v)
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = cupy.einsum("bmhk,bnhk->bhmn", q, k) * scale
@@ -125,7 +126,11 @@ def reference(q, k, v, *, bias=None, causal=None, scale=None, keep=None, p=0.0, 
     do = f64(grad_out)
     dv = cupy.einsum("bhmn,bmhk->bnhk", prob * drop, do)
     dp = cupy.einsum("bmhk,bnhk->bhmn", do, v) * drop
-    ds = prob * (dp - (dp * prob).sum(-1, keepdims=True))
+    if out_for_delta is None:
+        delta = (dp * prob).sum(-1, keepdims=True)  # = rowsum(grad_out * out) in exact arithmetic
+    else:
+        delta = cupy.einsum("bmhk,bmhk->bhm", do, f64(out_for_delta))[..., None]
+    ds = prob * (dp - delta)
     dq = cupy.einsum("bhmn,bnhk->bmhk", ds * slope, k) * scale
     dk = cupy.einsum("bhmn,bmhk->bnhk", ds * slope, q) * scale
     return out, lse, (dq, dk, dv, ds)

@@ -32,6 +32,8 @@ from flashgen.runtime.registry import PACKAGE_KERNELS, Registry, search_path
 from flashgen.runtime.select import Request, Selector, num_splits_key, rejection, workspace_bytes
 from flashgen.spec.mem_eff_bwd import MemEffBwd
 from flashgen.spec.mem_eff_fwd import MemEffFwd
+from flashgen.spec.sm90_bwd import Sm90Bwd
+from flashgen.spec.sm90_fwd import Sm90Fwd
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -801,9 +803,11 @@ def test_window_and_softcap_are_checked():
 
 def test_window_and_softcap_outside_the_sm90_kernels_are_refused():
     c = api._common(*qkv(), None, None, 0.0, None, 0, None, None, window=(4, 4), softcap=3.0)
-    with pytest.raises(UnsupportedError, match=r"window and softcap run only on flashgen's sm90"):
-        api._only_on_sm90(c)
-    api._only_on_sm90(api._common(*qkv(), None, None, 0.0, None, 0, None, None))  # nothing to refuse
+    with pytest.raises(UnsupportedError, match=r"window and softcap run only on flashgen's sm90_fwd .* up to 256"):
+        api._only_on_sm90(c, Sm90Fwd)
+    with pytest.raises(UnsupportedError, match=r"window and softcap run only on flashgen's sm90_bwd .* up to 128"):
+        api._only_on_sm90(c, Sm90Bwd)
+    api._only_on_sm90(api._common(*qkv(), None, None, 0.0, None, 0, None, None), Sm90Fwd)  # nothing to refuse
 
 
 @pytest.mark.parametrize("which,shapes,match", [

@@ -56,7 +56,7 @@ def check_forward(rng, dtype, B, M, N, H, K, causal=None, layout="contiguous"):
 
 
 SIZES = ((1, 1), (7, 129), (129, 7), (1000, 129), (129, 1000), (1000, 1000), (1, 1000), (4096, 4096))
-HEAD_DIMS = (8, 40, 64, 80, 96, 128)
+HEAD_DIMS = (8, 40, 64, 80, 96, 128, 160, 192, 248, 256)
 GRID = [(dtype, K, *SIZES[(i + j) % len(SIZES)], causal)
         for i, dtype in enumerate(("f16", "bf16")) for j, K in enumerate(HEAD_DIMS)
         for causal in (None, "top_left", "bottom_right")]
@@ -99,13 +99,17 @@ def test_every_instance(binary):
 
 
 @needs_sm90
-def test_lse_feeds_the_backward():
-    """The forward's lse layout is the one the mem-eff backward reads."""
+@pytest.mark.parametrize("K", [64, 256])
+def test_lse_feeds_the_backward(K):
+    """The forward's lse layout is the one the mem-eff backward reads (head dims above 128 have
+    no sm90 backward: example 41 takes the sm90 forward's output)."""
     rng = np.random.default_rng(3)
-    B, M, N, H, K = 2, 1000, 129, 3, 64
+    B, M, N, H = 2, 1000, 129, 3
     q, k, v = (randn(rng, (B, S, H, K), "bf16") for S in (M, N, N))
     do = randn(rng, (B, M, H, K), "bf16")
     assert selected(q, k, v, causal="top_left").startswith("sm90_fwd_")
+    backward = selected(q, k, v, causal="top_left", backward=True)
+    assert backward.startswith("sm90_bwd_" if K <= 128 else "mem_eff_bwd_"), backward
     with poisoned_allocations():
         out, lse = flashgen.attention_forward(q, k, v, causal="top_left")
         grads = flashgen.attention_backward(do, q, k, v, out, lse, causal="top_left")
@@ -152,13 +156,14 @@ def test_falls_back_where_the_family_has_no_kernel():
 @needs_sm90
 def test_kernel_choice_follows_head_dim_tier_and_mask():
     rng = np.random.default_rng(1)
-    for K, tier in ((40, 64), (64, 64), (80, 96), (96, 96), (120, 128), (128, 128)):
+    for K, tier in ((40, 64), (64, 64), (80, 96), (96, 96), (120, 128), (128, 128), (136, 192), (192, 192),
+                    (200, 256), (256, 256)):
         q = randn(rng, (1, 64, 2, K), "bf16")
         for causal in (None, "top_left"):
             name = selected(q, q, q, causal=causal)
             assert f"_k{tier}_" in name and name.startswith("sm90_fwd_bf16") and ("_band_" in name) == bool(causal)
-    big = randn(rng, (1, 64, 2, 136), "f16")
-    assert selected(big, big, big).startswith("mem_eff"), "no sm90 tier above 128: example 41 serves it"
+    big = randn(rng, (1, 64, 2, 264), "f16")
+    assert selected(big, big, big).startswith("mem_eff"), "no sm90 tier above 256: example 41 serves it"
 
 
 @needs_kernels

@@ -69,6 +69,21 @@ def test_sliding_window_matches_float64_reference(dtype, K, M, N, window, causal
 
 
 @needs_sm90
+@pytest.mark.parametrize("dtype,K", [("f16", 192), ("bf16", 256), ("f16", 232)])
+@pytest.mark.parametrize("options", [dict(window=(100, 50)), dict(causal="bottom_right", window=(None, 0)),
+                                     dict(softcap=8.0, causal="top_left")])
+def test_large_head_dims_forward_masks(dtype, K, options):
+    """Head dims above 128 (sm90 forward only): windows, causal bands and soft-capping."""
+    rng = np.random.default_rng([K, len(dtype), len(options)])
+    q, k, v = (randn(rng, (2, S, 3, K), dtype) for S in (1000, 777, 777))
+    assert chosen(q, k, v, **options).startswith(f"sm90_fwd_{dtype}_k{-(-K // 64) * 64}_")
+    with poisoned_allocations():
+        out, lse = flashgen.attention_forward(q, k, v, **options)
+    ref_out, ref_lse = reference(q, k, v, **options)
+    assert rel_err(out, ref_out) < FWD_TOL[dtype] and lse_err(lse, ref_lse) < FWD_TOL[dtype]
+
+
+@needs_sm90
 @pytest.mark.parametrize("softcap", [1.0, 8.0, 50.0])
 @pytest.mark.parametrize("causal", [None, "top_left"])
 @pytest.mark.parametrize("dtype,K", [("f16", 64), ("bf16", 128), ("bf16", 96)])
@@ -147,3 +162,9 @@ def test_calls_the_sm90_kernels_cannot_take_are_refused():
             flashgen.attention_backward(q, q, k, v, out, lse, dropout_p=0.1, seed=1, **options)
         rows = flashgen.explain(q, k, v, attn_bias=bias, **options)
         assert not any(verdict == "selected" for _, _, verdict in rows)
+    # head dim 192: the forward has sm90 kernels for it, the backward (up to 128) has not
+    q, k, v = (randn(rng, (1, 64, 2, 192), "f16") for _ in range(3))
+    out, lse = flashgen.attention_forward(q, k, v, window=(4, 4))
+    assert rel_err(out, reference(q, k, v, window=(4, 4))[0]) < FWD_TOL["f16"]
+    with pytest.raises(flashgen.UnsupportedError, match="sm90_bwd kernels.* up to 128"):
+        flashgen.attention_backward(q, q, k, v, out, lse, window=(4, 4))

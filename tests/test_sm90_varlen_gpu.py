@@ -110,6 +110,14 @@ def test_packed_strided_inputs(layout):
 
 
 @needs_sm90
+def test_packed_batch_without_any_key():
+    """No sequence has a key (N = 0 overall): outputs 0, lse -inf, zero gradients; the window
+    and soft-cap are moot, not refused (the fuzzer's seed 3, case 126)."""
+    run_packed(np.random.default_rng(126), "f16", (179, 3), (0, 0), H=3, K=128, tail=2, deterministic=True,
+               window=(1, 0), softcap=19.0)
+
+
+@needs_sm90
 def test_packed_deterministic_backward_repeats_bit_for_bit():
     rng = np.random.default_rng(17)
     (q, k, v, do, packed), (out, lse, *first) = run_packed(

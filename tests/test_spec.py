@@ -45,9 +45,9 @@ def test_default_set_sizes_are_what_the_readme_says():
     assert len(MemEffBwd.default_set()) == 56
     sm80 = [k for k in default_kernels() if k.runs_on("sm80")]
     assert len(sm80) == 68
-    assert len(Sm90Fwd.default_set()) == 32
+    assert len(Sm90Fwd.default_set()) == 40
     assert len(Sm90Bwd.default_set()) == 16
-    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 32 + 16
+    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 40 + 16
     assert len([k for k in default_kernels() if k.runs_on("sm90")]) == 68, "plain sm90 cannot build wgmma code"
 
 
@@ -55,7 +55,10 @@ def test_sm90_forward_covers_dtypes_head_dims_and_masks():
     kernels = Sm90Fwd.default_set()
     for dtype in ("f16", "bf16"):
         for band in (False, True):
-            assert {k.max_k for k in kernels if k.dtype == dtype and k.band == band} == {64, 96, 128}
+            assert {k.max_k for k in kernels if k.dtype == dtype and k.band == band} == {64, 96, 128, 192, 256}
+            # head dims above 128: one key tile, the widest that fits shared memory with two stages
+            assert {(k.max_k, k.block_n, k.stages) for k in kernels if k.max_k > 128 and k.dtype == dtype
+                    and k.band == band} == {(192, 112, 2), (256, 80, 2)}
     assert all(k.runs_on("sm90a") and not k.runs_on("sm90") and not k.runs_on("sm80") for k in kernels)
 
 

@@ -420,14 +420,14 @@ def _softcap_fields(c: _Common) -> dict:
     return {"softcap_in": c.scale / c.softcap, "softcap_out": c.softcap / c.scale}
 
 
-def _only_on_sm90(c: _Common):
-    """Sliding windows and soft-capping exist only in flashgen's sm90 kernels."""
+def _only_on_sm90(c: _Common, family) -> None:
+    """Sliding windows and soft-capping exist only in flashgen's sm90 kernels (``family``'s)."""
     if c.window is not None or c.softcap:
         what = " and ".join(n for n, on in (("window", c.window is not None), ("softcap", c.softcap)) if on)
         raise UnsupportedError(
-            f"{what} run only on flashgen's sm90_fwd/sm90_bwd kernels: a compute-capability 9.0 GPU, float16 or "
-            "bfloat16 inputs with 16-byte aligned pointers and strides, equal q/v head dims up to 128, no attn_bias "
-            "or dropout, and cubins from `flashgen build --arch sm90a`")
+            f"{what} run only on flashgen's {family.FAMILY} kernels: a compute-capability 9.0 GPU, float16 or "
+            f"bfloat16 inputs with 16-byte aligned pointers and strides, equal q/v head dims up to "
+            f"{max(family.AXES['max_k'])}, no attn_bias or dropout, and cubins from `flashgen build --arch sm90a`")
 
 
 def _common(q, k, v, causal, scale, dropout_p, seed, offset, cu_seqlens_q, cu_seqlens_k, *, window=None,
@@ -700,7 +700,7 @@ def attention_forward(q, k, v, *, attn_bias=None, causal=None, scale=None, dropo
         if binary is not None:
             _forward_sm90(registry, binary, c, q, k, v, out, lse, stream, key)
             return out, lse[:, :, :c.M]
-        _only_on_sm90(c)
+        _only_on_sm90(c, Sm90Fwd)
         if k.shape[2] != c.H:  # grouped-query attention: the example-41 kernels need one k/v head per q head
             k, v = _repeat_heads(k, c.H), _repeat_heads(v, c.H)
             key = None  # a per-call copy: not a plan
@@ -873,7 +873,8 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
     binary = _selector(registry).find(hopper, _tuned(hopper, c)) if hopper is not None else None
     if binary is not None and c.M and c.N:
         return _backward_sm90(registry, binary, c, grad_out, q, k, v, out, lse, deterministic, stream, key)
-    _only_on_sm90(c)
+    if c.M and c.N:  # an empty problem has nothing to mask: its gradients are the zeros below
+        _only_on_sm90(c, Sm90Bwd)
     if k.shape[2] != c.H:  # grouped-query attention: gradients of the repeated k/v, summed per group
         with cupy.cuda.Device(c.device):
             grads = attention_backward(

@@ -44,9 +44,9 @@ class Sm90Fwd(Sm90Tile):
     AXES = {
         "arch": ("sm90a",),
         "dtype": ("f16", "bf16"),
-        "max_k": (64, 96, 128),
+        "max_k": (64, 96, 128, 192, 256),
         "block_m": (128, 192),
-        "block_n": (128,),
+        "block_n": (128, 112, 80),
         "stages": (2, 3),
         "band": (False, True),
     }
@@ -54,6 +54,11 @@ class Sm90Fwd(Sm90Tile):
         Rule("192 query rows are three consumer warpgroups (416 threads): at most 152 registers each, "
              "which only head dim 64 fits without spilling",
              lambda k: k.block_m == 192 and k.max_k > 64),
+        Rule("the Q tile and the K and V rings exceed the 227 KB of shared memory of a Hopper block",
+             lambda k: 2 * k.max_k * (k.block_m + 2 * k.stages * k.block_n) + 1024 + 256 > 227 * 1024),
+        Rule("one key-tile width per head-dim tier: 128 up to head dim 128, else the widest whose two "
+             "K/V stages fit beside the Q tile (112 for 192, 80 for 256)",
+             lambda k: k.block_n != {192: 112, 256: 80}.get(k.max_k, 128)),
     )
 
     @property

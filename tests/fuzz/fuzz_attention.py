@@ -12,6 +12,12 @@ dropout (checked through the mask recovered with an identity V), varlen
 batches with empty sequences, the softmax scale, and on the sm90 path sliding
 windows and soft-capping.  Outputs come from poisoned memory, so an unwritten
 element fails.
+
+A gradient passes if it matches the exact float64 gradient, or the exact
+gradient of the kernel's own rounded output: every flash-style backward takes
+delta = rowsum(dO * O) from the O it is given, and with a peaked softmax (one
+query, large scale, bf16) the rounding of O dominates dP - delta in dQ, dK and
+dbias.
 """
 from __future__ import annotations
 
@@ -104,12 +110,17 @@ def run_case(seed: int, case: int) -> dict:
                 ok = bool((out[:, qs] == 0).all() and cupy.isneginf(lse[s, :, :m]).all() and (dq[:, qs] == 0).all())
                 errors[f"empty[{s}]"] = (0.0 if ok else float("inf"), 1.0)
                 continue
-            ro, rl, (rdq, rdk, rdv, _) = reference(q[:, qs], k[:, ks], v[:, ks], causal=p["causal"],
-                                                   scale=p["scale"], grad_out=do[:, qs], window=p["window"],
-                                                   softcap=p["softcap"])
+            seq_opts = dict(causal=p["causal"], scale=p["scale"], grad_out=do[:, qs], window=p["window"],
+                            softcap=p["softcap"])
+            ro, rl, (rdq, rdk, rdv, _) = reference(q[:, qs], k[:, ks], v[:, ks], **seq_opts)
             for name, x, ref, tol in (("out", out[:, qs], ro, tol_f), ("dq", dq[:, qs], rdq, tol_b),
                                       ("dk", dk[:, ks], rdk, tol_b), ("dv", dv[:, ks], rdv, tol_b)):
                 errors[f"{name}[{s}]"] = (rel_err(x, ref, zero_scale=p["Kv"] ** 0.5), tol)
+            if any(not errors[f"{n}[{s}]"][0] < tol_b for n in ("dq", "dk")):  # see the module docstring
+                _, _, given = reference(q[:, qs], k[:, ks], v[:, ks], out_for_delta=out[:, qs], **seq_opts)
+                for name, x, ref in (("dq", dq[:, qs], given[0]), ("dk", dk[:, ks], given[1])):
+                    errors[f"{name}[{s}]"] = (min(errors[f"{name}[{s}]"][0],
+                                                  rel_err(x, ref, zero_scale=p["Kv"] ** 0.5)), tol_b)
             errors[f"lse[{s}]"] = (lse_err(lse[s:s + 1, :, :m], rl), tol_f)
         return {"params": p, "errors": errors}
     B, M, N, H = p["B"], p["M"], p["N"], p["H"]
@@ -139,6 +150,14 @@ def run_case(seed: int, case: int) -> dict:
             errors[name] = (measure(x, ref, **extra), tol)
         except AssertionError as e:  # NaN: an element was not written
             raise AssertionError(f"{name}: {e}") from None
+    sensitive = [n for n in ("dq", "dk", "dbias") if n in errors]  # the ones dP - delta enters (dbias = dS)
+    if any(not errors[n][0] < tol_b for n in sensitive):
+        _, _, given = reference(q, k, v, bias=bias, causal=p["causal"], scale=p["scale"], keep=keep, p=p["dropout"],
+                                grad_out=do, window=p["window"], softcap=p["softcap"], out_for_delta=out)
+        for name, g, ref in zip(("dq", "dk", "dv", "dbias"), grads, given):
+            if name in sensitive:
+                extra = {"zero_scale": p["Kv"] ** 0.5} if name != "dbias" else {}
+                errors[name] = (min(errors[name][0], rel_err(g, ref, **extra)), tol_b)
     return {"params": p, "errors": errors}
 
 

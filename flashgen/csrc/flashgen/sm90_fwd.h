@@ -33,6 +33,7 @@
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_types.h>
 
 #include "flashgen/sm90_common.h"
@@ -85,7 +86,16 @@ struct FwdKernel {
   static constexpr int kConsumerWarpGroups = kBlockM / 64;
   static constexpr int kConsumerWarps = 4 * kConsumerWarpGroups;
   static constexpr int kProducerWarp = kConsumerWarps;
-  static constexpr int kThreads = 32 * (kConsumerWarps + 1);
+  // An SM splits its registers between four schedulers, so with nine warps one of them holds
+  // three and a thread gets at most 168 registers.  Head dims above 128 need more (the O
+  // accumulator alone is kHeadDim / 2): the producer then is a whole warpgroup that hands its
+  // registers to the consumers (setmaxnreg), as the backward's does.
+  static constexpr bool kProducerWarpGroup = kHeadDim > 128;
+  static constexpr int kThreads = 32 * kConsumerWarps + (kProducerWarpGroup ? 128 : 32);
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+  static_assert(!kProducerWarpGroup || (kConsumerWarpGroups * kConsumerRegisters + kProducerRegisters) * 128 <= 65536,
+                "setmaxnreg shares one register file");
   static constexpr int kMinBlocksPerSm = 1;  // the register file is sized for one block per SM
 
   // A TMA box row is one swizzle span: 128 bytes where the head dim allows, else 64.
@@ -333,20 +343,28 @@ struct FwdKernel {
     }
     __syncthreads();
 
-    if (warp == kProducerWarp) {
-      if (threadIdx.x % 32 == 0 && blocks.end > blocks.begin) {
+    if (warp >= kProducerWarp) {
+      if constexpr (kProducerWarpGroup) {
+        cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
+      }
+      if (threadIdx.x == 32 * kProducerWarp && blocks.end > blocks.begin) {
         produce(p, s, seq, m_block, head, blocks);
       }
-    } else if (blocks.end > blocks.begin) {
-      consume(p, s, seq, m_block, head, blocks);
-    } else {  // no key visible to any row of the block (or no row: lse padding only)
-      auto zeros = cute::make_tensor<float>(cute::Int<kHeadDim / 2>{});
-      cute::clear(zeros);
-      float row_max[2] = {-INFINITY, -INFINITY};
-      float row_sum[2] = {0.f, 0.f};
-      int const lane = threadIdx.x % 32;
-      store(p, seq, zeros, row_max, row_sum,
-            m_block * kBlockM + 64 * (threadIdx.x / 128) + 16 * (warp % 4) + lane / 4, 2 * (lane % 4), head);
+    } else {
+      if constexpr (kProducerWarpGroup) {
+        cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
+      }
+      if (blocks.end > blocks.begin) {
+        consume(p, s, seq, m_block, head, blocks);
+      } else {  // no key visible to any row of the block (or no row: lse padding only)
+        auto zeros = cute::make_tensor<float>(cute::Int<kHeadDim / 2>{});
+        cute::clear(zeros);
+        float row_max[2] = {-INFINITY, -INFINITY};
+        float row_sum[2] = {0.f, 0.f};
+        int const lane = threadIdx.x % 32;
+        store(p, seq, zeros, row_max, row_sum,
+              m_block * kBlockM + 64 * (threadIdx.x / 128) + 16 * (warp % 4) + lane / 4, 2 * (lane % 4), head);
+      }
     }
   }
 };
