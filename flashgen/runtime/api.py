@@ -1056,7 +1056,7 @@ def _sm90_bwd_layout(kc, c: _Common, q, k):
     heads_rows = c.B * c.H * rows
     dq_bytes = q.size * q.itemsize
     dkv_bytes = k.size * k.itemsize
-    counters = heads_rows // kc["block_m"] * kc["warp_groups"] * 4
+    counters = heads_rows // kc["block_m"] * 4
     return (rows,) + _packed_offsets(dq_bytes, dkv_bytes, dkv_bytes, heads_rows * 4, heads_rows * 4,
                                      heads_rows * kc["max_k"] * 4, counters)
 

@@ -14,7 +14,7 @@ holds three entry points, launched in order on one stream:
 
 Workspace (float32 unless said): lse_log2 and delta [B, H, rows_padded], the dQ
 accumulator [B, H, rows_padded, max_k], int32 counters for the deterministic
-order [B, H, rows_padded / block_m, warp_groups]; rows_padded is M rounded up
+order [B, H, rows_padded / block_m]; rows_padded is M rounded up
 to ``block_m``.  Packed (varlen) batches (``seqstart_q/k`` as in ``sm90_fwd``, M and N
 the longest sequence's lengths, B = 1): sequence b's workspace rows start at
 floor((seqstart_q[b] + b * block_m) / block_m) * block_m, and rows_padded is
@@ -121,7 +121,6 @@ class Sm90Bwd(Sm90Tile):
         Constant("block_n", "Kernel::kBlockN"),
         Constant("max_k", "Kernel::kHeadDim"),
         Constant("stages", "Kernel::kStages"),
-        Constant("warp_groups", "Kernel::kWarpGroups"),
         Constant("box_cols", "Kernel::kBoxCols"),
         Constant("swizzle_bytes", "Kernel::kSwizzleBytes"),
         Constant("alignment", "16 / sizeof(Kernel::Element)"),

@@ -134,7 +134,6 @@ extern "C" __constant__ long long sm90_bwd_bf16_k128_q64x128_s2_softcap_sm90a_me
     (long long)(Kernel::kBlockN),  // block_n
     (long long)(Kernel::kHeadDim),  // max_k
     (long long)(Kernel::kStages),  // stages
-    (long long)(Kernel::kWarpGroups),  // warp_groups
     (long long)(Kernel::kBoxCols),  // box_cols
     (long long)(Kernel::kSwizzleBytes),  // swizzle_bytes
     (long long)(16 / sizeof(Kernel::Element)),  // alignment

@@ -60,7 +60,7 @@ struct BwdParams {
   float* lse_log2_ptr;        // workspace [B, H, rows_padded]
   float* delta_ptr;           // workspace [B, H, rows_padded]
   float* dq_accum_ptr;        // workspace [B, H, rows_padded, kHeadDim], zeroed by prep
-  int* dq_counter_ptr;        // deterministic order: [B, H, rows_padded / kBlockM, warpgroups], zeroed by prep
+  int* dq_counter_ptr;        // deterministic order: [B, H, rows_padded / kBlockM], zeroed by prep
   void* dq_ptr;
   void* dk_ptr;
   void* dv_ptr;
@@ -175,6 +175,7 @@ struct BwdKernel {
     alignas(1024) Element q[kStages * kBlockM * kHeadDim];
     alignas(1024) Element dout[kStages * kBlockM * kHeadDim];
     alignas(1024) Element ds[2 * kBlockM * kBlockN];
+    alignas(128) float dq[kBlockM * kHeadDim];  // a query block's dQ, row-major as in the accumulator
     alignas(16) float lse_log2[kStages][kBlockM];
     alignas(16) float delta[kStages][kBlockM];
     alignas(8) uint64_t kv_full;
@@ -416,6 +417,7 @@ struct BwdKernel {
       warpgroup_commit_batch();
 
       // dQ = dS K is issued while dK/dV finish: it only needs both halves of dS in shared memory.
+      tile_free();  // and, by the time it is written to the dQ tile, the last tile was read
       cutlass::arch::NamedBarrier::sync(kConsumerThreads, 0);
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<_64, Int<kDqCols>>{});
       warpgroup_fence_operand(acc_dq);
@@ -436,47 +438,57 @@ struct BwdKernel {
       Barrier::arrive(&s.empty[stage]);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_dq);
-      add_dq(p, seq, acc_dq, head, m_block, n_block, query0 + (kDqSplitRows ? 64 * wg : 0),
-             kDqSplitRows ? 0 : wg * kDqCols);
+      add_dq(p, seq, s, acc_dq, head, m_block, n_block, kDqSplitRows ? 64 * wg : 0, kDqSplitRows ? 0 : wg * kDqCols);
     }
+    tile_free();  // the shared memory stays until the TMA unit has read the last tile
     store_dkv(p, seq, acc_dk, p.dk_ptr, p.scale, key0 + key_row, col0, head_kv);
     store_dkv(p, seq, acc_dv, p.dv_ptr, 1.f, key0 + key_row, col0, head_kv);
   }
 
-  // Adds this warpgroup's dQ part (64 rows from part_row0, kDqCols columns from part_col0 of
-  // query block m_block) into the fp32 accumulator; deterministic: after the key blocks
-  // before this one, counted by the part's counter.
+  // Adds this warpgroup's dQ part (64 rows from part_row0, kDqCols columns from part_col0
+  // of query block m_block) into the fp32 accumulator, through the block's tile in shared
+  // memory: once both parts are there, one thread hands the whole tile (kBlockM contiguous
+  // accumulator rows) to the TMA unit as one bulk reduce-add.  Per-thread atomics here kept
+  // the consumers stalled on memory (ncu: long scoreboard and LSU throttle over 40%).
+  // Deterministic: the tile goes in after the key blocks before this one, counted by the
+  // query block's counter.  The caller has made sure the last tile was read (tile_free).
   template <class Accumulator>
-  static __device__ void add_dq(BwdParams const& p, Sequence const& seq, Accumulator const& acc, int head,
-                                int m_block, int n_block, int part_row0, int part_col0) {
+  static __device__ void add_dq(BwdParams const& p, Sequence const& seq, SharedStorage& s, Accumulator const& acc,
+                                int head, int m_block, int n_block, int part_row0, int part_col0) {
     using namespace cute;
-    int const wg = threadIdx.x / 128;
     int const lane = threadIdx.x % 32;
-    int const barrier = 1 + wg;  // named barrier of this warpgroup's 128 threads
-    long long const head_row0 = workspace_row0(p, seq, head);
-    cuda::atomic_ref<int, cuda::thread_scope_device> counter(
-        p.dq_counter_ptr[(head_row0 / kBlockM + m_block) * kWarpGroups + wg]);
-    if (p.deterministic) {  // wait for the key blocks before this one (they all meet this query block too)
-      int const earlier = n_block - dq_key_blocks(seq, m_block).begin;
-      if (threadIdx.x % 128 == 0) {
-        while (counter.load(cuda::memory_order_acquire) != earlier) {
-        }
-      }
-      cutlass::arch::NamedBarrier::sync(128, barrier);
-    }
     int const row = part_row0 + 16 * ((threadIdx.x / 32) % 4) + lane / 4;  // this thread's first row
-    float* accum = p.dq_accum_ptr + (head_row0 + row) * kHeadDim + part_col0 + 2 * (lane % 4);
+    float* tile = s.dq + row * kHeadDim + part_col0 + 2 * (lane % 4);
     CUTE_UNROLL
     for (int r = 0; r < size(acc); r += 2) {
       int const offset = ((r / 2) % 2) * 8 * kHeadDim + (r / 4) * 8;
-      atomicAdd(reinterpret_cast<float2*>(accum + offset), make_float2(acc(r), acc(r + 1)));
+      *reinterpret_cast<float2*>(tile + offset) = make_float2(acc(r), acc(r + 1));
     }
-    if (p.deterministic) {
-      __threadfence();
-      cutlass::arch::NamedBarrier::sync(128, barrier);
-      if (threadIdx.x % 128 == 0) {
+    cutlass::arch::fence_view_async_shared();  // the writes above, before the TMA unit reads them
+    cutlass::arch::NamedBarrier::sync(kConsumerThreads, 0);
+    if (threadIdx.x == 0) {
+      long long const block_row0 = workspace_row0(p, seq, head) + m_block * kBlockM;
+      cuda::atomic_ref<int, cuda::thread_scope_device> counter(p.dq_counter_ptr[block_row0 / kBlockM]);
+      if (p.deterministic) {  // wait for the key blocks before this one (they all meet this query block too)
+        int const earlier = n_block - dq_key_blocks(seq, m_block).begin;
+        while (counter.load(cuda::memory_order_acquire) != earlier) {
+        }
+        fence_proxy_async_global();  // the acquire, before the TMA unit's adds
+      }
+      bulk_reduce_add(p.dq_accum_ptr + block_row0 * kHeadDim, s.dq, kBlockM * kHeadDim * int(sizeof(float)));
+      if (p.deterministic) {
+        bulk_wait_all();             // the adds are done ...
+        fence_proxy_async_global();  // ... and ordered before the release
         counter.fetch_add(1, cuda::memory_order_release);
       }
+    }
+  }
+
+  // Before threads write the next dQ tile: thread 0, which issued the last reduce-add, waits
+  // until the TMA unit has read its tile; the caller's next barrier tells the others.
+  static __device__ void tile_free() {
+    if (threadIdx.x == 0) {
+      bulk_wait_read();
     }
   }
 
@@ -588,8 +600,8 @@ struct BwdKernel {
         accum[c] = make_float4(0.f, 0.f, 0.f, 0.f);
       }
     }
-    if (threadIdx.x < kWarpGroups) {
-      p.dq_counter_ptr[(head_row0 / kBlockM + m_block) * kWarpGroups + threadIdx.x] = 0;
+    if (threadIdx.x == 0) {
+      p.dq_counter_ptr[head_row0 / kBlockM + m_block] = 0;
     }
   }
 

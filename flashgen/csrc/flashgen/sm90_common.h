@@ -1,6 +1,6 @@
 // Pieces both Hopper kernels (sm90_fwd.h, sm90_bwd.h) use: fast math on
 // accumulator rows, band-mask block ranges, one warpgroup-wide wgmma GEMM, a
-// tile's TMA loads.
+// tile's TMA loads, bulk reduce-adds.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
@@ -110,6 +110,25 @@ __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TensorA const& a, 
     warpgroup_fence_operand(const_cast<TensorA&>(a));
   }
 }
+
+// One bulk reduce-add of `bytes` (a multiple of 16) of fp32 from shared into global memory: the
+// TMA unit does the adds.  It joins the issuing thread's bulk group (bulk_wait_read/_all).
+__device__ __forceinline__ void bulk_reduce_add(float* gmem, float const* smem, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               :
+               : "l"(gmem), "r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// This thread's bulk operations have read their shared memory (it may be rewritten).
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+
+// This thread's bulk operations are complete, writes included.
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// Orders this thread's generic-proxy accesses to global memory with its async-proxy (TMA) ones.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
 // The TMA loads of one tile of `rows` rows of a [batch, seq, heads, head_dim] tensor map
 // into `smem`: kBoxes boxes of kBoxCols columns (one swizzle span each), box after box along
