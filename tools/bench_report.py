@@ -15,24 +15,28 @@ from collections import defaultdict
 
 IMPLS = ["flashgen", "sdpa-efficient", "sdpa-flash", "sdpa-cudnn"]
 
-FWD_NEXT_STEPS = """Toward cuDNN (behind it mostly at short sequences and head dim 128): each
-consumer warpgroup still runs its softmax between its two GEMMs, so the tensor
-cores idle meanwhile.  Next: issue the next block's QK^T before the current
-softmax (two S accumulators), order the two consumer warpgroups' GEMMs against
-each other, and write O through shared memory with a TMA store."""
+FWD_NEXT_STEPS = """Toward cuDNN (behind it mostly with causal masks and short sequences): ncu on
+bf16, head dim 128, 4 x 4096, not causal (1.23 ms at ncu's clocks) shows SM
+throughput at 61% of peak and the warps stalled on barriers 29% (consumers
+waiting for data and for their own wgmma), wait 22% and long scoreboard 12%.
+A one-block software pipeline (issue the next S = QK^T before the previous
+P V, run the softmax between them, a producer warpgroup giving its registers
+to the consumers so S, P and O fit) measured 15-25% slower on this H200 and
+was not kept.  Next: order the two consumer warpgroups' GEMMs against each
+other (one's softmax under the other's GEMMs), and write O through shared
+memory with a TMA store."""
 
-BWD_NEXT_STEPS = """Toward cuDNN (0.6-0.85 of it from 2k tokens on, level or ahead at 512): ncu on bf16, head dim 128,
-4 x 4096, not causal (ncu's base clocks: 5.05 ms for the main kernel, against
-the forward's 1.20 ms for 2.5x fewer FLOPs) shows SM throughput at 37% of peak
-and the warps stalled mostly on memory: long scoreboard 31%, wait 14%, LSU
-throttle 14%, barrier 12%.  That is the dQ accumulation: each consumer thread
-issues 32 float2 atomic adds per query block.  At the bench's clocks the
-kernel sustains about a third of the H200's dense bf16 tensor peak.  Next:
-stage each warpgroup's dQ tile in shared memory and add it to the accumulator
-with one TMA reduce-add (cp.reduce.async.bulk) per tile, so the consumers
-never wait on the atomics; then overlap the next block's S and dP GEMMs with
-the current block's softmax (the two warpgroups taking turns), and try three
-stages for head dim 64."""
+BWD_NEXT_STEPS = """Toward cuDNN (behind from 2k tokens on, level or ahead at 512-1k): dQ now
+leaves each CTA as one TMA bulk reduce-add per query block; it was 32 float2
+atomics per thread, with the warps stalled on long scoreboard 31% and LSU
+throttle 14%.  ncu on bf16, head dim 128, 4 x 4096, not causal: the main
+kernel takes 4.12 ms at ncu's clocks (5.05 ms with the atomics), SM
+throughput 45% of peak, stalls long scoreboard 22%, wait 20%, barrier 12%,
+LG throttle 9%.  Next: overlap the next block's S and dP GEMMs with the
+current block's softmax (the two warpgroups taking turns), a second dQ tile
+so no consumer waits for the TMA unit to read the last one, three stages and
+fewer spills at head dim 64 (its kernels spill 84-104 bytes), and sm90
+backward kernels for head dims 192 and 256 (example 41 runs those now)."""
 
 
 def load(path):
@@ -97,7 +101,7 @@ and at most {max(drift):.1%}.
 On this GPU both directions run flashgen's own Hopper families (`sm90_fwd`,
 `sm90_bwd`: wgmma, TMA, warp-specialised producers; issue 7).  sdpa-efficient
 runs CUTLASS example 41, the kernels flashgen falls back to elsewhere (bias,
-dropout, cu_seqlens, float32, other GPUs); FlashAttention-2 (sdpa-flash) and
+dropout, float32, head dims above 256 (backward: 128), other GPUs); FlashAttention-2 (sdpa-flash) and
 cuDNN are the bars for the Hopper families.
 
 ![TFLOP/s vs seqlen](docs/bench_h200.png)
@@ -147,8 +151,8 @@ Lowest flashgen / efficient ratio of the two runs: forward {worst['fwd']:.2f}, b
     print("A tiny problem (1 x 128 x 1 x 64, f16), wall time per call over 500 back-to-back calls, median of")
     print("9 rounds with the implementations interleaved; flashgen's calls repeat one signature and take the")
     print("launch plan (flashgen/runtime/plans.py), as every training step after the first does.  On the")
-    print("H200 the backward is sm90_bwd: one allocation, two launches (prep and the main kernel, which also")
-    print("writes dQ), four tensor maps re-encoded only when an input's address moved.\n")
+    print("H200 the backward is sm90_bwd: one allocation, three launches (prep, the main kernel, dQ's")
+    print("conversion), four tensor maps re-encoded only when an input's address moved.\n")
     print("First run / repeat run:\n")
     for name, us in data["overhead_us"].items():
         print(f"- {name}: {us:.1f} us / {repeat_data['overhead_us'].get(name, float('nan')):.1f} us")
