@@ -805,7 +805,7 @@ def test_window_and_softcap_outside_the_sm90_kernels_are_refused():
     c = api._common(*qkv(), None, None, 0.0, None, 0, None, None, window=(4, 4), softcap=3.0)
     with pytest.raises(UnsupportedError, match=r"window and softcap run only on flashgen's sm90_fwd .* up to 256"):
         api._only_on_sm90(c, Sm90Fwd)
-    with pytest.raises(UnsupportedError, match=r"window and softcap run only on flashgen's sm90_bwd .* up to 128"):
+    with pytest.raises(UnsupportedError, match=r"window and softcap run only on flashgen's sm90_bwd .* up to 256"):
         api._only_on_sm90(c, Sm90Bwd)
     api._only_on_sm90(api._common(*qkv(), None, None, 0.0, None, 0, None, None), Sm90Fwd)  # nothing to refuse
 

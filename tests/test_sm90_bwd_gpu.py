@@ -62,7 +62,7 @@ def check_backward(q, k, v, do, causal, deterministic=False, **options):
 
 
 SIZES = ((1, 1), (7, 129), (129, 7), (1000, 129), (129, 1000), (1000, 1000), (1, 1000), (2048, 2048))
-HEAD_DIMS = (8, 40, 64, 96, 128)
+HEAD_DIMS = (8, 40, 64, 96, 128, 160, 192, 256)
 GRID = [(dtype, K, *SIZES[(i + j + m) % len(SIZES)], causal)
         for i, dtype in enumerate(("f16", "bf16")) for j, K in enumerate(HEAD_DIMS)
         for m, causal in enumerate((None, "top_left", "bottom_right"))]
@@ -113,12 +113,13 @@ def test_every_instance(binary):
 
 
 @needs_sm90
+@pytest.mark.parametrize("K", [128, 256])  # the dQ tile's bulk reduce-add, the split head dim's atomics
 @pytest.mark.parametrize("causal", [None, "top_left"])
-def test_deterministic_mode_repeats_bit_for_bit(causal):
+def test_deterministic_mode_repeats_bit_for_bit(causal, K):
     """Many key blocks add into the same dQ rows; with deterministic=True they do so in key-block
     order, so two calls (the second through its launch plan) agree in every bit."""
     rng = np.random.default_rng(9)
-    q, k, v, do = inputs(rng, "bf16", B=2, M=2048, N=2048, H=4, K=128)
+    q, k, v, do = inputs(rng, "bf16", B=2, M=2048, N=2048, H=4, K=K)
     plans.clear()
     first = check_backward(q, k, v, do, causal, deterministic=True)
     out, lse = flashgen.attention_forward(q, k, v, causal=causal)
@@ -165,7 +166,7 @@ def test_lse_with_a_row_stride():
 
 @needs_sm90
 def test_falls_back_where_the_family_has_no_kernel():
-    """bias gradients, dropout, float32, head dims over 128 and TMA-hostile strides go to the
+    """bias gradients, dropout, float32, head dims over 256 and TMA-hostile strides go to the
     example-41 backward."""
     rng = np.random.default_rng(5)
     q, k, v = (randn(rng, (1, 130, 2, 64), "f16") for _ in range(3))
@@ -173,7 +174,8 @@ def test_falls_back_where_the_family_has_no_kernel():
     assert selected_backward(q, k, v, attn_bias=bias).startswith("mem_eff_bwd")
     assert selected_backward(q, k, v, dropout_p=0.1).startswith("mem_eff_bwd")
     assert selected_backward(*(x.astype(cupy.float32) for x in (q, k, v))).startswith("mem_eff_bwd")
-    big = randn(rng, (1, 64, 2, 136), "f16")
+    assert selected_backward(*(randn(rng, (1, 64, 2, 136), "f16") for _ in range(3))).startswith("sm90_bwd_f16_k256")
+    big = randn(rng, (1, 64, 2, 264), "f16")
     assert selected_backward(big, big, big).startswith("mem_eff_bwd")
     odd = randn(rng, (1, 130, 2, 68), "f16")[..., :60]  # row stride 136 elements: not 16-byte aligned
     assert selected_backward(odd, odd, odd).startswith("mem_eff_bwd")

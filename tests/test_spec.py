@@ -46,8 +46,8 @@ def test_default_set_sizes_are_what_the_readme_says():
     sm80 = [k for k in default_kernels() if k.runs_on("sm80")]
     assert len(sm80) == 68
     assert len(Sm90Fwd.default_set()) == 40
-    assert len(Sm90Bwd.default_set()) == 16
-    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 40 + 16
+    assert len(Sm90Bwd.default_set()) == 24
+    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 40 + 24
     assert len([k for k in default_kernels() if k.runs_on("sm90")]) == 68, "plain sm90 cannot build wgmma code"
 
 
@@ -69,9 +69,9 @@ def test_sm90_backward_covers_dtypes_head_dims_masks_and_softcap():
     for dtype in ("f16", "bf16"):
         for band in (False, True):
             for softcap in (False, True):
-                tiles = {(k.max_k, k.block_m) for k in kernels
+                tiles = {(k.max_k, k.block_m, k.block_n) for k in kernels
                          if k.dtype == dtype and k.band == band and k.softcap == softcap}
-                assert tiles == {(64, 128), (128, 64)}
+                assert tiles == {(64, 128, 128), (128, 64, 128), (256, 64, 64)}
     assert all(k.runs_on("sm90a") and not k.runs_on("sm90") for k in kernels)
     assert Sm90Bwd.params_dtype().itemsize == 768, "four 128-byte-aligned tensor maps round Params up to 128"
 

@@ -101,7 +101,7 @@ and at most {max(drift):.1%}.
 On this GPU both directions run flashgen's own Hopper families (`sm90_fwd`,
 `sm90_bwd`: wgmma, TMA, warp-specialised producers; issue 7).  sdpa-efficient
 runs CUTLASS example 41, the kernels flashgen falls back to elsewhere (bias,
-dropout, float32, head dims above 256 (backward: 128), other GPUs); FlashAttention-2 (sdpa-flash) and
+dropout, float32, head dims above 256, other GPUs); FlashAttention-2 (sdpa-flash) and
 cuDNN are the bars for the Hopper families.
 
 ![TFLOP/s vs seqlen](docs/bench_h200.png)

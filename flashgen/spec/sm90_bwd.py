@@ -44,9 +44,9 @@ class Sm90Bwd(Sm90Tile):
     AXES = {
         "arch": ("sm90a",),
         "dtype": ("f16", "bf16"),
-        "max_k": (64, 128),
+        "max_k": (64, 128, 256),
         "block_m": (64, 128),
-        "block_n": (128,),
+        "block_n": (128, 64),
         "stages": (2,),
         "band": (False, True),
         "softcap": (False, True),
@@ -58,6 +58,12 @@ class Sm90Bwd(Sm90Tile):
         Rule("128 queries at head dim 128 need 256 accumulator registers per thread (S, dP, dK, dV); "
              "setmaxnreg gives a consumer 240",
              lambda k: k.max_k == 128 and k.block_m == 128),
+        Rule("head dim 256 splits its columns between the two warpgroups of one 64-key, 64-query tile "
+             "(BwdKernel::kSplitCols): dK and dV of 64 keys fill a warpgroup's registers at 128 already",
+             lambda k: k.max_k == 256 and (k.block_n != 64 or k.block_m != 64)),
+        Rule("64-key CTAs are for the split head dim only: below 256 two warpgroups of 64 keys each "
+             "share one K/V load",
+             lambda k: k.block_n == 64 and k.max_k != 256),
     )
 
     @property

@@ -67,6 +67,8 @@ for dtype in ("f16", "bf16"):
     call(dtype, 2, 257, 300, 2, 128, deterministic=True)
     call(dtype, 1, 300, 700, 4, 64, heads_kv=2, window=(100, 20), softcap=10.0)   # band at both edges, softcap
     call(dtype, 1, 400, 100, 2, 128, window=(0, 5), deterministic=True)          # rows whose window is empty
+    call(dtype, 1, 200, 333, 4, 256, heads_kv=2, causal="top_left")                 # the split head dim
+    call(dtype, 1, 150, 300, 2, 192, deterministic=True, softcap=4.0)               # its deterministic order
 # packed batches: example 41 (float32) and, on a 9.0 GPU, sm90 (a sequence without keys, one
 # without queries, rows past the last sequence, a band per sequence, the deterministic order)
 cu_q, cu_k = np.array([0, 5, 5, 40], np.int32), np.array([0, 0, 30, 70], np.int32)

@@ -110,7 +110,13 @@ struct BwdKernel {
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
   static_assert(kBlockN % 64 == 0 && kBlockM % 64 == 0 && kHeadDim % 32 == 0, "wgmma tile shapes");
-  static constexpr int kWarpGroups = kBlockN / 64;
+  // Above head dim 128, dK and dV of 64 keys do not fit one warpgroup's registers: the two
+  // warpgroups then share the CTA's 64 keys and split the head dim (kKvCols each), and each
+  // computes S^T and dP^T for all of them -- the same two products twice, the price of the split.
+  static constexpr bool kSplitCols = kHeadDim > 128;
+  static constexpr int kWarpGroups = kSplitCols ? 2 : kBlockN / 64;
+  static constexpr int kKvCols = kSplitCols ? kHeadDim / kWarpGroups : kHeadDim;
+  static_assert(!kSplitCols || (kBlockN == 64 && kBlockM == 64), "the split head dim is laid out for 64 x 64 steps");
   static constexpr int kConsumerThreads = 128 * kWarpGroups;
   // The producer is a whole warpgroup (one lane of it issues the loads) so that
   // setmaxnreg can hand its registers to the consumers: 240 each instead of the
@@ -132,6 +138,9 @@ struct BwdKernel {
   static constexpr int kDqCols = kDqSplitRows ? kHeadDim : kHeadDim / kWarpGroups;
   static_assert(kDqSplitRows || (kBlockM == 64 && kDqCols % kBoxCols == 0),
                 "dQ needs 64 query rows per warpgroup or whole swizzle atoms of head-dim columns per warpgroup");
+  // dQ leaves through a tile in shared memory (add_dq) where the tile fits beside the rest;
+  // the split head dim adds its parts with atomics instead.
+  static constexpr bool kDqTile = !kSplitCols;
 
   using AtomK = std::conditional_t<kSwizzleBytes == 128, cute::GMMA::Layout_K_SW128_Atom<Element>,
                                    cute::GMMA::Layout_K_SW64_Atom<Element>>;
@@ -154,14 +163,16 @@ struct BwdKernel {
       cute::GMMA::Layout_MN_SW128_Atom<Element>{},
       cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::_2>{}, cute::Step<cute::_2, cute::_1, cute::_3>{}));
 
-  using WarpGroups = cute::Layout<cute::Shape<cute::Int<kWarpGroups>, cute::_1, cute::_1>>;
+  // The S^T / dP^T and dK / dV products are tiled over the warpgroups by keys, or (split head
+  // dim) each warpgroup runs its own: then every thread indexes them by its rank in its warpgroup.
+  using WarpGroups = cute::Layout<cute::Shape<cute::Int<kSplitCols ? 1 : kWarpGroups>, cute::_1, cute::_1>>;
   using TiledMmaSdP = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float,
                                  cute::Shape<cute::_64, cute::Int<kBlockM>, cute::Int<kHeadDim>>>(),
       WarpGroups{}));
   using TiledMmaKV = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<Element, Element, float,
-                                 cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockM>>,
+                                 cute::Shape<cute::_64, cute::Int<kKvCols>, cute::Int<kBlockM>>,
                                  cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
       WarpGroups{}));
   using TiledMmaDq = decltype(cute::make_tiled_mma(
@@ -175,7 +186,7 @@ struct BwdKernel {
     alignas(1024) Element q[kStages * kBlockM * kHeadDim];
     alignas(1024) Element dout[kStages * kBlockM * kHeadDim];
     alignas(1024) Element ds[2 * kBlockM * kBlockN];
-    alignas(128) float dq[kBlockM * kHeadDim];  // a query block's dQ, row-major as in the accumulator
+    alignas(128) float dq[kDqTile ? kBlockM * kHeadDim : 4];  // a query block's dQ, row-major as in the accumulator
     alignas(16) float lse_log2[kStages][kBlockM];
     alignas(16) float delta[kStages][kBlockM];
     alignas(8) uint64_t kv_full;
@@ -259,8 +270,9 @@ struct BwdKernel {
     TiledMmaSdP mma_sdp;
     TiledMmaKV mma_kv;
     TiledMmaDq mma_dq;
-    auto thr_sdp = mma_sdp.get_thread_slice(tid);
-    auto thr_kv = mma_kv.get_thread_slice(tid);
+    int const mma_tid = kSplitCols ? tid % 128 : tid;
+    auto thr_sdp = mma_sdp.get_thread_slice(mma_tid);
+    auto thr_kv = mma_kv.get_thread_slice(mma_tid);
     auto thr_dq = mma_dq.get_thread_slice(tid % 128);
 
     Tensor sK = make_tensor(make_smem_ptr(s.k), SmemLayoutK{});
@@ -276,8 +288,10 @@ struct BwdKernel {
     Tensor tPrV = thr_sdp.partition_fragment_A(sV(_, _, 0));
     Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);           // (MMA, MMA_N, MMA_K, stages)
     Tensor tPrDo = thr_sdp.partition_fragment_B(sDo);
-    Tensor tKrQt = thr_kv.partition_fragment_B(sQt);
-    Tensor tVrDoT = thr_kv.partition_fragment_B(sDoT);
+    // This warpgroup's head-dim columns of Q and dO for dK and dV (all of them unless split).
+    auto const kv_cols = Shape<Int<kKvCols>, Int<kBlockM>, Int<kStages>>{};
+    Tensor tKrQt = thr_kv.partition_fragment_B(local_tile(sQt, kv_cols, make_coord(kSplitCols ? wg : 0, 0, 0)));
+    Tensor tVrDoT = thr_kv.partition_fragment_B(local_tile(sDoT, kv_cols, make_coord(kSplitCols ? wg : 0, 0, 0)));
     // This warpgroup's share of dQ = dS K.
     Tensor sDsPart = local_tile(sDs, Shape<_64, Int<kBlockN>, _2>{}, make_coord(kDqSplitRows ? wg : 0, 0, 0));
     Tensor sKtPart = local_tile(sKt(_, _, 0), Shape<Int<kDqCols>, Int<kBlockN>>{},
@@ -285,8 +299,8 @@ struct BwdKernel {
     Tensor tQrDs = thr_dq.partition_fragment_A(sDsPart);  // (MMA, 1, MMA_K, 2)
     Tensor tQrKt = thr_dq.partition_fragment_B(sKtPart);  // (MMA, 1, MMA_K)
 
-    Tensor acc_dk = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
-    Tensor acc_dv = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+    Tensor acc_dk = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kKvCols>>{});
+    Tensor acc_dv = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kKvCols>>{});
     clear(acc_dk);
     clear(acc_dv);
     // P^T and dS^T as A operands (keys x queries): the accumulator registers in the same
@@ -299,7 +313,7 @@ struct BwdKernel {
     // first row, column (r / 4) * 8 + col0 + r % 2.
     int const row_in_tile = 16 * warp_in_wg + lane / 4;
     int const col0 = 2 * (lane % 4);
-    int const key_row = 64 * wg + row_in_tile;  // within the key block
+    int const key_row = (kSplitCols ? 0 : 64 * wg) + row_in_tile;  // within the key block
     int const key0 = n_block * kBlockN;
     int const total = p.head_group * st.m_blocks;
 
@@ -389,15 +403,18 @@ struct BwdKernel {
                                           static_cast<float>(tKrDs(r)));
         }
       }
-      // dS^T -> dS in shared memory (a query pair is adjacent there), for the dQ product.
-      CUTE_UNROLL
-      for (int r = 0; r < size(tKrDs); r += 2) {
-        int const col = (r / 4) * 8 + col0;
-        int const key = key_row + ((r / 2) % 2) * 8;
-        cutlass::Array<Element, 2> pair;
-        pair[0] = tKrDs(r);
-        pair[1] = tKrDs(r + 1);
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(&sDs(col, key, buf)) = pair;
+      // dS^T -> dS in shared memory (a query pair is adjacent there), for the dQ product (with a
+      // split head dim both warpgroups hold all of dS^T: the first writes it).
+      if (!kSplitCols || wg == 0) {
+        CUTE_UNROLL
+        for (int r = 0; r < size(tKrDs); r += 2) {
+          int const col = (r / 4) * 8 + col0;
+          int const key = key_row + ((r / 2) % 2) * 8;
+          cutlass::Array<Element, 2> pair;
+          pair[0] = tKrDs(r);
+          pair[1] = tKrDs(r + 1);
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(&sDs(col, key, buf)) = pair;
+        }
       }
       cutlass::arch::fence_view_async_shared();
 
@@ -417,7 +434,9 @@ struct BwdKernel {
       warpgroup_commit_batch();
 
       // dQ = dS K is issued while dK/dV finish: it only needs both halves of dS in shared memory.
-      tile_free();  // and, by the time it is written to the dQ tile, the last tile was read
+      if constexpr (kDqTile) {
+        tile_free();  // and, by the time it is written to the dQ tile, the last tile was read
+      }
       cutlass::arch::NamedBarrier::sync(kConsumerThreads, 0);
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<_64, Int<kDqCols>>{});
       warpgroup_fence_operand(acc_dq);
@@ -440,46 +459,77 @@ struct BwdKernel {
       warpgroup_fence_operand(acc_dq);
       add_dq(p, seq, s, acc_dq, head, m_block, n_block, kDqSplitRows ? 64 * wg : 0, kDqSplitRows ? 0 : wg * kDqCols);
     }
-    tile_free();  // the shared memory stays until the TMA unit has read the last tile
-    store_dkv(p, seq, acc_dk, p.dk_ptr, p.scale, key0 + key_row, col0, head_kv);
-    store_dkv(p, seq, acc_dv, p.dv_ptr, 1.f, key0 + key_row, col0, head_kv);
+    if constexpr (kDqTile) {
+      tile_free();  // the shared memory stays until the TMA unit has read the last tile
+    }
+    int const kv_col0 = col0 + (kSplitCols ? wg * kKvCols : 0);
+    store_dkv(p, seq, acc_dk, p.dk_ptr, p.scale, key0 + key_row, kv_col0, head_kv);
+    store_dkv(p, seq, acc_dv, p.dv_ptr, 1.f, key0 + key_row, kv_col0, head_kv);
   }
 
   // Adds this warpgroup's dQ part (64 rows from part_row0, kDqCols columns from part_col0
-  // of query block m_block) into the fp32 accumulator, through the block's tile in shared
-  // memory: once both parts are there, one thread hands the whole tile (kBlockM contiguous
-  // accumulator rows) to the TMA unit as one bulk reduce-add.  Per-thread atomics here kept
-  // the consumers stalled on memory (ncu: long scoreboard and LSU throttle over 40%).
-  // Deterministic: the tile goes in after the key blocks before this one, counted by the
-  // query block's counter.  The caller has made sure the last tile was read (tile_free).
+  // of query block m_block) into the fp32 accumulator.  kDqTile: through the block's tile in
+  // shared memory -- once both parts are there, one thread hands the whole tile (kBlockM
+  // contiguous accumulator rows) to the TMA unit as one bulk reduce-add; per-thread atomics
+  // kept the consumers stalled on memory (ncu: long scoreboard and LSU throttle over 40%),
+  // and remain only where the tile does not fit (split head dim).  Deterministic: a part goes
+  // in after all parts of the key blocks before this one, counted by the query block's
+  // counter.  The caller has made sure the last tile was read (tile_free).
   template <class Accumulator>
   static __device__ void add_dq(BwdParams const& p, Sequence const& seq, SharedStorage& s, Accumulator const& acc,
                                 int head, int m_block, int n_block, int part_row0, int part_col0) {
     using namespace cute;
     int const lane = threadIdx.x % 32;
     int const row = part_row0 + 16 * ((threadIdx.x / 32) % 4) + lane / 4;  // this thread's first row
-    float* tile = s.dq + row * kHeadDim + part_col0 + 2 * (lane % 4);
-    CUTE_UNROLL
-    for (int r = 0; r < size(acc); r += 2) {
-      int const offset = ((r / 2) % 2) * 8 * kHeadDim + (r / 4) * 8;
-      *reinterpret_cast<float2*>(tile + offset) = make_float2(acc(r), acc(r + 1));
-    }
-    cutlass::arch::fence_view_async_shared();  // the writes above, before the TMA unit reads them
-    cutlass::arch::NamedBarrier::sync(kConsumerThreads, 0);
-    if (threadIdx.x == 0) {
-      long long const block_row0 = workspace_row0(p, seq, head) + m_block * kBlockM;
-      cuda::atomic_ref<int, cuda::thread_scope_device> counter(p.dq_counter_ptr[block_row0 / kBlockM]);
-      if (p.deterministic) {  // wait for the key blocks before this one (they all meet this query block too)
-        int const earlier = n_block - dq_key_blocks(seq, m_block).begin;
-        while (counter.load(cuda::memory_order_acquire) != earlier) {
-        }
-        fence_proxy_async_global();  // the acquire, before the TMA unit's adds
+    long long const block_row0 = workspace_row0(p, seq, head) + m_block * kBlockM;
+    cuda::atomic_ref<int, cuda::thread_scope_device> counter(p.dq_counter_ptr[block_row0 / kBlockM]);
+    constexpr int kParts = kDqTile ? 1 : kWarpGroups;  // counter steps per key block
+    auto wait_for_earlier = [&] {  // the key blocks before this one all meet this query block too
+      int const earlier = n_block - dq_key_blocks(seq, m_block).begin;
+      while (counter.load(cuda::memory_order_acquire) < earlier * kParts) {
       }
-      bulk_reduce_add(p.dq_accum_ptr + block_row0 * kHeadDim, s.dq, kBlockM * kHeadDim * int(sizeof(float)));
+    };
+    if constexpr (kDqTile) {
+      float* tile = s.dq + row * kHeadDim + part_col0 + 2 * (lane % 4);
+      CUTE_UNROLL
+      for (int r = 0; r < size(acc); r += 2) {
+        int const offset = ((r / 2) % 2) * 8 * kHeadDim + (r / 4) * 8;
+        *reinterpret_cast<float2*>(tile + offset) = make_float2(acc(r), acc(r + 1));
+      }
+      cutlass::arch::fence_view_async_shared();  // the writes above, before the TMA unit reads them
+      cutlass::arch::NamedBarrier::sync(kConsumerThreads, 0);
+      if (threadIdx.x == 0) {
+        if (p.deterministic) {
+          wait_for_earlier();
+          fence_proxy_async_global();  // the acquire, before the TMA unit's adds
+        }
+        bulk_reduce_add(p.dq_accum_ptr + block_row0 * kHeadDim, s.dq, kBlockM * kHeadDim * int(sizeof(float)));
+        if (p.deterministic) {
+          bulk_wait_all();             // the adds are done ...
+          fence_proxy_async_global();  // ... and ordered before the release
+          counter.fetch_add(1, cuda::memory_order_release);
+        }
+      }
+    } else {
+      int const barrier = 1 + threadIdx.x / 128;  // named barrier of this warpgroup's 128 threads
       if (p.deterministic) {
-        bulk_wait_all();             // the adds are done ...
-        fence_proxy_async_global();  // ... and ordered before the release
-        counter.fetch_add(1, cuda::memory_order_release);
+        if (threadIdx.x % 128 == 0) {
+          wait_for_earlier();
+        }
+        cutlass::arch::NamedBarrier::sync(128, barrier);
+      }
+      float* accum = p.dq_accum_ptr + (block_row0 + row) * kHeadDim + part_col0 + 2 * (lane % 4);
+      CUTE_UNROLL
+      for (int r = 0; r < size(acc); r += 2) {
+        int const offset = ((r / 2) % 2) * 8 * kHeadDim + (r / 4) * 8;
+        atomicAdd(reinterpret_cast<float2*>(accum + offset), make_float2(acc(r), acc(r + 1)));
+      }
+      if (p.deterministic) {
+        __threadfence();
+        cutlass::arch::NamedBarrier::sync(128, barrier);
+        if (threadIdx.x % 128 == 0) {
+          counter.fetch_add(1, cuda::memory_order_release);
+        }
       }
     }
   }
