@@ -109,6 +109,31 @@ def test_strided_inputs(dtype, layout):
                            causal="top_left", layout=layout)
 
 
+@pytest.mark.parametrize("dtype,offset", [("f16", 4), ("bf16", 4), ("f16", 1)])
+@pytest.mark.parametrize("which", ["out", "grad_out", "both"])
+def test_backward_takes_out_and_grad_out_off_16_byte_alignment(dtype, offset, which):
+    """out / grad_out `offset` elements off a 16-byte boundary (views into larger buffers): the
+    example-41 backward, which reads them 16 bytes at a time, must get aligned copies, not fault."""
+    rng = np.random.default_rng([len(which), offset])
+    q, k, v = (randn(rng, (2, 1000, 3, 64), dtype) for _ in range(3))
+    do = randn(rng, q.shape, dtype)
+    out, lse = flashgen.attention_forward(q, k, v, causal="top_left")
+
+    def skewed(x):
+        y = cupy.empty(x.size + offset, dtype=x.dtype)[offset:].reshape(x.shape)
+        y[...] = x
+        return y
+
+    out_given = skewed(out) if which in ("out", "both") else out
+    do_given = skewed(do) if which in ("grad_out", "both") else do
+    with poisoned_allocations():
+        grads = flashgen.attention_backward(do_given, q, k, v, out_given, lse, causal="top_left")
+    cupy.cuda.runtime.deviceSynchronize()
+    _, _, ref_grads = reference(q, k, v, causal="top_left", grad_out=do)
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) < BWD_TOL[dtype]
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("shape,causal", [("full", None), ("broadcast_heads", None), ("full", "top_left")])
 def test_bias_and_its_gradient(dtype, shape, causal):

@@ -155,6 +155,11 @@ def _elem_strides(x):
     return tuple(s // x.itemsize for s in x.strides)
 
 
+def _aligned_16(x) -> bool:
+    """Pointer and the strides of the outer dimensions longer than 1 multiples of 16 bytes."""
+    return x.data.ptr % 16 == 0 and all(st % 16 == 0 for st, n in zip(x.strides[:-1], x.shape[:-1]) if n > 1)
+
+
 def _alignment(arrays, dims) -> int:
     """Largest of 8/4/2/1 dividing every pointer (in elements), stride and dim that matters."""
     values = list(dims)
@@ -928,6 +933,11 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
         if _elem_strides(out)[1:] != (c.H * c.Kv, c.Kv, 1):
             out = cupy.ascontiguousarray(out)  # the kernel derives out's row stride from H * Kv
             key = None  # a per-call copy: not a plan
+        if not (_aligned_16(out) and _aligned_16(grad_out)):
+            # Even the unaligned kernels read out and grad_out 16 bytes at a time (compute-sanitizer:
+            # misaligned 16-byte reads, then a fault): such inputs run from fresh, aligned copies.
+            out, grad_out = (x if _aligned_16(x) else x.copy() for x in (out, grad_out))
+            key = None
         arrays = [q, k, v, out, grad_out] + ([bias] if bias is not None else [])
         req = Request("mem_eff_bwd", c.dtype, c.K, c.Kv, _alignment(arrays, (c.K, c.Kv)), c.dropout_p > 0,
                       bias is not None, device_info(c.device), seq_multiples(c.M, c.N, c.seqstart_q is not None))
