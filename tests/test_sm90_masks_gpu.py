@@ -13,6 +13,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 import flashgen  # noqa: E402
 from attention_reference import (  # noqa: E402
+    assert_same_bits,
     BWD_TOL, FWD_TOL, gpu_marks, grouped_reference, hopper_kernels, lse_err, make_input, poisoned_allocations,
     randn, reference, rel_err,
 )
@@ -125,8 +126,7 @@ def test_deterministic_window_repeats_bit_for_bit():
     out, lse = flashgen.attention_forward(q, k, v, **options)
     for _ in range(3):
         again = flashgen.attention_backward(do, q, k, v, out, lse, deterministic=True, **options)
-        for a, b in zip(first, again):
-            assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), "deterministic backward changed bits"
+        assert_same_bits(first, again)
 
 
 @needs_sm90

@@ -16,6 +16,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 import flashgen  # noqa: E402
 from attention_reference import (  # noqa: E402
+    assert_same_bits,
     BWD_TOL, FWD_TOL, gpu_marks, grouped_reference, hopper_kernels, lse_err, make_input, poisoned_allocations,
     rel_err,
 )
@@ -124,8 +125,7 @@ def test_packed_deterministic_backward_repeats_bit_for_bit():
         rng, "f16", (1000, 300, 700), (1200, 300, 2000), H=4, K=128, Hk=2, deterministic=True, window=(300, 20))
     for _ in range(2):
         again = flashgen.attention_backward(do, q, k, v, out, lse, deterministic=True, **packed)
-        for a, b in zip(first, again):
-            assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all()), "deterministic backward changed bits"
+        assert_same_bits(first, again)
 
 
 @needs_sm90
