@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashgen.spec.core import DTYPES, Constant, Field, Rule
-from flashgen.spec.sm90_tile import Sm90Tile
+from flashgen.spec.sm90_tile import Sm90Tile, tile_constants
 
 
 @dataclass(frozen=True)
@@ -118,17 +118,5 @@ class Sm90Bwd(Sm90Tile):
         Field("softcap_out", "f32"),
     )
 
-    CONSTANTS = (
-        Constant("threads_per_block", "Kernel::kThreads"),
-        Constant("aux_threads", "Kernel::kAuxThreads"),
-        Constant("min_blocks_per_sm", "Kernel::kMinBlocksPerSm"),
-        Constant("shared_memory_bytes", "Kernel::kSharedBytes"),
-        Constant("block_m", "Kernel::kBlockM"),
-        Constant("block_n", "Kernel::kBlockN"),
-        Constant("max_k", "Kernel::kHeadDim"),
-        Constant("stages", "Kernel::kStages"),
-        Constant("box_cols", "Kernel::kBoxCols"),
-        Constant("swizzle_bytes", "Kernel::kSwizzleBytes"),
-        Constant("alignment", "16 / sizeof(Kernel::Element)"),
-        Constant("params_bytes", "sizeof(flashgen::sm90::BwdParams)"),
-    )
+    # prep and convert run aux_threads threads
+    CONSTANTS = tile_constants("flashgen::sm90::BwdParams") + (Constant("aux_threads", "Kernel::kAuxThreads"),)

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashgen.spec.core import DTYPES, Constant, Field, Rule
-from flashgen.spec.sm90_tile import Sm90Tile
+from flashgen.spec.core import DTYPES, Field, Rule
+from flashgen.spec.sm90_tile import Sm90Tile, tile_constants
 
 
 @dataclass(frozen=True)
@@ -95,16 +95,4 @@ class Sm90Fwd(Sm90Tile):
         Field("softcap_out", "f32"),
     )
 
-    CONSTANTS = (
-        Constant("threads_per_block", "Kernel::kThreads"),
-        Constant("min_blocks_per_sm", "Kernel::kMinBlocksPerSm"),
-        Constant("shared_memory_bytes", "Kernel::kSharedBytes"),
-        Constant("block_m", "Kernel::kBlockM"),
-        Constant("block_n", "Kernel::kBlockN"),
-        Constant("max_k", "Kernel::kHeadDim"),
-        Constant("stages", "Kernel::kStages"),
-        Constant("box_cols", "Kernel::kBoxCols"),
-        Constant("swizzle_bytes", "Kernel::kSwizzleBytes"),
-        Constant("alignment", "16 / sizeof(Kernel::Element)"),
-        Constant("params_bytes", "sizeof(flashgen::sm90::FwdParams)"),
-    )
+    CONSTANTS = tile_constants("flashgen::sm90::FwdParams")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from flashgen.spec.core import DTYPES, KernelSpec, cpp_bool, normalize_target
+from flashgen.spec.core import DTYPES, Constant, KernelSpec, cpp_bool, normalize_target
 
 
 @dataclass(frozen=True)
@@ -37,3 +37,21 @@ class Sm90Tile(KernelSpec):
     def cpp_type(self) -> str:
         flags = "".join(f", {cpp_bool(getattr(self, flag))}" for flag in self.FLAGS)
         return f"{self.KERNEL}<{DTYPES[self.dtype]}, {self.max_k}, {self.block_m}, {self.block_n}, {self.stages}{flags}>"
+
+
+def tile_constants(params: str) -> tuple:
+    """The compile-time constants both Hopper families' runtimes read back from the cubin:
+    launch shape, tile, TMA box and swizzle, and the size of ``params`` (the Params struct)."""
+    return (
+        Constant("threads_per_block", "Kernel::kThreads"),
+        Constant("min_blocks_per_sm", "Kernel::kMinBlocksPerSm"),
+        Constant("shared_memory_bytes", "Kernel::kSharedBytes"),
+        Constant("block_m", "Kernel::kBlockM"),
+        Constant("block_n", "Kernel::kBlockN"),
+        Constant("max_k", "Kernel::kHeadDim"),
+        Constant("stages", "Kernel::kStages"),
+        Constant("box_cols", "Kernel::kBoxCols"),
+        Constant("swizzle_bytes", "Kernel::kSwizzleBytes"),
+        Constant("alignment", "16 / sizeof(Kernel::Element)"),
+        Constant("params_bytes", f"sizeof({params})"),
+    )

@@ -127,7 +127,6 @@ sm90_bwd_bf16_k256_q64x64_s2_band_sm90a_convert(const __grid_constant__ Params p
 // from the cubin into the manifest, in this order.
 extern "C" __constant__ long long sm90_bwd_bf16_k256_q64x64_s2_band_sm90a_meta[] = {
     (long long)(Kernel::kThreads),  // threads_per_block
-    (long long)(Kernel::kAuxThreads),  // aux_threads
     (long long)(Kernel::kMinBlocksPerSm),  // min_blocks_per_sm
     (long long)(Kernel::kSharedBytes),  // shared_memory_bytes
     (long long)(Kernel::kBlockM),  // block_m
@@ -138,4 +137,5 @@ extern "C" __constant__ long long sm90_bwd_bf16_k256_q64x64_s2_band_sm90a_meta[]
     (long long)(Kernel::kSwizzleBytes),  // swizzle_bytes
     (long long)(16 / sizeof(Kernel::Element)),  // alignment
     (long long)(sizeof(flashgen::sm90::BwdParams)),  // params_bytes
+    (long long)(Kernel::kAuxThreads),  // aux_threads
 };
