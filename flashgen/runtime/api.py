@@ -155,11 +155,6 @@ def _elem_strides(x):
     return tuple(s // x.itemsize for s in x.strides)
 
 
-def _aligned_16(x) -> bool:
-    """Pointer and the strides of the outer dimensions longer than 1 multiples of 16 bytes."""
-    return x.data.ptr % 16 == 0 and all(st % 16 == 0 for st, n in zip(x.strides[:-1], x.shape[:-1]) if n > 1)
-
-
 def _alignment(arrays, dims) -> int:
     """Largest of 8/4/2/1 dividing every pointer (in elements), stride and dim that matters."""
     values = list(dims)
@@ -933,10 +928,11 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
         if _elem_strides(out)[1:] != (c.H * c.Kv, c.Kv, 1):
             out = cupy.ascontiguousarray(out)  # the kernel derives out's row stride from H * Kv
             key = None  # a per-call copy: not a plan
-        if not (_aligned_16(out) and _aligned_16(grad_out)):
+        if tensormap.bmhk_problem(out) or tensormap.bmhk_problem(grad_out):
             # Even the unaligned kernels read out and grad_out 16 bytes at a time (compute-sanitizer:
-            # misaligned 16-byte reads, then a fault): such inputs run from fresh, aligned copies.
-            out, grad_out = (x if _aligned_16(x) else x.copy() for x in (out, grad_out))
+            # misaligned 16-byte reads, then a fault): such inputs (those a TMA tensor map could not
+            # describe either) run from fresh, aligned copies.
+            out, grad_out = (x.copy() if tensormap.bmhk_problem(x) else x for x in (out, grad_out))
             key = None
         arrays = [q, k, v, out, grad_out] + ([bias] if bias is not None else [])
         req = Request("mem_eff_bwd", c.dtype, c.K, c.Kv, _alignment(arrays, (c.K, c.Kv)), c.dropout_p > 0,
@@ -1066,7 +1062,7 @@ def _sm90_bwd_layout(kc, c: _Common, q, k):
     heads_rows = c.B * c.H * rows
     dq_bytes = q.size * q.itemsize
     dkv_bytes = k.size * k.itemsize
-    counters = heads_rows // kc["block_m"] * 4
+    counters = heads_rows // block_m * 4
     return (rows,) + _packed_offsets(dq_bytes, dkv_bytes, dkv_bytes, heads_rows * 4, heads_rows * 4,
                                      heads_rows * kc["max_k"] * 4, counters)
 
