@@ -98,7 +98,7 @@ def _doctor_gpus() -> None:
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Instances directory (default: instances/ of this source checkout).")
 def generate(check: bool, out: Optional[Path]) -> None:
-    """Render one .cu per kernel instance into instances/<family>/."""
+    """Render one .cu per kernel instance, and each family's ABI header, into instances/<family>/."""
     from flashgen import generator
 
     out = out or generator.INSTANCES_DIR
@@ -109,7 +109,8 @@ def generate(check: bool, out: Optional[Path]) -> None:
             for rel, status in problems.items():
                 click.echo(f"{status}: {out / rel}")
             _fail(f"{len(problems)} file(s) in {out} differ from the generator; run `flashgen generate`")
-        click.echo(f"{len(kernels)} instance sources in {out} are up to date")
+        families = len({k.FAMILY for k in kernels})
+        click.echo(f"{len(kernels)} instance sources and {families} ABI headers in {out} are up to date")
         return
     changes = generator.write(out, kernels)
     for rel, status in changes.items():

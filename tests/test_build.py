@@ -44,9 +44,10 @@ def built(toolchain, tmp_path_factory):
     root = tmp_path_factory.mktemp("build")
     instances = root / "instances"
     for name in (FWD, BWD):
-        rel = generator.source_path(_kernel(name))
-        (instances / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(generator.INSTANCES_DIR / rel, instances / rel)
+        kernel = _kernel(name)
+        for rel in (generator.source_path(kernel), generator.abi_header_path(kernel.FAMILY)):
+            (instances / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(generator.INSTANCES_DIR / rel, instances / rel)
     out = root / "out"
     result = _build("--arch", "sm80", "--kernels", f"{FWD},{BWD}", "--out", str(out),
                     "--instances", str(instances), "-j", "2")
@@ -111,6 +112,16 @@ def test_changing_one_source_rebuilds_exactly_that_kernel(built):
     before = _entries(out)[BWD]["targets"]["sm80"]["sha256"]
     src = instances / generator.source_path(_kernel(FWD))
     src.touch()
+    result = _build("--arch", "sm80", "--kernels", f"{FWD},{BWD}", "--out", str(out), "--instances", str(instances))
+    assert result.exit_code == 0, result.output
+    assert "(1 compiled)" in result.output and f"{FWD} (sm80)" in result.output
+    assert _entries(out)[BWD]["targets"]["sm80"]["sha256"] == before
+
+
+def test_changing_a_family_abi_header_rebuilds_that_family(built):
+    out, instances = built
+    before = _entries(out)[BWD]["targets"]["sm80"]["sha256"]
+    (instances / generator.abi_header_path(_kernel(FWD).FAMILY)).touch()  # nvcc's depfile lists it
     result = _build("--arch", "sm80", "--kernels", f"{FWD},{BWD}", "--out", str(out), "--instances", str(instances))
     assert result.exit_code == 0, result.output
     assert "(1 compiled)" in result.output and f"{FWD} (sm80)" in result.output

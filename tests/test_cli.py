@@ -130,18 +130,23 @@ def test_build_with_nothing_selected_says_so(tmp_path):
 
 
 @pytest.mark.nvcc
-def test_build_refuses_stale_sources(tmp_path):
-    k = default_kernels()[0]
+@pytest.mark.parametrize("edited", ["source", "abi header"])
+def test_build_refuses_stale_sources(tmp_path, edited):
+    k = next(k for k in default_kernels() if k.runs_on("sm80"))
     instances = tmp_path / "instances"
     (instances / k.FAMILY).mkdir(parents=True)
-    shutil.copy(generator.INSTANCES_DIR / generator.source_path(k), instances / generator.source_path(k))
-    (instances / generator.source_path(k)).write_text("// edited by hand\n")
+    source, header = generator.source_path(k), generator.abi_header_path(k.FAMILY)
+    for rel in (source, header):
+        shutil.copy(generator.INSTANCES_DIR / rel, instances / rel)
+    stale = instances / (source if edited == "source" else header)
+    stale.write_text("// edited by hand\n")
     result = run("build", "--arch", "sm80", "--kernels", k.name, "--instances", str(instances),
                  "--out", str(tmp_path / "out"))
     if "missing" in result.output:
         pytest.skip("no toolchain")
     assert result.exit_code == 1
     assert "out of date" in result.output and "flashgen generate" in result.output
+    assert f"stale: {stale}" in result.output
 
 
 def test_importing_flashgen_imports_neither_torch_nor_cupy_nor_build_tooling():

@@ -1,5 +1,10 @@
 """Render one CUDA source per kernel instance into ``instances/<family>/``.
 
+Beside them goes one ``<family>_abi.h`` per family holding the family's
+``Params`` ABI checks, so the checks live once instead of in every source;
+each instance includes it (found next to the ``.cu``, no include flag
+needed) and instantiates it for its own ``Params``.
+
 The output is a pure function of the family declarations and the template:
 byte-for-byte the same on every machine, so it is checked in and
 ``flashgen generate --check`` can tell when it is stale.
@@ -8,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Type
 
 import jinja2
 
@@ -16,6 +21,7 @@ from flashgen.atomic import atomic_write_text
 from flashgen.spec.core import KernelSpec
 
 TEMPLATES = Path(__file__).parent / "templates"
+ABI_TEMPLATE = "abi.h.j2"
 # The checked-in instances live beside the package in a source checkout.
 INSTANCES_DIR = Path(__file__).resolve().parents[2] / "instances"
 
@@ -42,31 +48,58 @@ def source_path(kernel: KernelSpec) -> str:
     return f"{kernel.FAMILY}/{kernel.name}.cu"
 
 
+def _abi_header_name(family: str) -> str:
+    return f"{family}_abi.h"
+
+
+def abi_header_path(family: str) -> str:
+    """Path of the family's ABI header relative to the instances directory: in the
+    family's own directory, where its sources' ``#include "..."`` looks first."""
+    return f"{family}/{_abi_header_name(family)}"
+
+
+def _abi_fields(family: Type[KernelSpec]) -> List[AbiField]:
+    dtype = family.params_dtype()
+    return [AbiField(f.name, dtype.fields[f.numpy_name][1], dtype.fields[f.numpy_name][0].itemsize)
+            for f in family.ABI]
+
+
 def render(kernel: KernelSpec, env: jinja2.Environment = None) -> str:
     env = env or _environment()
-    dtype = kernel.params_dtype()
-    abi = [AbiField(f.name, dtype.fields[f.numpy_name][1], dtype.fields[f.numpy_name][0].itemsize)
-           for f in kernel.ABI]
     cc_lo, cc_hi = kernel.cc_range
     return env.get_template(kernel.TEMPLATE).render(
-        kernel=kernel, family=kernel.FAMILY, header=kernel.HEADER, abi=abi,
-        params_size=dtype.itemsize, constants=kernel.CONSTANTS, cc_lo=cc_lo, cc_hi=cc_hi,
+        kernel=kernel, family=kernel.FAMILY, header=kernel.HEADER, abi_header=_abi_header_name(kernel.FAMILY),
+        constants=kernel.CONSTANTS, cc_lo=cc_lo, cc_hi=cc_hi,
     )
 
 
-def expected_sources(kernels: Iterable[KernelSpec]) -> Dict[str, str]:
-    """Relative path -> file content, for every kernel."""
+def render_abi_header(family: Type[KernelSpec], env: jinja2.Environment = None) -> str:
+    """The family's shared header: one static_assert per ABI field, plus layout and size."""
+    env = env or _environment()
+    return env.get_template(ABI_TEMPLATE).render(
+        family=family.FAMILY, abi=_abi_fields(family), params_size=family.params_dtype().itemsize,
+    )
+
+
+def expected_files(kernels: Iterable[KernelSpec]) -> Dict[str, str]:
+    """Relative path -> file content: every kernel's source and its family's ABI header."""
     env = _environment()
-    return {source_path(k): render(k, env) for k in kernels}
+    kernels = list(kernels)
+    families = {k.FAMILY: type(k) for k in kernels}
+    files = {abi_header_path(name): render_abi_header(cls, env) for name, cls in sorted(families.items())}
+    files.update((source_path(k), render(k, env)) for k in kernels)
+    return files
 
 
 def _existing(out_dir: Path, families: Iterable[str]) -> List[str]:
-    return sorted(str(p.relative_to(out_dir)) for fam in families for p in (out_dir / fam).glob("*.cu"))
+    """Every generated-looking file (sources and headers) in the families' directories."""
+    return sorted(str(p.relative_to(out_dir)) for fam in families for pattern in ("*.cu", "*.h")
+                  for p in (out_dir / fam).glob(pattern))
 
 
 def check(out_dir: Path, kernels: List[KernelSpec]) -> Dict[str, str]:
     """Relative path -> 'stale' | 'missing' | 'extra' for every file that differs."""
-    expected = expected_sources(kernels)
+    expected = expected_files(kernels)
     problems = {}
     for rel, text in expected.items():
         path = out_dir / rel
@@ -83,7 +116,7 @@ def check(out_dir: Path, kernels: List[KernelSpec]) -> Dict[str, str]:
 def write(out_dir: Path, kernels: List[KernelSpec]) -> Dict[str, str]:
     """Bring ``out_dir`` in line with ``kernels``; returns what changed (as ``check`` names it)."""
     changes = check(out_dir, kernels)
-    expected = expected_sources(kernels)
+    expected = expected_files(kernels)
     for rel, status in changes.items():
         if status == "extra":
             (out_dir / rel).unlink()

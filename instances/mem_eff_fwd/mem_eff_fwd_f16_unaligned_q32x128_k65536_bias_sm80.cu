@@ -2,89 +2,12 @@
 // mem_eff_fwd_f16_unaligned_q32x128_k65536_bias_sm80: arch=sm80, dtype=f16, aligned=False, queries_per_block=32, keys_per_block=128, max_k=65536, dropout=False, bias=True
 #include "flashgen/mem_eff_prelude.h"
 #include "kernel_forward.h"
+#include "mem_eff_fwd_abi.h"
 
 using Kernel = AttentionKernel<cutlass::half_t, cutlass::arch::Sm80, false, 32, 128, 65536, false, true>;
 
-// Params as the runtime packs it from Python (the spec's ABI): a CUTLASS change
-// that moves or resizes a field stops the build here instead of faulting on the GPU.
-static_assert(std::is_standard_layout<Kernel::Params>::value, "flashgen ABI: Params is no longer standard-layout");
-static_assert(sizeof(Kernel::Params) == 240, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, query_ptr) == 0 && sizeof(((Kernel::Params*)nullptr)->query_ptr) == 8,
-              "flashgen ABI: Params::query_ptr moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, key_ptr) == 8 && sizeof(((Kernel::Params*)nullptr)->key_ptr) == 8,
-              "flashgen ABI: Params::key_ptr moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, value_ptr) == 16 && sizeof(((Kernel::Params*)nullptr)->value_ptr) == 8,
-              "flashgen ABI: Params::value_ptr moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, attn_bias_ptr) == 24 && sizeof(((Kernel::Params*)nullptr)->attn_bias_ptr) == 8,
-              "flashgen ABI: Params::attn_bias_ptr moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, seqstart_q_ptr) == 32 && sizeof(((Kernel::Params*)nullptr)->seqstart_q_ptr) == 8,
-              "flashgen ABI: Params::seqstart_q_ptr moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, seqstart_k_ptr) == 40 && sizeof(((Kernel::Params*)nullptr)->seqstart_k_ptr) == 8,
-              "flashgen ABI: Params::seqstart_k_ptr moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, seqlen_k_ptr) == 48 && sizeof(((Kernel::Params*)nullptr)->seqlen_k_ptr) == 8,
-              "flashgen ABI: Params::seqlen_k_ptr moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, causal_diagonal_offset) == 56 && sizeof(((Kernel::Params*)nullptr)->causal_diagonal_offset) == 4,
-              "flashgen ABI: Params::causal_diagonal_offset moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, output_ptr) == 64 && sizeof(((Kernel::Params*)nullptr)->output_ptr) == 8,
-              "flashgen ABI: Params::output_ptr moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, output_accum_ptr) == 72 && sizeof(((Kernel::Params*)nullptr)->output_accum_ptr) == 8,
-              "flashgen ABI: Params::output_accum_ptr moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, logsumexp_ptr) == 80 && sizeof(((Kernel::Params*)nullptr)->logsumexp_ptr) == 8,
-              "flashgen ABI: Params::logsumexp_ptr moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, scale) == 88 && sizeof(((Kernel::Params*)nullptr)->scale) == 4,
-              "flashgen ABI: Params::scale moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, head_dim) == 92 && sizeof(((Kernel::Params*)nullptr)->head_dim) == 4,
-              "flashgen ABI: Params::head_dim moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, head_dim_value) == 96 && sizeof(((Kernel::Params*)nullptr)->head_dim_value) == 4,
-              "flashgen ABI: Params::head_dim_value moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, num_queries) == 100 && sizeof(((Kernel::Params*)nullptr)->num_queries) == 4,
-              "flashgen ABI: Params::num_queries moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, num_keys) == 104 && sizeof(((Kernel::Params*)nullptr)->num_keys) == 4,
-              "flashgen ABI: Params::num_keys moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, num_keys_absolute) == 108 && sizeof(((Kernel::Params*)nullptr)->num_keys_absolute) == 4,
-              "flashgen ABI: Params::num_keys_absolute moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, custom_mask_type) == 112 && sizeof(((Kernel::Params*)nullptr)->custom_mask_type) == 1,
-              "flashgen ABI: Params::custom_mask_type moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, q_strideM) == 116 && sizeof(((Kernel::Params*)nullptr)->q_strideM) == 4,
-              "flashgen ABI: Params::q_strideM moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, k_strideM) == 120 && sizeof(((Kernel::Params*)nullptr)->k_strideM) == 4,
-              "flashgen ABI: Params::k_strideM moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, v_strideM) == 124 && sizeof(((Kernel::Params*)nullptr)->v_strideM) == 4,
-              "flashgen ABI: Params::v_strideM moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, bias_strideM) == 128 && sizeof(((Kernel::Params*)nullptr)->bias_strideM) == 4,
-              "flashgen ABI: Params::bias_strideM moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, o_strideM) == 132 && sizeof(((Kernel::Params*)nullptr)->o_strideM) == 4,
-              "flashgen ABI: Params::o_strideM moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, q_strideH) == 136 && sizeof(((Kernel::Params*)nullptr)->q_strideH) == 4,
-              "flashgen ABI: Params::q_strideH moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, k_strideH) == 140 && sizeof(((Kernel::Params*)nullptr)->k_strideH) == 4,
-              "flashgen ABI: Params::k_strideH moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, v_strideH) == 144 && sizeof(((Kernel::Params*)nullptr)->v_strideH) == 4,
-              "flashgen ABI: Params::v_strideH moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, bias_strideH) == 152 && sizeof(((Kernel::Params*)nullptr)->bias_strideH) == 8,
-              "flashgen ABI: Params::bias_strideH moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, q_strideB) == 160 && sizeof(((Kernel::Params*)nullptr)->q_strideB) == 8,
-              "flashgen ABI: Params::q_strideB moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, k_strideB) == 168 && sizeof(((Kernel::Params*)nullptr)->k_strideB) == 8,
-              "flashgen ABI: Params::k_strideB moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, v_strideB) == 176 && sizeof(((Kernel::Params*)nullptr)->v_strideB) == 8,
-              "flashgen ABI: Params::v_strideB moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, bias_strideB) == 184 && sizeof(((Kernel::Params*)nullptr)->bias_strideB) == 8,
-              "flashgen ABI: Params::bias_strideB moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, num_batches) == 192 && sizeof(((Kernel::Params*)nullptr)->num_batches) == 4,
-              "flashgen ABI: Params::num_batches moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, num_heads) == 196 && sizeof(((Kernel::Params*)nullptr)->num_heads) == 4,
-              "flashgen ABI: Params::num_heads moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, use_dropout) == 200 && sizeof(((Kernel::Params*)nullptr)->use_dropout) == 1,
-              "flashgen ABI: Params::use_dropout moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, dropout_batch_head_rng_offset) == 208 && sizeof(((Kernel::Params*)nullptr)->dropout_batch_head_rng_offset) == 8,
-              "flashgen ABI: Params::dropout_batch_head_rng_offset moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, dropout_prob) == 216 && sizeof(((Kernel::Params*)nullptr)->dropout_prob) == 4,
-              "flashgen ABI: Params::dropout_prob moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, rng_engine_inputs.seed) == 224 && sizeof(((Kernel::Params*)nullptr)->rng_engine_inputs.seed) == 8,
-              "flashgen ABI: Params::rng_engine_inputs.seed moved or changed size; update flashgen/spec/mem_eff_fwd.py");
-static_assert(offsetof(Kernel::Params, rng_engine_inputs.offset) == 232 && sizeof(((Kernel::Params*)nullptr)->rng_engine_inputs.offset) == 8,
-              "flashgen ABI: Params::rng_engine_inputs.offset moved or changed size; update flashgen/spec/mem_eff_fwd.py");
+// Params as the runtime packs it from Python (the spec's ABI), checked in mem_eff_fwd_abi.h.
+template struct FlashgenAbiCheck_mem_eff_fwd<Kernel::Params>;
 
 extern "C" __global__ void __launch_bounds__(Kernel::kNumThreads, Kernel::kMinBlocksPerSm)
 mem_eff_fwd_f16_unaligned_q32x128_k65536_bias_sm80(typename Kernel::Params p) {

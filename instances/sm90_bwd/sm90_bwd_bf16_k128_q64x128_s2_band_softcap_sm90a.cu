@@ -2,101 +2,13 @@
 // sm90_bwd_bf16_k128_q64x128_s2_band_softcap_sm90a: arch=sm90a, dtype=bf16, max_k=128, block_m=64, block_n=128, stages=2, band=True, softcap=True
 #include "flashgen/wrong_arch.h"
 #include "flashgen/sm90_bwd.h"
+#include "sm90_bwd_abi.h"
 
 using Kernel = flashgen::sm90::BwdKernel<cutlass::bfloat16_t, 128, 64, 128, 2, true, true>;
 using Params = flashgen::sm90::BwdParams;
 
-// Params as the runtime packs it from Python (the spec's ABI).
-static_assert(std::is_standard_layout<Params>::value, "flashgen ABI: Params is no longer standard-layout");
-static_assert(sizeof(Params) == 768, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, q_map) == 0 && sizeof(((Params*)nullptr)->q_map) == 128,
-              "flashgen ABI: Params::q_map moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, k_map) == 128 && sizeof(((Params*)nullptr)->k_map) == 128,
-              "flashgen ABI: Params::k_map moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, v_map) == 256 && sizeof(((Params*)nullptr)->v_map) == 128,
-              "flashgen ABI: Params::v_map moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, do_map) == 384 && sizeof(((Params*)nullptr)->do_map) == 128,
-              "flashgen ABI: Params::do_map moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, out_ptr) == 512 && sizeof(((Params*)nullptr)->out_ptr) == 8,
-              "flashgen ABI: Params::out_ptr moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dout_ptr) == 520 && sizeof(((Params*)nullptr)->dout_ptr) == 8,
-              "flashgen ABI: Params::dout_ptr moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, lse_ptr) == 528 && sizeof(((Params*)nullptr)->lse_ptr) == 8,
-              "flashgen ABI: Params::lse_ptr moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, lse_log2_ptr) == 536 && sizeof(((Params*)nullptr)->lse_log2_ptr) == 8,
-              "flashgen ABI: Params::lse_log2_ptr moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, delta_ptr) == 544 && sizeof(((Params*)nullptr)->delta_ptr) == 8,
-              "flashgen ABI: Params::delta_ptr moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dq_accum_ptr) == 552 && sizeof(((Params*)nullptr)->dq_accum_ptr) == 8,
-              "flashgen ABI: Params::dq_accum_ptr moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dq_counter_ptr) == 560 && sizeof(((Params*)nullptr)->dq_counter_ptr) == 8,
-              "flashgen ABI: Params::dq_counter_ptr moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dq_ptr) == 568 && sizeof(((Params*)nullptr)->dq_ptr) == 8,
-              "flashgen ABI: Params::dq_ptr moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dk_ptr) == 576 && sizeof(((Params*)nullptr)->dk_ptr) == 8,
-              "flashgen ABI: Params::dk_ptr moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dv_ptr) == 584 && sizeof(((Params*)nullptr)->dv_ptr) == 8,
-              "flashgen ABI: Params::dv_ptr moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, seqstart_q) == 592 && sizeof(((Params*)nullptr)->seqstart_q) == 8,
-              "flashgen ABI: Params::seqstart_q moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, seqstart_k) == 600 && sizeof(((Params*)nullptr)->seqstart_k) == 8,
-              "flashgen ABI: Params::seqstart_k moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, out_stride_b) == 608 && sizeof(((Params*)nullptr)->out_stride_b) == 8,
-              "flashgen ABI: Params::out_stride_b moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dout_stride_b) == 616 && sizeof(((Params*)nullptr)->dout_stride_b) == 8,
-              "flashgen ABI: Params::dout_stride_b moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dq_stride_b) == 624 && sizeof(((Params*)nullptr)->dq_stride_b) == 8,
-              "flashgen ABI: Params::dq_stride_b moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dkv_stride_b) == 632 && sizeof(((Params*)nullptr)->dkv_stride_b) == 8,
-              "flashgen ABI: Params::dkv_stride_b moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, out_stride_m) == 640 && sizeof(((Params*)nullptr)->out_stride_m) == 4,
-              "flashgen ABI: Params::out_stride_m moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, out_stride_h) == 644 && sizeof(((Params*)nullptr)->out_stride_h) == 4,
-              "flashgen ABI: Params::out_stride_h moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dout_stride_m) == 648 && sizeof(((Params*)nullptr)->dout_stride_m) == 4,
-              "flashgen ABI: Params::dout_stride_m moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dout_stride_h) == 652 && sizeof(((Params*)nullptr)->dout_stride_h) == 4,
-              "flashgen ABI: Params::dout_stride_h moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dq_stride_m) == 656 && sizeof(((Params*)nullptr)->dq_stride_m) == 4,
-              "flashgen ABI: Params::dq_stride_m moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dq_stride_h) == 660 && sizeof(((Params*)nullptr)->dq_stride_h) == 4,
-              "flashgen ABI: Params::dq_stride_h moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dkv_stride_n) == 664 && sizeof(((Params*)nullptr)->dkv_stride_n) == 4,
-              "flashgen ABI: Params::dkv_stride_n moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, dkv_stride_h) == 668 && sizeof(((Params*)nullptr)->dkv_stride_h) == 4,
-              "flashgen ABI: Params::dkv_stride_h moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, lse_stride_b) == 672 && sizeof(((Params*)nullptr)->lse_stride_b) == 4,
-              "flashgen ABI: Params::lse_stride_b moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, lse_stride_h) == 676 && sizeof(((Params*)nullptr)->lse_stride_h) == 4,
-              "flashgen ABI: Params::lse_stride_h moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, num_queries) == 680 && sizeof(((Params*)nullptr)->num_queries) == 4,
-              "flashgen ABI: Params::num_queries moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, num_keys) == 684 && sizeof(((Params*)nullptr)->num_keys) == 4,
-              "flashgen ABI: Params::num_keys moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, num_heads) == 688 && sizeof(((Params*)nullptr)->num_heads) == 4,
-              "flashgen ABI: Params::num_heads moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, head_dim) == 692 && sizeof(((Params*)nullptr)->head_dim) == 4,
-              "flashgen ABI: Params::head_dim moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, head_group) == 696 && sizeof(((Params*)nullptr)->head_group) == 4,
-              "flashgen ABI: Params::head_group moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, band_lo) == 700 && sizeof(((Params*)nullptr)->band_lo) == 4,
-              "flashgen ABI: Params::band_lo moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, band_hi) == 704 && sizeof(((Params*)nullptr)->band_hi) == 4,
-              "flashgen ABI: Params::band_hi moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, band_from_end) == 708 && sizeof(((Params*)nullptr)->band_from_end) == 4,
-              "flashgen ABI: Params::band_from_end moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, rows_padded) == 712 && sizeof(((Params*)nullptr)->rows_padded) == 4,
-              "flashgen ABI: Params::rows_padded moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, deterministic) == 716 && sizeof(((Params*)nullptr)->deterministic) == 4,
-              "flashgen ABI: Params::deterministic moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, scale) == 720 && sizeof(((Params*)nullptr)->scale) == 4,
-              "flashgen ABI: Params::scale moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, scale_log2) == 724 && sizeof(((Params*)nullptr)->scale_log2) == 4,
-              "flashgen ABI: Params::scale_log2 moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, softcap_in) == 728 && sizeof(((Params*)nullptr)->softcap_in) == 4,
-              "flashgen ABI: Params::softcap_in moved or changed size; update flashgen/spec/sm90_bwd.py");
-static_assert(offsetof(Params, softcap_out) == 732 && sizeof(((Params*)nullptr)->softcap_out) == 4,
-              "flashgen ABI: Params::softcap_out moved or changed size; update flashgen/spec/sm90_bwd.py");
+// Params as the runtime packs it from Python (the spec's ABI), checked in sm90_bwd_abi.h.
+template struct FlashgenAbiCheck_sm90_bwd<Params>;
 
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FLASHGEN_RUN(call) call

@@ -2,59 +2,13 @@
 // sm90_fwd_bf16_k128_q128x128_s2_band_sm90a: arch=sm90a, dtype=bf16, max_k=128, block_m=128, block_n=128, stages=2, band=True
 #include "flashgen/wrong_arch.h"
 #include "flashgen/sm90_fwd.h"
+#include "sm90_fwd_abi.h"
 
 using Kernel = flashgen::sm90::FwdKernel<cutlass::bfloat16_t, 128, 128, 128, 2, true>;
 using Params = flashgen::sm90::FwdParams;
 
-// Params as the runtime packs it from Python (the spec's ABI).
-static_assert(std::is_standard_layout<Params>::value, "flashgen ABI: Params is no longer standard-layout");
-static_assert(sizeof(Params) == 512, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, q_map) == 0 && sizeof(((Params*)nullptr)->q_map) == 128,
-              "flashgen ABI: Params::q_map moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, k_map) == 128 && sizeof(((Params*)nullptr)->k_map) == 128,
-              "flashgen ABI: Params::k_map moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, v_map) == 256 && sizeof(((Params*)nullptr)->v_map) == 128,
-              "flashgen ABI: Params::v_map moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, out_ptr) == 384 && sizeof(((Params*)nullptr)->out_ptr) == 8,
-              "flashgen ABI: Params::out_ptr moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, lse_ptr) == 392 && sizeof(((Params*)nullptr)->lse_ptr) == 8,
-              "flashgen ABI: Params::lse_ptr moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, out_stride_b) == 400 && sizeof(((Params*)nullptr)->out_stride_b) == 8,
-              "flashgen ABI: Params::out_stride_b moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, out_stride_m) == 408 && sizeof(((Params*)nullptr)->out_stride_m) == 4,
-              "flashgen ABI: Params::out_stride_m moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, out_stride_h) == 412 && sizeof(((Params*)nullptr)->out_stride_h) == 4,
-              "flashgen ABI: Params::out_stride_h moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, lse_stride_b) == 416 && sizeof(((Params*)nullptr)->lse_stride_b) == 4,
-              "flashgen ABI: Params::lse_stride_b moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, lse_stride_h) == 420 && sizeof(((Params*)nullptr)->lse_stride_h) == 4,
-              "flashgen ABI: Params::lse_stride_h moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, lse_rows) == 424 && sizeof(((Params*)nullptr)->lse_rows) == 4,
-              "flashgen ABI: Params::lse_rows moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, seqstart_q) == 432 && sizeof(((Params*)nullptr)->seqstart_q) == 8,
-              "flashgen ABI: Params::seqstart_q moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, seqstart_k) == 440 && sizeof(((Params*)nullptr)->seqstart_k) == 8,
-              "flashgen ABI: Params::seqstart_k moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, num_queries) == 448 && sizeof(((Params*)nullptr)->num_queries) == 4,
-              "flashgen ABI: Params::num_queries moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, num_keys) == 452 && sizeof(((Params*)nullptr)->num_keys) == 4,
-              "flashgen ABI: Params::num_keys moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, head_dim) == 456 && sizeof(((Params*)nullptr)->head_dim) == 4,
-              "flashgen ABI: Params::head_dim moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, head_group) == 460 && sizeof(((Params*)nullptr)->head_group) == 4,
-              "flashgen ABI: Params::head_group moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, band_lo) == 464 && sizeof(((Params*)nullptr)->band_lo) == 4,
-              "flashgen ABI: Params::band_lo moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, band_hi) == 468 && sizeof(((Params*)nullptr)->band_hi) == 4,
-              "flashgen ABI: Params::band_hi moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, band_from_end) == 472 && sizeof(((Params*)nullptr)->band_from_end) == 4,
-              "flashgen ABI: Params::band_from_end moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, scale_log2) == 476 && sizeof(((Params*)nullptr)->scale_log2) == 4,
-              "flashgen ABI: Params::scale_log2 moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, softcap_in) == 480 && sizeof(((Params*)nullptr)->softcap_in) == 4,
-              "flashgen ABI: Params::softcap_in moved or changed size; update flashgen/spec/sm90_fwd.py");
-static_assert(offsetof(Params, softcap_out) == 484 && sizeof(((Params*)nullptr)->softcap_out) == 4,
-              "flashgen ABI: Params::softcap_out moved or changed size; update flashgen/spec/sm90_fwd.py");
+// Params as the runtime packs it from Python (the spec's ABI), checked in sm90_fwd_abi.h.
+template struct FlashgenAbiCheck_sm90_fwd<Params>;
 
 // The tensor maps must live in parameter (or global) memory: __grid_constant__.
 extern "C" __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kMinBlocksPerSm)
