@@ -13,24 +13,26 @@ import statistics
 from typing import Callable, Dict, List, Optional, Tuple
 
 from flashgen.bench import Point, default_grid
+from flashgen.errors import UnsupportedError
 from flashgen.runtime import tuning
 from flashgen.runtime.select import Request, num_splits_key, rejection, seq_multiples
 
 KEEP_DEFAULT = 0.01  # a choice must beat the priority order by more than 1% to be recorded
-FAMILY_OF = {"fwd": "mem_eff_fwd", "bwd": "mem_eff_bwd"}
-HOPPER_FAMILY_OF = {"fwd": "sm90_fwd", "bwd": "sm90_bwd"}  # tried first on 9.0 GPUs where built (api._sm90_request)
 
 
 def family_for(direction: str, registry, device) -> str:
-    """The family the runtime serves an aligned, bias- and dropout-free call from on ``device``."""
-    hopper = HOPPER_FAMILY_OF.get(direction)
-    if hopper is not None and device.cc == 90:
+    """The family the runtime serves an aligned, bias- and dropout-free call from on ``device``:
+    the first in dispatch order with kernels built for it."""
+    from flashgen.runtime.families import serving
+
+    found = serving(direction)
+    for family in found:
         try:
-            registry.for_device(hopper, device)
-            return hopper
-        except Exception:  # UnsupportedError: not built for this GPU
-            pass
-    return FAMILY_OF[direction]
+            registry.for_device(family.name, device)
+            return family.name
+        except UnsupportedError:  # not built for this GPU
+            continue
+    return found[-1].name
 
 
 def time_ms(fn: Callable[[int], object], warmup: int = 3, repeats: int = 20) -> float:
@@ -90,7 +92,7 @@ def candidates(registry, device, p: Point, direction: str) -> List[Tuple[str, tu
             continue
         seen.add(tile)
         label = "_".join(f"{v}" for _, v in tile)
-        if direction == "fwd" or family in HOPPER_FAMILY_OF.values():  # no key splits to choose
+        if not b.constants.get("enable_split_keys"):  # no key splits to choose
             found.append((label, tuning.Choice(tile)))
             continue
         counts = {}

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from flashgen.errors import UnsupportedError
-from flashgen.runtime import api, select
+from flashgen.runtime import api, arrays, families, limits, select, validate
 from flashgen.runtime.arch import DeviceInfo
 from flashgen.runtime.registry import Registry
 
@@ -595,7 +595,7 @@ def test_rejected_before_any_gpu_work(case, fake_cupy):
 
 
 def common(q, k, v, causal=None, dropout_p=0.0, seed=None, cu_q=None, cu_k=None):
-    return api._common(q, k, v, causal, None, dropout_p, seed, 0, cu_q, cu_k)
+    return validate.problem(q, k, v, causal, None, dropout_p, seed, 0, cu_q, cu_k)
 
 
 def fake_broadcast(shape, dtype=np.float16):
@@ -651,10 +651,10 @@ def test_size_limits_right_at_the_bound():
     common(*(fake_broadcast((1, 4, 65535, 8)) for _ in range(3)))
     common(*(fake_broadcast((65535, 4, 1, 8)) for _ in range(3)))
     # rows: the last accepted count (head dim 1, so no other offset gets near int32)
-    big = fake_broadcast((1, api._MAX_ROWS, 1, 1))
+    big = fake_broadcast((1, limits.MAX_ROWS, 1, 1))
     common(fake_broadcast((1, 4, 1, 1)), big, big)
     common(big, fake_broadcast((1, 4, 1, 1)), fake_broadcast((1, 4, 1, 1)))
-    past = fake_broadcast((1, api._MAX_ROWS + 1, 1, 1))
+    past = fake_broadcast((1, limits.MAX_ROWS + 1, 1, 1))
     with pytest.raises(ValueError, match=r"^num_queries = 2143289345 is too large"):
         common(past, fake_broadcast((1, 4, 1, 1)), fake_broadcast((1, 4, 1, 1)))
     # the contiguous outputs: (M - 1) * H * Kv == 2**31 - 1 fits, one more row does not
@@ -691,17 +691,17 @@ def test_heads_broadcast_is_refused_only_where_the_fast_path_fires(M, H, causal,
 
 
 def test_check_int32_multiplies_row_strides_by_rows():
-    api._check_int32(q_strideM=2**30 - 1, num_queries=3)  # 2 * (2**30 - 1) fits
+    limits.check_int32(q_strideM=2**30 - 1, num_queries=3)  # 2 * (2**30 - 1) fits
     with pytest.raises(ValueError, match=r"^q_strideM: the last row offset \(num_queries - 1\) \* q_strideM = "
                                          r"2 \* 1073741824 = 2147483648 overflows"):
-        api._check_int32(q_strideM=2**30, num_queries=3)
+        limits.check_int32(q_strideM=2**30, num_queries=3)
     # dbias rows (backward): (M - 1) * gB_strideM, and the keys' strides go with num_keys
     with pytest.raises(ValueError, match=r"^gB_strideM: "):
-        api._check_int32(gB_strideM=65536, num_queries=32769, num_keys=65536)
+        limits.check_int32(gB_strideM=65536, num_queries=32769, num_keys=65536)
     with pytest.raises(ValueError, match=r"^v_strideM: .*\(num_keys - 1\)"):
-        api._check_int32(v_strideM=2**20, num_queries=2, num_keys=2**11 + 1)
-    api._check_int32(k_strideH=2**30, num_keys=2**20)  # head strides are checked by _check_bmhk, with H
-    api._check_int32(q_strideM=2**30)  # no row count given: only the field itself
+        limits.check_int32(v_strideM=2**20, num_queries=2, num_keys=2**11 + 1)
+    limits.check_int32(k_strideH=2**30, num_keys=2**20)  # head strides are checked by _check_bmhk, with H
+    limits.check_int32(q_strideM=2**30)  # no row count given: only the field itself
 
 
 def test_alignment_of_offset_views():
@@ -710,17 +710,17 @@ def test_alignment_of_offset_views():
     ok = FakeDevArray((2, 40, 2, 64))
     for elems, expected in ((1, 1), (2, 2), (3, 1), (4, 4), (8, 8)):
         x = CpuBackend().offset((2, 40, 2, 64), elems)
-        assert api._alignment([x, ok, ok], (64, 64)) == expected
+        assert arrays.alignment([x, ok, ok], (64, 64)) == expected
     f32 = CpuBackend().offset((2, 48, 2, 64), 1, "f32")
-    assert api._alignment([FakeDevArray((2, 40, 2, 64), np.float32), f32], (64, 64)) == 1
+    assert arrays.alignment([FakeDevArray((2, 40, 2, 64), np.float32), f32], (64, 64)) == 1
     odd_byte = FakeDevArray((2, 40, 2, 64), ptr=_P + 1)  # not even a whole element in
-    assert api._alignment([odd_byte], (64, 64)) == 1
+    assert arrays.alignment([odd_byte], (64, 64)) == 1
 
 
 def _varlen(cu, name, total, device):
     """cu_seqlens as _common reads them: (device offsets, longest sequence)."""
-    cu, host = api._read_offsets(cu, name, total)
-    return api._offsets_on_device(cu, host, device), int(np.diff(host).max())
+    cu, host = validate.read_offsets(cu, name, total)
+    return validate.offsets_on_device(cu, host, device), int(np.diff(host).max())
 
 
 def test_varlen_copies_what_the_kernel_cannot_read(fake_cupy):
@@ -739,29 +739,29 @@ def test_varlen_copies_what_the_kernel_cannot_read(fake_cupy):
 
 def test_as_array(fake_cupy):
     x = FakeDevArray((2, 4, 1, 8))
-    assert api.as_array(x, "q") is x
+    assert arrays.as_array(x, "q") is x
     view = FakeDevArray((2, 4, 1, 8))
-    assert api.as_array(DLPackProducer(2, fake_view=view), "q") is view  # a CUDA producer: viewed
-    assert api.as_array(DLPackProducer(13, fake_view=view), "q") is view  # managed memory too
+    assert arrays.as_array(DLPackProducer(2, fake_view=view), "q") is view  # a CUDA producer: viewed
+    assert arrays.as_array(DLPackProducer(13, fake_view=view), "q") is view  # managed memory too
     with pytest.raises(TypeError, match=r"^q is on pinned host memory, not a CUDA GPU"):
-        api.as_array(DLPackProducer(3), "q")
+        arrays.as_array(DLPackProducer(3), "q")
     with pytest.raises(TypeError, match=r"^v is on DLPack device type 14, not a CUDA GPU"):
-        api.as_array(DLPackProducer(14), "v")
+        arrays.as_array(DLPackProducer(14), "v")
     with pytest.raises(TypeError, match=r"^lse must be a CuPy array .*, not float$"):
-        api.as_array(1.0, "lse")
+        arrays.as_array(1.0, "lse")
     # a size-1 dim may have any stride, negative included: it is never multiplied by anything but 0
     one = FakeDevArray((1, 4, 1, 8), strides=(-5, 8, -3, 1))
-    assert api.as_array(one, "q") is one
+    assert arrays.as_array(one, "q") is one
 
 
 def test_explicit_seed_and_scale_values_that_are_accepted():
     q, k, v = (FakeDevArray((1, 4, 1, 8)) for _ in range(3))
-    assert api._common(q, k, v, None, np.float32(0.25), 0.0, None, 0, None, None).scale == 0.25
-    assert api._common(q, k, v, None, 0, 0.0, None, 0, None, None).scale == 0.0  # uniform attention: legal
-    assert api._common(q, k, v, None, -2, 0.0, None, 0, None, None).scale == -2.0
-    c = api._common(q, k, v, "top_left", None, 0.5, np.uint64(2**64 - 1), np.int64(3), None, None)
+    assert validate.problem(q, k, v, None, np.float32(0.25), 0.0, None, 0, None, None).scale == 0.25
+    assert validate.problem(q, k, v, None, 0, 0.0, None, 0, None, None).scale == 0.0  # uniform attention: legal
+    assert validate.problem(q, k, v, None, -2, 0.0, None, 0, None, None).scale == -2.0
+    c = validate.problem(q, k, v, "top_left", None, 0.5, np.uint64(2**64 - 1), np.int64(3), None, None)
     assert (c.seed, c.offset, c.mask) == (2**64 - 1, 3, 1)
-    assert api._common(q, k, v, np.str_("bottom_right"), None, 0.0, None, 0, None, None).mask == 2
+    assert validate.problem(q, k, v, np.str_("bottom_right"), None, 0.0, None, 0, None, None).mask == 2
 
 
 # The backward's dK/dV workspace: Params::workspace_elements_gk() is
@@ -833,9 +833,12 @@ def assert_healthy(cp, backward=False):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Every kernel launch, still performed."""
-    seen, launch = [], api._launch
-    monkeypatch.setattr(api, "_launch", lambda *a, **kw: (seen.append(a[1].name), launch(*a, **kw)))
+    """Every kernel launch of every family, still performed."""
+    seen = []
+    for family in families.serving("fwd") + families.serving("bwd"):
+        module = sys.modules[type(family).__module__]
+        monkeypatch.setattr(module, "launch", lambda *a, launch=module.launch, **kw: (seen.append(a[1].name),
+                                                                                       launch(*a, **kw)))
     return seen
 
 
@@ -909,7 +912,7 @@ def test_decode_fast_path_is_wrong_without_the_check(cp, monkeypatch, M):
     """Why heads-broadcast/* are refused: with the check switched off, the kernel's fast path
     (kernel_forward.h:343-352) leaves lse of heads other than multiples of the tile unwritten
     (NaN from the poisoned allocation) or wrong.  If this ever passes cleanly, drop the check."""
-    monkeypatch.setattr(api, "_check_head_broadcast", lambda *a: None)
+    monkeypatch.setattr(validate, "check_head_broadcast", lambda *a: None)
     X = GpuBackend(cp)
     q = X.randn((1, M, 2, 64))
     k = cp.broadcast_to(X.randn((1, 48, 1, 64)), (1, 48, 2, 64))

@@ -113,28 +113,25 @@ class FakeArray:
         self.data = types.SimpleNamespace(ptr=ptr, device_id=device)
 
 
-def test_find_plan_keys_apart_what_launches_apart(monkeypatch):
-    from flashgen.runtime import api
-
+def test_find_keys_apart_what_launches_apart(monkeypatch):
     monkeypatch.setattr(plans, "_plans", {})
-    fake_cupy = types.SimpleNamespace(ndarray=FakeArray)
     arrays = (FakeArray((2, 3), 4096), FakeArray((2, 3), 8192))
-    key, plan = api._find_plan(fake_cupy, "fwd", arrays, (None, 0.5))
+    key, plan = plans.find(FakeArray, "fwd", arrays, (None, 0.5))
     assert key is not None and plan is None
     plans.remember(key, "the plan")
-    assert api._find_plan(fake_cupy, "fwd", (FakeArray((2, 3), 128), FakeArray((2, 3), 64)), (None, 0.5)) == \
+    assert plans.find(FakeArray, "fwd", (FakeArray((2, 3), 128), FakeArray((2, 3), 64)), (None, 0.5)) == \
         (key, "the plan")  # other pointers with the same 64-byte alignment
     for other in [("bwd", arrays, (None, 0.5)), ("fwd", arrays, (None, 1)),
                   ("fwd", (FakeArray((2, 3), 4096), FakeArray((2, 3), 8200)), (None, 0.5)),  # 8-byte aligned
                   ("fwd", (FakeArray((2, 3), 4096), FakeArray((2, 3), 8192, device=1)), (None, 0.5)),
                   ("fwd", (FakeArray((2, 3), 4096), FakeArray((3, 2), 8192)), (None, 0.5))]:
-        other_key, other_plan = api._find_plan(fake_cupy, *other)
+        other_key, other_plan = plans.find(FakeArray, *other)
         assert other_key is not None and other_key != key and other_plan is None
-    assert api._find_plan(fake_cupy, "fwd", arrays, (None, True)) != api._find_plan(fake_cupy, "fwd", arrays,
+    assert plans.find(FakeArray, "fwd", arrays, (None, True)) != plans.find(FakeArray, "fwd", arrays,
                                                                                       (None, 1))
     # not plannable: an unhashable option (a window given as a list), an input that is not a CuPy array
-    assert api._find_plan(fake_cupy, "fwd", arrays, ([3, 4], 0.5)) == (None, None)
-    assert api._find_plan(fake_cupy, "fwd", (np.zeros((2, 3)),) + arrays[1:], (None, 0.5)) == (None, None)
+    assert plans.find(FakeArray, "fwd", arrays, ([3, 4], 0.5)) == (None, None)
+    assert plans.find(FakeArray, "fwd", (np.zeros((2, 3)),) + arrays[1:], (None, 0.5)) == (None, None)
 
 
 # === on a GPU: the plan against the full path ====================================================

@@ -26,14 +26,13 @@ import pytest
 from flashgen.build import manifest
 from flashgen.build.cubin import sha256_file
 from flashgen.errors import UnsupportedError
-from flashgen.runtime import api, registry, select
+from flashgen.runtime import api, arrays, families, limits, registry, select, validate
+from flashgen.runtime.families import sm90_common
 from flashgen.runtime.arch import DeviceInfo, best_target, runs_on
 from flashgen.runtime.registry import PACKAGE_KERNELS, Registry, search_path
 from flashgen.runtime.select import Request, Selector, num_splits_key, rejection, workspace_bytes
 from flashgen.spec.mem_eff_bwd import MemEffBwd
 from flashgen.spec.mem_eff_fwd import MemEffFwd
-from flashgen.spec.sm90_bwd import Sm90Bwd
-from flashgen.spec.sm90_fwd import Sm90Fwd
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -745,13 +744,13 @@ def qkv(B=2, M=5, N=7, H=3, K=64, Kv=None, dtype=np.float16):
 
 
 def common(q, k, v, causal=None, scale=None, dropout_p=0.0, seed=None, offset=0):
-    return api._common(q, k, v, causal, scale, dropout_p, seed, offset, None, None)
+    return validate.problem(q, k, v, causal, scale, dropout_p, seed, offset, None, None)
 
 
 def test_valid_inputs():
     q, k, v = qkv(B=2, M=5, N=7, H=3, K=64, Kv=32)
     c = common(q, k, v)
-    assert isinstance(c, api._Common)
+    assert isinstance(c, validate.Problem)
     assert (c.B, c.M, c.N, c.H, c.K, c.Kv) == (2, 5, 7, 3, 64, 32)
     assert (c.dtype, c.device, c.mask, c.dropout_p, c.seed, c.offset) == ("f16", 0, 0, 0.0, 0, 0)
     assert c.scale == pytest.approx(1 / 8)
@@ -776,38 +775,64 @@ def test_valid_inputs():
     ((2**40, 2**40), None, 5, 7, (-2**30, 2**30)),  # clamped to the kernels' unbounded
 ])
 def test_window_becomes_the_kernels_band(window, causal, M, N, band):
-    c = api._common(*qkv(M=M, N=N), causal, None, 0.0, None, 0, None, None, window=window)
-    assert api._band(c) == band + (0,)
+    c = validate.problem(*qkv(M=M, N=N), causal, None, 0.0, None, 0, None, None, window=window)
+    assert sm90_common.band(c) == band + (0,)
     # packed batches: top-left bounds, and the kernels shift each sequence onto its own diagonal
     packed = dataclasses.replace(c, seqstart_q="offsets", seqstart_k="offsets")
-    top_left = api._band(dataclasses.replace(c, mask=api._MASKS["top_left"] if causal else 0))
-    assert api._band(packed) == top_left[:2] + (int(causal == "bottom_right"),)
+    top_left = sm90_common.band(dataclasses.replace(c, mask=validate.MASKS["top_left"] if causal else 0))
+    assert sm90_common.band(packed) == top_left[:2] + (int(causal == "bottom_right"),)
 
 
 def test_window_and_softcap_are_checked():
     q, k, v = qkv()
-    c = api._common(q, k, v, None, None, 0.0, None, 0, None, None, window=[None, None], softcap=0)
+    c = validate.problem(q, k, v, None, None, 0.0, None, 0, None, None, window=[None, None], softcap=0)
     assert (c.window, c.softcap) == (None, 0.0), "a window without limits is no window"
-    assert api._common(q, k, v, None, None, 0.0, None, 0, None, None, window=(np.int64(3), None)).window == (3, None)
+    assert validate.problem(q, k, v, None, None, 0.0, None, 0, None, None, window=(np.int64(3), None)).window == (3, None)
     for bad, error in (((1,), TypeError), ((1, 2, 3), TypeError), (5, TypeError), ((1.5, 2), TypeError),
                        ((True, 2), TypeError), ((-1, 2), ValueError), ((2, -3), ValueError)):
         with pytest.raises(error, match="window"):
-            api._common(q, k, v, None, None, 0.0, None, 0, None, None, window=bad)
+            validate.problem(q, k, v, None, None, 0.0, None, 0, None, None, window=bad)
     for bad, error in (("5", TypeError), (True, TypeError), (None, TypeError), (-1.0, ValueError),
                        (float("inf"), ValueError), (float("nan"), ValueError)):
         with pytest.raises(error, match="softcap"):
-            api._common(q, k, v, None, None, 0.0, None, 0, None, None, softcap=bad)
-    c = api._common(q, k, v, None, 0.25, 0.0, None, 0, None, None, softcap=10)
-    assert api._softcap_fields(c) == {"softcap_in": 0.025, "softcap_out": 40.0}
+            validate.problem(q, k, v, None, None, 0.0, None, 0, None, None, softcap=bad)
+    c = validate.problem(q, k, v, None, 0.25, 0.0, None, 0, None, None, softcap=10)
+    fields = sm90_common.band_fields(c)
+    assert (fields["softcap_in"], fields["softcap_out"]) == (0.025, 40.0)
+    assert "softcap_in" not in sm90_common.band_fields(common(q, k, v)), "0 (off) unless asked for"
 
 
-def test_window_and_softcap_outside_the_sm90_kernels_are_refused():
-    c = api._common(*qkv(), None, None, 0.0, None, 0, None, None, window=(4, 4), softcap=3.0)
-    with pytest.raises(UnsupportedError, match=r"window and softcap run only on flashgen's sm90_fwd .* up to 256"):
-        api._only_on_sm90(c, Sm90Fwd)
-    with pytest.raises(UnsupportedError, match=r"window and softcap run only on flashgen's sm90_bwd .* up to 256"):
-        api._only_on_sm90(c, Sm90Bwd)
-    api._only_on_sm90(api._common(*qkv(), None, None, 0.0, None, 0, None, None), Sm90Fwd)  # nothing to refuse
+def fake_call(direction="fwd", bias=None, **options):
+    """A validated Call over FakeArrays (what a family's refusal reads)."""
+    q, k, v = options.pop("arrays", None) or qkv()
+    c = validate.problem(q, k, v, options.get("causal"), None, options.get("dropout_p", 0.0), options.get("seed"), 0,
+                         None, None, window=options.get("window"), softcap=options.get("softcap", 0.0))
+    extra = {"out": FakeArray(q.shape), "grad_out": FakeArray(q.shape)} if direction == "bwd" else {}
+    return validate.Call(direction, c, q, k, v, bias, options, None, **extra)
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_families_refuse_with_the_reason_and_dispatch_lists_them_all(direction, monkeypatch):
+    """Each family says what a call needs that it lacks; with none left, the error names them in order."""
+    monkeypatch.setattr(sm90_common, "device_info", lambda index: RTX3090)
+    hopper, example41 = families.serving(direction)
+    assert (hopper.name, example41.name) == (f"sm90_{direction}", f"mem_eff_{direction}"), "the spec's order"
+    windowed = fake_call(direction, window=(4, 4), softcap=3.0)
+    assert example41.refusal(windowed).startswith("no sliding window or soft-capping")
+    assert "compute-capability 9.0" in hopper.refusal(windowed) and "sm_86" in hopper.refusal(windowed)
+    with pytest.raises(UnsupportedError, match=rf"(?s)no kernel family serves this call:\n  sm90_{direction}: .*9\.0.*"
+                                               rf"\n  mem_eff_{direction}: no sliding window"):
+        families.dispatch(windowed)
+    assert example41.refusal(fake_call(direction)) is None
+    monkeypatch.setattr(sm90_common, "device_info", lambda index: H100)
+    assert hopper.unfit(fake_call(direction)) is None
+    for call, why in ((fake_call(direction, bias=FakeArray((2, 3, 5, 7))), "no attn_bias"),
+                      (fake_call(direction, dropout_p=0.1, seed=1), "no dropout"),
+                      (fake_call(direction, arrays=qkv(dtype=np.float32)), "float32"),
+                      (fake_call(direction, arrays=qkv(K=64, Kv=32)), "equal q/v head dims only; the call has 64 and 32"),
+                      (fake_call(direction, arrays=(FakeArray((2, 5, 3, 64), ptr=0x7F2A00000008),) + qkv()[1:]),
+                       "TMA cannot read q: its address is not 16-byte aligned")):
+        assert why in hopper.unfit(call)
 
 
 @pytest.mark.parametrize("which,shapes,match", [
@@ -835,8 +860,8 @@ def test_dtype_mix_and_unsupported_dtypes():
         msg = str(e.value)
         assert msg.startswith(f"q has dtype {np.dtype(bad)}")
         assert "float32" in msg and "float16" in msg and "bfloat16" in msg
-    assert api._dtype_name(np.float16) == "f16" and api._dtype_name(np.float32) == "f32"
-    assert api._dtype_name(np.float64) is None
+    assert arrays.dtype_name(np.float16) == "f16" and arrays.dtype_name(np.float32) == "f32"
+    assert arrays.dtype_name(np.float64) is None
 
 
 def test_inputs_on_different_devices():
@@ -857,19 +882,19 @@ def test_last_dim_must_be_contiguous():
     # permuted outer dims are fine, and a head dim of 1 has no stride to speak of
     common(FakeArray(q.shape, strides=(8, 16, 64, 1)), k, v)
     common(*qkv(K=1), scale=1.0)
-    api._check_bmhk("x", FakeArray((1, 4, 2, 1), strides=(8, 2, 1, 99)))
+    validate.check_bmhk("x", FakeArray((1, 4, 2, 1), strides=(8, 2, 1, 99)))
 
 
 def test_check_bmhk_names_the_argument():
     x = FakeArray((2, 5, 3, 64))
-    api._check_bmhk("grad_out", x, np.dtype(np.float16), 0)
+    validate.check_bmhk("grad_out", x, np.dtype(np.float16), 0)
     with pytest.raises(ValueError, match=r"^grad_out must be 4-D \[batch, seq, heads, head_dim\]; "
                                          r"got shape \(5, 3, 64\)$"):
-        api._check_bmhk("grad_out", FakeArray((5, 3, 64)))
+        validate.check_bmhk("grad_out", FakeArray((5, 3, 64)))
     with pytest.raises(TypeError, match=r"^out has dtype float16, expected float32"):
-        api._check_bmhk("out", x, np.dtype(np.float32), 0)
+        validate.check_bmhk("out", x, np.dtype(np.float32), 0)
     with pytest.raises(ValueError, match=r"^out is on GPU 0, q is on GPU 1$"):
-        api._check_bmhk("out", x, np.dtype(np.float16), 1)
+        validate.check_bmhk("out", x, np.dtype(np.float16), 1)
 
 
 @pytest.mark.parametrize("which", ["q", "k", "v"])
@@ -922,9 +947,9 @@ def test_bad_seed_or_offset(name, value):
 def test_cu_seqlens_must_come_in_pairs():
     q, k, v = qkv(B=1)
     with pytest.raises(ValueError, match="cu_seqlens_q and cu_seqlens_k"):
-        api._common(q, k, v, None, None, 0.0, None, 0, [0, 5], None)
+        validate.problem(q, k, v, None, None, 0.0, None, 0, [0, 5], None)
     with pytest.raises(ValueError, match="cu_seqlens_q and cu_seqlens_k"):
-        api._common(q, k, v, None, None, 0.0, None, 0, None, [0, 7])
+        validate.problem(q, k, v, None, None, 0.0, None, 0, None, [0, 7])
 
 
 F16 = np.float16
@@ -935,15 +960,15 @@ _P = 0x7F2A00000000  # 256-byte aligned, like every CuPy allocation
                                                 (6, 1), (1, 1), (3, 1)])
 def test_alignment_of_pointers(ptr_bytes, expected):
     x = FakeArray((2, 16, 4, 64), F16, ptr=_P + ptr_bytes)
-    assert api._alignment([FakeArray((2, 16, 4, 64), F16, ptr=_P), x], (64, 64)) == expected
+    assert arrays.alignment([FakeArray((2, 16, 4, 64), F16, ptr=_P), x], (64, 64)) == expected
 
 
 def test_alignment_of_f32_pointers_counts_elements():
-    assert api._alignment([FakeArray((1, 8, 1, 8), np.float32, ptr=_P + 32)], (8,)) == 8
-    assert api._alignment([FakeArray((1, 8, 1, 8), np.float32, ptr=_P + 16)], (8,)) == 4
-    assert api._alignment([FakeArray((1, 8, 1, 8), np.float32, ptr=_P + 8)], (8,)) == 2
-    assert api._alignment([FakeArray((1, 8, 1, 8), np.float32, ptr=_P + 4)], (8,)) == 1
-    assert api._alignment([FakeArray((1, 8, 1, 8), np.float32, ptr=_P + 2)], (8,)) == 1
+    assert arrays.alignment([FakeArray((1, 8, 1, 8), np.float32, ptr=_P + 32)], (8,)) == 8
+    assert arrays.alignment([FakeArray((1, 8, 1, 8), np.float32, ptr=_P + 16)], (8,)) == 4
+    assert arrays.alignment([FakeArray((1, 8, 1, 8), np.float32, ptr=_P + 8)], (8,)) == 2
+    assert arrays.alignment([FakeArray((1, 8, 1, 8), np.float32, ptr=_P + 4)], (8,)) == 1
+    assert arrays.alignment([FakeArray((1, 8, 1, 8), np.float32, ptr=_P + 2)], (8,)) == 1
 
 
 @pytest.mark.parametrize("strides,expected", [
@@ -954,31 +979,31 @@ def test_alignment_of_f32_pointers_counts_elements():
 ])
 def test_alignment_of_strides(strides, expected):
     x = FakeArray((2, 8, 4, 64), F16, strides=strides)
-    assert api._alignment([x], (64, 64)) == expected
+    assert arrays.alignment([x], (64, 64)) == expected
 
 
 def test_alignment_ignores_strides_of_size_one_dims():
     # batch of 1 and 1 head: their strides are never multiplied by anything but 0
     x = FakeArray((1, 8, 1, 64), F16, strides=(12345, 64, 3, 1))
-    assert api._alignment([x], (64, 64)) == 8
+    assert arrays.alignment([x], (64, 64)) == 8
     y = FakeArray((2, 8, 1, 64), F16, strides=(12345, 64, 3, 1))
-    assert api._alignment([y], (64, 64)) == 1
+    assert arrays.alignment([y], (64, 64)) == 1
     z = FakeArray((1, 1, 2, 64), F16, strides=(7, 7, 64, 1))
-    assert api._alignment([z], (64, 64)) == 8
+    assert arrays.alignment([z], (64, 64)) == 8
 
 
 @pytest.mark.parametrize("dims,expected", [((64, 64), 8), ((64, 36), 4), ((64, 6), 2), ((63, 64), 1)])
 def test_alignment_of_head_dims(dims, expected):
     x = FakeArray((1, 8, 1, 64), F16, strides=(512, 64, 64, 1))
-    assert api._alignment([x], dims) == expected
+    assert arrays.alignment([x], dims) == expected
 
 
 def test_check_int32():
-    api._check_int32(q_strideM=2**31 - 1, num_keys=0, k_strideH=-(2**31 - 1))
+    limits.check_int32(q_strideM=2**31 - 1, num_keys=0, k_strideH=-(2**31 - 1))
     with pytest.raises(ValueError, match=r"^num_keys = 2147483648 does not fit the kernel's 32-bit field"):
-        api._check_int32(q_strideM=64, num_keys=2**31)
+        limits.check_int32(q_strideM=64, num_keys=2**31)
     with pytest.raises(ValueError, match=r"^v_strideM = "):
-        api._check_int32(v_strideM=2**40)
+        limits.check_int32(v_strideM=2**40)
 
 
 # === no CuPy anywhere ========================================================================

@@ -20,7 +20,7 @@ from attention_reference import (  # noqa: E402
     rel_err, gpu_marks,
 )
 from flashgen.errors import UnsupportedError  # noqa: E402
-from flashgen.runtime import api, plans  # noqa: E402
+from flashgen.runtime import families, plans  # noqa: E402
 from flashgen.runtime.registry import default_registry  # noqa: E402
 
 HAVE_GPU, pytestmark = gpu_marks()
@@ -82,7 +82,9 @@ def test_block_aligned_backward_kernels(dtype, K, M, N, causal, monkeypatch):
     """M and N multiples of the block: the backward takes a block-aligned kernel (no bounds
     checks), and it matches the reference; one row more and it takes the general kernel.
     (On a 9.0 GPU such calls go to the sm90 families: they are kept out of the way here.)"""
-    monkeypatch.setattr(api, "_sm90_request", lambda *args, **kwargs: None)
+    for family in families.serving("fwd") + families.serving("bwd"):
+        if family.name.startswith("sm90"):
+            monkeypatch.setattr(family, "unfit", lambda call: "kept out of the way")
     plans.clear()  # and no plan made earlier may route these signatures either
     r = np.random.default_rng(M + N + K)
 
@@ -219,7 +221,7 @@ def test_torch_tensors_are_viewed_without_copy():
     ref = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2).float() for t in (q, k, v)))
     err = (torch.from_dlpack(out).float() - ref.transpose(1, 2)).norm() / ref.norm()
     assert float(err) < FWD_TOL["bf16"]
-    assert flashgen.runtime.api.as_array(q, "q").data.ptr == q.data_ptr()
+    assert flashgen.runtime.arrays.as_array(q, "q").data.ptr == q.data_ptr()
 
 
 def test_unsupported_head_dim_names_every_candidate():

@@ -15,8 +15,8 @@ from attention_reference import (  # noqa: E402
     assert_same_bits,
     BWD_TOL, grouped_reference, make_input, poisoned_allocations, randn, rel_err, gpu_marks, hopper_kernels,
 )
-from flashgen.runtime import api, plans  # noqa: E402
-from flashgen.runtime.registry import default_registry  # noqa: E402
+from flashgen.runtime import plans, validate  # noqa: E402
+from flashgen.runtime.families import sm90_bwd  # noqa: E402
 from flashgen.spec.sm90_bwd import Sm90Bwd  # noqa: E402
 
 HAVE_GPU, pytestmark = gpu_marks()
@@ -106,9 +106,10 @@ def test_every_instance(binary):
     for (M, N), K, window in cases:
         q, k, v, do = inputs(rng, spec.dtype, B=2, M=M, N=N, H=4, K=K, Hk=2)
         out, lse = flashgen.attention_forward(q, k, v, causal=causal, window=window, **options)
-        c = api._common(q, k, v, causal, None, 0.0, None, 0, None, None, window=window, **options)
+        call = validate.backward_call(do, q, k, v, out, lse, dict(causal=causal, window=window, **options),
+                                      flashgen.attention_backward)
         with poisoned_allocations():
-            grads = api._backward_sm90(default_registry(), binary, c, do, q, k, v, out, lse, False, None, None)
+            grads = sm90_bwd.RUNTIME.launch(call, binary)
         for name, g, r in zip(("dq", "dk", "dv"), grads, gqa_reference(q, k, v, causal, do, window=window, **options)):
             assert rel_err(g, r) < BWD_TOL[spec.dtype], (name, M, N, K, window)
 

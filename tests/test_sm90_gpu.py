@@ -6,7 +6,6 @@ poisoned (NaN) memory, so an element the kernel forgot to write fails.
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -17,10 +16,10 @@ from attention_reference import (  # noqa: E402
     BWD_TOL, FWD_TOL, grouped_reference, lse_err, make_input, poisoned_allocations, randn, reference, rel_err,
     gpu_marks, hopper_kernels,
 )
-from flashgen.runtime import api, plans  # noqa: E402
+from flashgen.runtime import plans, validate  # noqa: E402
+from flashgen.runtime.families import sm90_bwd, sm90_fwd  # noqa: E402
 from flashgen.runtime.device import device_info  # noqa: E402
 from flashgen.runtime.registry import default_registry  # noqa: E402
-from flashgen.spec.sm90_bwd import Sm90Bwd  # noqa: E402
 from flashgen.spec.sm90_fwd import Sm90Fwd  # noqa: E402
 
 HAVE_GPU, pytestmark = gpu_marks()
@@ -88,15 +87,16 @@ def test_every_instance(binary):
              ((7, 7), spec.max_k, None, 0.0), ((300, 700), spec.max_k, (200, 33) if spec.band else None, 8.0))
     for (M, N), K, window, softcap in cases:
         q, k, v = (randn(rng, (2, S, 3, K), spec.dtype) for S in (M, N, N))
-        c = api._common(q, k, v, causal, None, 0.0, None, 0, None, None, window=window, softcap=softcap)
-        with poisoned_allocations():
-            out = cupy.empty(q.shape, dtype=q.dtype)
-            lse = cupy.empty((2, 3, -(-M // 32) * 32), dtype=cupy.float32)
-        api._forward_sm90(default_registry(), binary, c, q, k, v, out, lse, None, None)
+        call = validate.forward_call(q, k, v, {"causal": causal, "window": window, "softcap": softcap},
+                                     flashgen.attention_forward)
+        with poisoned_allocations():  # the family allocates out and lse
+            out, lse = sm90_fwd.RUNTIME.launch(call, binary)
         ref_out, ref_lse = reference(q, k, v, causal=causal, window=window, softcap=softcap)
         assert rel_err(out, ref_out) < FWD_TOL[spec.dtype], (M, N, K)
-        assert lse_err(lse[:, :, :M], ref_lse) < FWD_TOL[spec.dtype], (M, N, K)
-        assert bool((lse[:, :, M:] == np.inf).all()), "lse padding rows must be +inf, as example 41 writes them"
+        assert lse_err(lse, ref_lse) < FWD_TOL[spec.dtype], (M, N, K)
+        padded = lse.base  # lse is a view of the rows the kernel writes, padded to 32
+        assert padded.shape[2] == -(-M // 32) * 32
+        assert bool((padded[:, :, M:] == np.inf).all()), "lse padding rows must be +inf, as example 41 writes them"
 
 
 @needs_sm90
@@ -120,8 +120,8 @@ def test_lse_feeds_the_backward(K):
     # which reads the same lse
     skewed = cupy.empty(do.size + 4, dtype=do.dtype)[4:].reshape(do.shape)
     skewed[...] = do
-    c = api._common(q, k, v, "top_left", None, 0.0, None, 0, None, None)
-    assert api._sm90_request(c, q, k, v, None, Sm90Bwd.FAMILY, (out, skewed)) is None
+    call = validate.backward_call(skewed, q, k, v, out, lse, {"causal": "top_left"}, flashgen.attention_backward)
+    assert sm90_bwd.RUNTIME.refusal(call) == "TMA cannot read grad_out: its address is not 16-byte aligned (8 bytes off)"
     with poisoned_allocations():
         grads = flashgen.attention_backward(skewed, q, k, v, out, lse, causal="top_left")
     for g, r in zip(grads, ref_grads):

@@ -170,6 +170,8 @@ def fake_measurements(monkeypatch):
         return {"default": 1.0, "prio": 1.0, "other": 1.0, "split1": 0.9 if fast else 0.995}
 
     monkeypatch.setattr(tune_module, "measure_choices", measure)
+    # no registry here: the example-41 families, as on a GPU without sm90a kernels
+    monkeypatch.setattr(tune_module, "family_for", lambda direction, registry, device: f"mem_eff_{direction}")
     return tune_module, measured
 
 
@@ -202,3 +204,23 @@ def test_tune_resumes_and_refuses_another_gpus_table(fake_measurements, tmp_path
     tuning.Table(RTX3090.name, RTX3090.cc, {}, {"points": []}).save(other)
     with pytest.raises(ValueError, match="RTX 3090.*pass another --out"):
         tune_module.tune(points, 3, lambda line: None, "flashgen tune", other)
+
+
+def test_tune_times_the_family_the_runtime_dispatches_to():
+    """The first family in dispatch order with kernels for the GPU: sm90 where built, else example 41."""
+    from types import SimpleNamespace
+
+    from flashgen.errors import UnsupportedError
+    from flashgen.tune import family_for
+
+    def registry(*built):
+        def for_device(family, device):
+            if family not in built:
+                raise UnsupportedError(f"no {family} kernel")
+            return ["a kernel"]
+        return SimpleNamespace(for_device=for_device)
+
+    everything = registry("sm90_fwd", "sm90_bwd", "mem_eff_fwd", "mem_eff_bwd")
+    assert [family_for(d, everything, H100) for d in ("fwd", "bwd")] == ["sm90_fwd", "sm90_bwd"]
+    example41 = registry("mem_eff_fwd", "mem_eff_bwd")
+    assert [family_for(d, example41, RTX3090) for d in ("fwd", "bwd")] == ["mem_eff_fwd", "mem_eff_bwd"]

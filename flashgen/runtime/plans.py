@@ -3,9 +3,10 @@
 Validation, kernel choice, key-split count, workspace size and every ``Params``
 field except the pointers (and the dropout seed and offset) are functions of
 the inputs' shapes, strides, dtypes, devices and pointer alignment and of the
-options.  The first call with a signature takes the full path in ``api.py``,
-which leaves a plan here; a repeated call then only allocates its outputs,
-writes its pointers into a copy of the plan's ``Params`` bytes and launches.
+options.  The first call with a signature takes the full path (``api.py``,
+then the family that serves it), which leaves a plan here; a repeated call
+then only allocates its outputs, writes its pointers into a copy of the
+plan's ``Params`` bytes and launches.
 That is what keeps the per-call host cost near CuPy's own launch cost
 (BENCHMARKS.md, "Per-call overhead").
 """
@@ -93,12 +94,13 @@ class LaunchPlan:
     map_addresses: list = field(default_factory=list, compare=False, repr=False)  # what the buffer's maps hold
     lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
     launches: Tuple[tuple, ...] = ()
+    family: str = ""  # the runtime family that replays the plan (runtime/families)
 
     @classmethod
     def from_params(cls, handle: int, device: int, grid, block, shared_memory: int, params: np.ndarray,
                     pointer_fields: Sequence[str], dropout: bool, sizes: Mapping[str, object],
                     launcher: Optional[Callable] = None, tensor_maps: Sequence[str] = (),
-                    before: Sequence[tuple] = (), after: Sequence[tuple] = ()) -> "LaunchPlan":
+                    before: Sequence[tuple] = (), after: Sequence[tuple] = (), family: str = "") -> "LaunchPlan":
         """A plan from a filled ``Params`` record (the structured one-item array that launched);
         a launch takes the pointers for ``tensor_maps`` (field names), then ``pointer_fields``.
         ``launcher`` stands in for cuLaunchKernel (tests)."""
@@ -118,7 +120,7 @@ class LaunchPlan:
         launches = tuple((h, *g, *b, smem) for h, g, b, smem in steps)
         return cls(handle, device, tuple(grid), tuple(block), shared_memory, tuple(words), dropout, dict(sizes),
                    launcher or _driver_launch(), maps, tuple(before), tuple(after), memoryview(storage).cast("Q"),
-                   argv, argv.__array_interface__["data"][0], [None] * len(maps), launches=launches)
+                   argv, argv.__array_interface__["data"][0], [None] * len(maps), launches=launches, family=family)
 
     def launch(self, pointers: Sequence[int], seed: int, offset: int, stream: int) -> None:
         """Launch on the CUDA stream handle ``stream`` with these pointers (and dropout seed/offset)."""
@@ -136,6 +138,19 @@ class LaunchPlan:
             launch, argv = self.launcher, self.argv_address
             for arguments in self.launches:
                 launch(*arguments, stream, argv, 0)
+
+
+def find(ndarray, direction: str, arrays, options: tuple):
+    """(key, plan) of a call: the plan made for its key, or None; the key is None when the call
+    cannot be planned (an input that is not a CuPy ``ndarray``, an unhashable option)."""
+    parts = signature(arrays, ndarray)
+    if parts is None:
+        return None, None
+    key = (direction, parts, options, tuple(map(type, options)))  # 1 and True hash alike, validate apart
+    try:
+        return key, lookup(key)
+    except TypeError:
+        return None, None
 
 
 def lookup(key) -> Optional[LaunchPlan]:

@@ -10,7 +10,9 @@ from flashgen.spec.mem_eff_fwd import MemEffFwd
 from flashgen.spec.sm90_bwd import Sm90Bwd
 from flashgen.spec.sm90_fwd import Sm90Fwd
 
-FAMILIES: Dict[str, Type[KernelSpec]] = {cls.FAMILY: cls for cls in (MemEffFwd, MemEffBwd, Sm90Fwd, Sm90Bwd)}
+# The one list of families, in dispatch order: the runtime asks a call's families in this
+# order (runtime/families) and runs the first that accepts it, so the fastest come first.
+FAMILIES: Dict[str, Type[KernelSpec]] = {cls.FAMILY: cls for cls in (Sm90Fwd, Sm90Bwd, MemEffFwd, MemEffBwd)}
 
 
 def family(name: str) -> Type[KernelSpec]:

@@ -125,6 +125,7 @@ class KernelSpec:
     """Base of every family.  Subclasses are frozen dataclasses of axis values."""
 
     FAMILY: ClassVar[str]
+    DIRECTION: ClassVar[str]  # "fwd" or "bwd": which public function the family's runtime serves
     TEMPLATE: ClassVar[str]
     HEADER: ClassVar[str]
     AXES: ClassVar[Dict[str, Tuple]]

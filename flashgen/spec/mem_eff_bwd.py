@@ -31,6 +31,7 @@ class MemEffBwd(KernelSpec):
     block_aligned: bool
 
     FAMILY = "mem_eff_bwd"
+    DIRECTION = "bwd"
     TEMPLATE = "mem_eff.cu.j2"
     HEADER = "kernel_backward.h"
     AXES = {

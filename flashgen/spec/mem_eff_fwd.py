@@ -27,6 +27,7 @@ class MemEffFwd(KernelSpec):
     bias: bool
 
     FAMILY = "mem_eff_fwd"
+    DIRECTION = "fwd"
     TEMPLATE = "mem_eff.cu.j2"
     HEADER = "kernel_forward.h"
     AXES = {

@@ -37,6 +37,7 @@ class Sm90Bwd(Sm90Tile):
     softcap: bool  # soft-capping compiled in: it needs registers the plain path spares (BwdKernel::kSoftcap)
 
     FAMILY = "sm90_bwd"
+    DIRECTION = "bwd"
     TEMPLATE = "sm90_bwd.cu.j2"
     HEADER = "flashgen/sm90_bwd.h"
     KERNEL = "flashgen::sm90::BwdKernel"

@@ -16,7 +16,7 @@ of 8.  The lse is written like the example-41 forward's: [B, H, rows padded to
 32], +inf in the padding, so the mem-eff backward takes it as it is.
 
 Masks: a ``band`` instance shows query i the keys i + band_lo .. i + band_hi
-(``runtime.api._band``: causal masks and sliding windows, either alignment) and
+(``runtime/families/sm90_common.band``: causal masks and sliding windows, either alignment) and
 skips the key blocks outside; the others show every key.  Soft-capping is a
 run-time option of every instance: ``softcap_in`` = scale / softcap (0: off),
 ``softcap_out`` = softcap / scale.
@@ -38,6 +38,7 @@ from flashgen.spec.sm90_tile import Sm90Tile, tile_constants
 @dataclass(frozen=True)
 class Sm90Fwd(Sm90Tile):
     FAMILY = "sm90_fwd"
+    DIRECTION = "fwd"
     TEMPLATE = "sm90_fwd.cu.j2"
     HEADER = "flashgen/sm90_fwd.h"
     KERNEL = "flashgen::sm90::FwdKernel"

@@ -1,0 +1,141 @@
+"""The runtime side of the kernel families: one module per spec family, asked in the spec's order.
+
+The public functions validate a call once (``validate.py``), then ask the families
+that serve its direction, in the order of ``flashgen.spec.FAMILIES``, whether they
+can take it (``refusal``); the first that can runs it (``run``), and may leave a
+launch plan whose ``replay`` serves the same signature next time.  A family's
+runtime lives in ``flashgen/runtime/families/<family>.py`` as one ``RUNTIME``
+object, a :class:`RuntimeFamily`: adding a family adds that module and its spec to
+the spec's list; nothing here or in ``api.py`` names a family.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import ClassVar, Dict, List, Optional, Sequence, Tuple, Type
+
+from flashgen.errors import UnsupportedError
+from flashgen.runtime import tuning
+from flashgen.runtime.device import device_info
+from flashgen.runtime.registry import KernelBinary, Registry
+from flashgen.runtime.select import Request, Selector
+from flashgen.runtime.validate import Call, Problem
+from flashgen.spec import FAMILIES
+from flashgen.spec.core import KernelSpec
+
+Row = Tuple[str, str, str]  # (kernel, target, verdict), as explain() lists them
+
+
+class RuntimeFamily:
+    """How the runtime serves calls from one kernel family (``spec``)."""
+
+    spec: ClassVar[Type[KernelSpec]]
+
+    @property
+    def name(self) -> str:
+        return self.spec.FAMILY
+
+    def unfit(self, call: Call) -> Optional[str]:
+        """What ``call`` needs that no kernel of this family has (bias, dropout, a GPU), or None."""
+        return None
+
+    def refusal(self, call: Call) -> Optional[str]:
+        """Why this family does not serve ``call`` (the next family is asked), or None: by default
+        only ``unfit``; a family may also refuse when none of its kernels accepts the call."""
+        return self.unfit(call)
+
+    def request(self, call: Call) -> Request:
+        """What ``call`` needs of a kernel of this family (selection, explain, tuning)."""
+        raise NotImplementedError
+
+    def run(self, call: Call):
+        """Select a kernel and launch it: the outputs of the public function."""
+        return self.launch(call, self.kernel(call, self.request(call)))
+
+    def launch(self, call: Call, binary: KernelBinary):
+        """Size, allocate and launch ``binary`` for ``call`` (tests call it for each kernel)."""
+        raise NotImplementedError
+
+    def replay(self, plan, arrays: Sequence, seed, offset, stream):
+        """Serve a call whose signature left ``plan``: allocate, point, launch (plans.py)."""
+        raise NotImplementedError
+
+    def kernel(self, call: Call, req: Request) -> Optional[KernelBinary]:
+        """The first kernel that accepts ``req``, the tuning table's tile first (None: none does)."""
+        return selector(call.registry).find(req, tuned(req, call.p))
+
+    def explain(self, call: Call) -> List[Row]:
+        """This family's kernels for the call's GPU in the order tried, each with its verdict."""
+        try:
+            kernels = call.registry.for_device(self.name, device_info(call.p.device))
+        except UnsupportedError:
+            return []  # nothing of this family is built for the GPU
+        why = self.unfit(call)
+        if why is not None:
+            return [(b.name, b.target, why) for b in kernels]
+        return selector(call.registry).explain(self.request(call))
+
+
+_selectors: Dict[int, Selector] = {}
+
+
+def selector(registry: Registry) -> Selector:
+    sel = _selectors.get(id(registry))
+    if sel is None or sel.registry is not registry:
+        sel = _selectors[id(registry)] = Selector(registry)
+    return sel
+
+
+def tuned(req: Request, p: Problem) -> Optional[tuning.Choice]:
+    """The tuning table's choice for this call's shape bucket on this device, if any."""
+    bucket = tuning.Bucket.of(req.family, p.dtype, p.K, p.Kv, p.mask != 0, p.M, p.N, p.batches * p.H)
+    return tuning.choice(req.device, bucket)
+
+
+def planned_forward_outputs(cupy, sizes, dtype):
+    """The out and lse a forward plan allocates per call (shapes recorded in the plan's ``sizes``)."""
+    return cupy.empty(sizes["out"], dtype=dtype), cupy.empty(sizes["lse"], dtype=cupy.float32)
+
+
+def visible_lse(lse, rows: int):
+    """lse without the padding rows the kernels write (a view; none when there are none)."""
+    return lse if lse.shape[2] == rows else lse[:, :, :rows]
+
+
+_runtimes: Dict[str, RuntimeFamily] = {}
+
+
+def runtime(family: str) -> RuntimeFamily:
+    """The runtime of the spec family named ``family`` (its module's ``RUNTIME``)."""
+    found = _runtimes.get(family)
+    if found is None:
+        found = _runtimes[family] = importlib.import_module(f"{__name__}.{family}").RUNTIME
+    return found
+
+
+def serving(direction: str) -> List[RuntimeFamily]:
+    """The runtime families of ``direction`` ("fwd" or "bwd"), in the spec's dispatch order."""
+    return [runtime(name) for name, cls in FAMILIES.items() if cls.DIRECTION == direction]
+
+
+def replay(plan, arrays: Sequence, seed, offset, stream):
+    """Serve a call from the launch plan a family left for its signature."""
+    return runtime(plan.family).replay(plan, arrays, seed, offset, stream)
+
+
+def dispatch(call: Call):
+    """Run ``call`` on the first family that accepts it, or say what each family lacks."""
+    refusals = []
+    for family in serving(call.direction):
+        why = family.refusal(call)
+        if why is None:
+            return family.run(call)
+        refusals.append(f"  {family.name}: {why}")
+    raise UnsupportedError("no kernel family serves this call:\n" + "\n".join(refusals))
+
+
+def explain(call: Call) -> List[Row]:
+    """Every family's candidates in the order tried; after the selected one, 'not tried'."""
+    rows = [row for family in serving(call.direction) for row in family.explain(call)]
+    chosen = next((i for i, (_, _, verdict) in enumerate(rows) if verdict == "selected"), len(rows))
+    return rows[:chosen + 1] + [(name, target, "not tried: an earlier kernel was selected")
+                                for name, target, _ in rows[chosen + 1:]]

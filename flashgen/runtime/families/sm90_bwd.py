@@ -1,0 +1,110 @@
+"""Running ``sm90_bwd`` (spec/sm90_bwd.py): three kernels (prep, main, convert) over one allocation.
+
+The prep kernel turns lse into log2 units and computes delta = rowsum(dO * O); the
+main kernel accumulates dQ in float32 and writes dK, dV; the convert kernel turns
+the dQ accumulator into dq.  The outputs and that workspace are carved from one
+allocation (``layout``), so a training step costs one pool call per backward.
+"""
+from __future__ import annotations
+
+from flashgen.runtime import plans
+from flashgen.runtime.arrays import cupy_module, elem_strides
+from flashgen.runtime.families.sm90_common import HopperFamily, band_fields, encode_maps, zero_unpacked_rows
+from flashgen.runtime.launch import fill, handle, launch, on_device, packed_offsets, params_buffer, stream_handle
+from flashgen.runtime.limits import check_int32
+from flashgen.runtime.registry import KernelBinary
+from flashgen.runtime.validate import Call, Problem
+from flashgen.spec.sm90_bwd import Sm90Bwd
+
+MAPS = ("q_map", "k_map", "v_map", "do_map")
+# per-call pointers after the four tensor maps' (q, k, v, grad_out), in Params order
+POINTERS = ("out_ptr", "dout_ptr", "lse_ptr", "lse_log2_ptr", "delta_ptr", "dq_accum_ptr", "dq_counter_ptr",
+            "dq_ptr", "dk_ptr", "dv_ptr")
+
+
+def layout(kc: dict, p: Problem, q, k) -> tuple:
+    """(rows_padded, byte offsets of dk, dv, lse_log2, delta, dq accumulator, counters, total) of
+    the one allocation holding a call's outputs and workspace."""
+    block_m = kc["block_m"]
+    if p.seqstart_q is None:
+        rows = -(-p.M // block_m) * block_m
+    else:  # every sequence's rows start on a block boundary past the blocks of the ones before
+        rows = (q.shape[1] + p.batches * block_m) // block_m * block_m
+    heads_rows = p.B * p.H * rows
+    dkv_bytes = k.size * k.itemsize
+    return (rows,) + packed_offsets(q.size * q.itemsize, dkv_bytes, dkv_bytes, heads_rows * 4, heads_rows * 4,
+                                    heads_rows * kc["max_k"] * 4, heads_rows // block_m * 4)
+
+
+def buffers(cupy, offsets, q, k, v):
+    """dq, dk, dv carved from one new allocation laid out by ``offsets`` (``layout`` without its
+    rows), and the pointers of the workspace (lse_log2, delta, dq accumulator, counters) and of
+    dq, dk, dv: the tail of ``POINTERS``."""
+    at_dk, at_dv, at_lse2, at_delta, at_accum, at_counters, total = offsets
+    memory = cupy.cuda.alloc(total)  # CuPy's pool, as cupy.empty would use, minus the array
+    base = memory.ptr
+    dq = cupy.ndarray(q.shape, q.dtype, memory)
+    dk = cupy.ndarray(k.shape, k.dtype, memory + at_dk)
+    dv = cupy.ndarray(v.shape, v.dtype, memory + at_dv)
+    return dq, dk, dv, (base + at_lse2, base + at_delta, base + at_accum, base + at_counters, base, base + at_dk,
+                        base + at_dv)
+
+
+class Sm90BwdRuntime(HopperFamily):
+    spec = Sm90Bwd
+
+    def tma_arrays(self, call: Call):
+        # out is read at the same 16-byte alignment as the tensor-mapped inputs
+        return super().tma_arrays(call) + (("out", call.out), ("grad_out", call.grad_out))
+
+    def launch(self, call: Call, binary: KernelBinary):
+        """(dq, dk, dv) on ``binary`` (on the call's device, api.py makes it current)."""
+        cupy, p, q, k, v = cupy_module(), call.p, call.q, call.k, call.v
+        out, grad_out, lse, plan_key = call.out, call.grad_out, call.lse, call.plan_key
+        kc = binary.constants
+        if p.M > 1 and lse.strides[2] != 4:
+            lse = cupy.ascontiguousarray(lse)  # the prep kernel reads a row's lse with unit stride
+            plan_key = None  # a per-call copy: not a plan
+        rows, *offsets = layout(kc, p, q, k)
+        dq, dk, dv, (lse_log2, delta, accum, counters, *_) = buffers(cupy, offsets, q, k, v)
+        os_, gos, ls = elem_strides(out), elem_strides(grad_out), elem_strides(lse)
+        check_int32(out_stride_m=os_[1], out_stride_h=os_[2], dout_stride_m=gos[1], dout_stride_h=gos[2],
+                    lse_stride_b=ls[0], lse_stride_h=ls[1], rows_padded=rows * p.H * p.B)
+        params = params_buffer(Sm90Bwd)
+        fill(params, out_ptr=out.data.ptr, dout_ptr=grad_out.data.ptr, lse_ptr=lse.data.ptr, lse_log2_ptr=lse_log2,
+             delta_ptr=delta, dq_accum_ptr=accum, dq_counter_ptr=counters, dq_ptr=dq.data.ptr, dk_ptr=dk.data.ptr,
+             dv_ptr=dv.data.ptr, out_stride_b=os_[0], dout_stride_b=gos[0], dq_stride_b=q.shape[1] * p.H * p.K,
+             dkv_stride_b=k.shape[1] * k.shape[2] * p.K, out_stride_m=os_[1], out_stride_h=os_[2],
+             dout_stride_m=gos[1], dout_stride_h=gos[2], dq_stride_m=p.H * p.K, dq_stride_h=p.K,
+             dkv_stride_n=k.shape[2] * p.K, dkv_stride_h=p.K, lse_stride_b=ls[0], lse_stride_h=ls[1],
+             num_queries=p.M, num_keys=p.N, num_heads=p.H, head_dim=p.K, head_group=p.H // k.shape[2],
+             rows_padded=rows, deterministic=int(call.options["deterministic"]), scale=p.scale, **band_fields(p))
+        encode_maps(params, MAPS, (q, k, v, grad_out), (kc["block_m"], kc["block_n"], kc["block_n"], kc["block_m"]),
+                    p, kc)
+        aux_grid, aux_block = (-(-p.M // kc["block_m"]), p.H, p.batches), (kc["aux_threads"], 1, 1)
+        grid, block = (-(-p.N // kc["block_n"]), k.shape[2], p.batches), (kc["threads_per_block"], 1, 1)
+        launch(call.registry, binary, p.device, aux_grid, aux_block, params, call.stream, "_prep")
+        launch(call.registry, binary, p.device, grid, block, params, call.stream)
+        launch(call.registry, binary, p.device, aux_grid, aux_block, params, call.stream, "_convert")
+        zero_unpacked_rows(p, dq, dk, dv)
+        if plan_key is not None:
+            entry = lambda name: handle(call.registry, binary, p.device, name)  # noqa: E731
+            plans.remember(plan_key, plans.LaunchPlan.from_params(
+                entry(""), p.device, grid, block, kc["shared_memory_bytes"], params, POINTERS, False,
+                {"layout": tuple(offsets)}, tensor_maps=MAPS, family=self.name,
+                before=[(entry("_prep"), aux_grid, aux_block)], after=[(entry("_convert"), aux_grid, aux_block)]))
+        return dq, dk, dv
+
+    def replay(self, plan, arrays, seed, offset, stream):
+        cupy = cupy_module()
+        grad_out, q, k, v, out, lse = arrays
+        with on_device(cupy, plan.device):
+            dq, dk, dv, carved = buffers(cupy, plan.sizes["layout"], q, k, v)
+            dout = grad_out.data.ptr
+            # tensor maps (q, k, v, grad_out), then POINTERS' order
+            plan.launch((q.data.ptr, k.data.ptr, v.data.ptr, dout, out.data.ptr, dout, lse.data.ptr) + carved, 0, 0,
+                        stream_handle(cupy, stream))
+        return dq, dk, dv
+
+
+RUNTIME = Sm90BwdRuntime()

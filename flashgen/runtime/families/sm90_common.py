@@ -1,0 +1,126 @@
+"""What flashgen's two Hopper families share at run time: who they serve, band, softcap, tensor maps.
+
+``sm90_fwd`` and ``sm90_bwd`` (``flashgen/csrc/flashgen/sm90_*.h``) take the
+same run-time options (band mask, soft-capping, packed batches) through the
+same ``Params`` fields, and read q, k, v (and grad_out) through TMA tensor maps.
+A call reaches them when it needs nothing only example 41 has; otherwise they
+refuse it with the reason, and the next family is asked.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+
+from flashgen.errors import UnsupportedError
+from flashgen.runtime import tensormap
+from flashgen.runtime.arrays import alignment
+from flashgen.runtime.device import device_info
+from flashgen.runtime.families import RuntimeFamily, selector
+from flashgen.runtime.select import Request
+from flashgen.runtime.validate import MASKS, Call, Problem
+
+UNBOUNDED = 2**30  # an unbounded side of the band mask (flashgen::sm90::kUnbounded)
+PACKED_ROWS_LIMIT = 2**28  # packed batches: a sequence's band shift stays in int32
+LOG2_E = math.log2(math.e)
+
+
+def band(p: Problem) -> Tuple[int, int, int]:
+    """(band_lo, band_hi, band_from_end) of the band mask: key j is visible to query i iff
+    i + band_lo <= j <= i + band_hi.  The window sits on the causal diagonal (top-left unless
+    causal='bottom_right'); a causal mask caps its right side at 0.  Unbounded sides are
+    +-2**30, which the kernels' block arithmetic stays clear of (M, N < 2**30).  Packed
+    batches get top-left bounds and band_from_end = 1 under 'bottom_right': the kernels move
+    each sequence's band onto its own diagonal (M, N < 2**28 there)."""
+    from_end = p.mask == MASKS["bottom_right"]
+    packed = p.seqstart_q is not None
+    diagonal = p.N - p.M if from_end and not packed else 0
+    left, right = p.window if p.window is not None else (None, None)
+    lo = -UNBOUNDED if left is None else diagonal - left
+    hi = UNBOUNDED if right is None else diagonal + right
+    if p.mask:
+        hi = min(hi, diagonal)
+    return max(lo, -UNBOUNDED), min(hi, UNBOUNDED), int(from_end and packed)
+
+
+def band_fields(p: Problem) -> dict:
+    """The Params fields of the band mask, soft-capping and packed batches, as both kernels read them.
+
+    Soft-capping makes scores softcap * tanh(scale * q.k / softcap); packed batches pass the
+    device offsets (nullptr for fixed length)."""
+    lo, hi, from_end = band(p)
+    softcap = {"softcap_in": p.scale / p.softcap, "softcap_out": p.softcap / p.scale} if p.softcap else {}
+    return {"band_lo": lo, "band_hi": hi, "band_from_end": from_end, "scale_log2": p.scale * LOG2_E,
+            "seqstart_q": p.seqstart_q.data.ptr if p.seqstart_q is not None else 0,
+            "seqstart_k": p.seqstart_k.data.ptr if p.seqstart_k is not None else 0, **softcap}
+
+
+def zero_unpacked_rows(p: Problem, *arrays) -> None:
+    """Rows past the last sequence of a packed batch belong to no sequence, so no sm90 kernel
+    writes them: zeros (arrays given as q-row, then k-row shaped: out or dq, dk, dv)."""
+    if p.seqstart_q is None:
+        return
+    for x, end in zip(arrays, (p.starts_q[-1], p.starts_k[-1], p.starts_k[-1])):
+        if end < x.shape[1]:
+            x[:, int(end):] = 0
+
+
+def encode_maps(params: np.ndarray, maps: Sequence[str], arrays: Sequence, box_rows: Sequence[int], p: Problem,
+                constants: dict) -> None:
+    """Encode each array's TMA tensor map into its ``Params`` field (boxes of box_rows x box_cols)."""
+    raw = params.view(np.uint8)
+    for name, x, rows in zip(maps, arrays, box_rows):
+        at = params.dtype.fields[name][1]
+        tensormap.encode_bmhk(raw[at:at + tensormap.TENSOR_MAP_BYTES], x, p.dtype, constants["box_cols"], rows,
+                              constants["swizzle_bytes"])
+
+
+class HopperFamily(RuntimeFamily):
+    """A family of flashgen's sm90a kernels: what they cannot take, and their request."""
+
+    def tma_arrays(self, call: Call) -> Sequence[Tuple[str, object]]:
+        """(name, array) of every input the kernels read through a tensor map or at its alignment."""
+        return (("q", call.q), ("k", call.k), ("v", call.v))
+
+    def unfit(self, call: Call) -> Optional[str]:
+        """What the call needs that these kernels do not have, or None."""
+        p = call.p
+        if call.bias is not None:
+            return "no attn_bias (the example-41 families take it)"
+        if p.dropout_p > 0:
+            return "no dropout (the example-41 families draw it)"
+        if p.dtype == "f32":
+            return "float16 or bfloat16 only; the call is float32"
+        if p.K != p.Kv:
+            return f"equal q/v head dims only; the call has {p.K} and {p.Kv}"
+        limit = UNBOUNDED if p.seqstart_q is None else PACKED_ROWS_LIMIT  # band()'s range
+        if max(call.q.shape[1], call.k.shape[1]) >= limit:
+            return f"fewer than {limit} rows per call (the band arithmetic's range)"
+        info = device_info(p.device)
+        if info.cc != 90:
+            return f"a compute-capability 9.0 GPU (H100, H200); GPU {p.device} is {info.name} (sm_{info.cc})"
+        for name, x in self.tma_arrays(call):
+            why = tensormap.bmhk_problem(x)
+            if why:
+                return f"TMA cannot read {name}: {why}"
+        return None
+
+    def request(self, call: Call) -> Request:
+        p = call.p
+        arrays = [x for _, x in self.tma_arrays(call)]
+        return Request(self.name, p.dtype, p.K, p.Kv, alignment(arrays, (p.K, p.Kv)), False, False,
+                       device_info(p.device), band=p.mask != 0 or p.window is not None, softcap=p.softcap > 0)
+
+    def refusal(self, call: Call) -> Optional[str]:
+        why = self.unfit(call)
+        if why is not None:
+            return why
+        req = self.request(call)
+        if self.kernel(call, req) is not None:
+            return None
+        try:
+            verdicts = dict.fromkeys(why for _, _, why in selector(call.registry).explain(req))
+        except UnsupportedError as e:  # nothing of this family built for the GPU
+            return str(e)
+        return "none of its kernels accepts the call: " + "; ".join(verdicts)

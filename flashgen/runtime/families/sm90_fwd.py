@@ -1,0 +1,55 @@
+"""Running ``sm90_fwd`` (spec/sm90_fwd.py): Params with three TMA tensor maps, one launch."""
+from __future__ import annotations
+
+from flashgen.runtime import plans
+from flashgen.runtime.arrays import cupy_module
+from flashgen.runtime.families import planned_forward_outputs, visible_lse
+from flashgen.runtime.families.sm90_common import HopperFamily, band_fields, encode_maps, zero_unpacked_rows
+from flashgen.runtime.launch import fill, handle, launch, on_device, params_buffer, stream_handle
+from flashgen.runtime.limits import check_int32
+from flashgen.runtime.registry import KernelBinary
+from flashgen.runtime.validate import Call
+from flashgen.spec.sm90_fwd import Sm90Fwd
+
+MAPS = ("q_map", "k_map", "v_map")
+POINTERS = ("out_ptr", "lse_ptr")  # per-call pointers after the tensor maps', in Params order
+
+
+class Sm90FwdRuntime(HopperFamily):
+    spec = Sm90Fwd
+
+    def launch(self, call: Call, binary: KernelBinary):
+        """(out, lse) of the forward on ``binary`` (on the call's device, api.py makes it current)."""
+        cupy, p, q, k, v = cupy_module(), call.p, call.q, call.k, call.v
+        kc = binary.constants
+        lse_rows = -(-p.M // 32) * 32
+        out = cupy.empty((q.shape[0], q.shape[1], p.H, p.Kv), dtype=q.dtype)
+        lse = cupy.empty((p.batches, p.H, lse_rows), dtype=cupy.float32)
+        check_int32(lse_stride_b=p.H * lse_rows)
+        params = params_buffer(Sm90Fwd)
+        fill(params, out_ptr=out.data.ptr, lse_ptr=lse.data.ptr, out_stride_b=out.shape[1] * p.H * p.Kv,
+             out_stride_m=p.H * p.Kv, out_stride_h=p.Kv, lse_stride_b=p.H * lse_rows, lse_stride_h=lse_rows,
+             lse_rows=lse_rows, num_queries=p.M, num_keys=p.N, head_dim=p.K, head_group=p.H // k.shape[2],
+             **band_fields(p))
+        encode_maps(params, MAPS, (q, k, v), (kc["block_m"], kc["block_n"], kc["block_n"]), p, kc)
+        grid, block = (-(-p.M // kc["block_m"]), p.H, p.batches), (kc["threads_per_block"], 1, 1)
+        launch(call.registry, binary, p.device, grid, block, params, call.stream)
+        zero_unpacked_rows(p, out)
+        if call.plan_key is not None:
+            plans.remember(call.plan_key, plans.LaunchPlan.from_params(
+                handle(call.registry, binary, p.device), p.device, grid, block, kc["shared_memory_bytes"], params,
+                POINTERS, False, {"out": out.shape, "lse": lse.shape, "M": p.M}, tensor_maps=MAPS,
+                family=self.name))
+        return out, visible_lse(lse, p.M)
+
+    def replay(self, plan, arrays, seed, offset, stream):
+        cupy, sizes = cupy_module(), plan.sizes
+        q, k, v = arrays
+        with on_device(cupy, plan.device):
+            out, lse = planned_forward_outputs(cupy, sizes, q.dtype)
+            plan.launch((q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr), 0, 0,
+                        stream_handle(cupy, stream))
+        return out, visible_lse(lse, sizes["M"])
+
+
+RUNTIME = Sm90FwdRuntime()
