@@ -833,6 +833,10 @@ def test_families_refuse_with_the_reason_and_dispatch_lists_them_all(direction, 
                       (fake_call(direction, arrays=(FakeArray((2, 5, 3, 64), ptr=0x7F2A00000008),) + qkv()[1:]),
                        "TMA cannot read q: its address is not 16-byte aligned")):
         assert why in hopper.unfit(call)
+    if direction == "bwd":  # explain's backward call has no out or grad_out yet; a real one is checked too
+        assert hopper.unfit(dataclasses.replace(fake_call("bwd"), out=None, grad_out=None)) is None
+        skewed = dataclasses.replace(fake_call("bwd"), grad_out=FakeArray((2, 5, 3, 64), ptr=0x7F2A00000004))
+        assert hopper.unfit(skewed) == "TMA cannot read grad_out: its address is not 16-byte aligned (4 bytes off)"
 
 
 @pytest.mark.parametrize("which,shapes,match", [

@@ -118,8 +118,8 @@ def serving(direction: str) -> List[RuntimeFamily]:
 
 
 def replay(plan, arrays: Sequence, seed, offset, stream):
-    """Serve a call from the launch plan a family left for its signature."""
-    return runtime(plan.family).replay(plan, arrays, seed, offset, stream)
+    """Serve a call from the launch plan a family left for its signature (that family is loaded)."""
+    return _runtimes[plan.family].replay(plan, arrays, seed, offset, stream)
 
 
 def dispatch(call: Call):
