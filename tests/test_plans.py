@@ -113,25 +113,30 @@ class FakeArray:
         self.data = types.SimpleNamespace(ptr=ptr, device_id=device)
 
 
+def fake_signature(arrays):
+    """What CupyMemory.signature does, over fake CuPy arrays."""
+    return plans.signature(arrays, FakeArray)
+
+
 def test_find_keys_apart_what_launches_apart(monkeypatch):
     monkeypatch.setattr(plans, "_plans", {})
     arrays = (FakeArray((2, 3), 4096), FakeArray((2, 3), 8192))
-    key, plan = plans.find(FakeArray, "fwd", arrays, (None, 0.5))
+    key, plan = plans.find(fake_signature, "fwd", arrays, (None, 0.5))
     assert key is not None and plan is None
     plans.remember(key, "the plan")
-    assert plans.find(FakeArray, "fwd", (FakeArray((2, 3), 128), FakeArray((2, 3), 64)), (None, 0.5)) == \
+    assert plans.find(fake_signature, "fwd", (FakeArray((2, 3), 128), FakeArray((2, 3), 64)), (None, 0.5)) == \
         (key, "the plan")  # other pointers with the same 64-byte alignment
     for other in [("bwd", arrays, (None, 0.5)), ("fwd", arrays, (None, 1)),
                   ("fwd", (FakeArray((2, 3), 4096), FakeArray((2, 3), 8200)), (None, 0.5)),  # 8-byte aligned
                   ("fwd", (FakeArray((2, 3), 4096), FakeArray((2, 3), 8192, device=1)), (None, 0.5)),
                   ("fwd", (FakeArray((2, 3), 4096), FakeArray((3, 2), 8192)), (None, 0.5))]:
-        other_key, other_plan = plans.find(FakeArray, *other)
+        other_key, other_plan = plans.find(fake_signature, *other)
         assert other_key is not None and other_key != key and other_plan is None
-    assert plans.find(FakeArray, "fwd", arrays, (None, True)) != plans.find(FakeArray, "fwd", arrays,
+    assert plans.find(fake_signature, "fwd", arrays, (None, True)) != plans.find(fake_signature, "fwd", arrays,
                                                                                       (None, 1))
     # not plannable: an unhashable option (a window given as a list), an input that is not a CuPy array
-    assert plans.find(FakeArray, "fwd", arrays, ([3, 4], 0.5)) == (None, None)
-    assert plans.find(FakeArray, "fwd", (np.zeros((2, 3)),) + arrays[1:], (None, 0.5)) == (None, None)
+    assert plans.find(fake_signature, "fwd", arrays, ([3, 4], 0.5)) == (None, None)
+    assert plans.find(fake_signature, "fwd", (np.zeros((2, 3)),) + arrays[1:], (None, 0.5)) == (None, None)
 
 
 # === on a GPU: the plan against the full path ====================================================
@@ -231,3 +236,35 @@ def test_pointer_alignment_is_part_of_the_signature():
     assert rel_err(out, ref_out) < FWD_TOL["f16"]
     for g, want in zip((dq, dk, dv), ref_grads):
         assert rel_err(g, want) < BWD_TOL["f16"]
+
+
+class FakeTensor:
+    """The attributes of a torch tensor that ``tensor_signature`` reads."""
+
+    def __init__(self, shape, ptr, is_cuda=True, dtype="torch.float16", device=0):
+        self.shape, self._ptr, self.dtype, self._device = shape, ptr, dtype, device if is_cuda else -1
+
+    def get_device(self):
+        return self._device
+
+    def stride(self):
+        return tuple(1 for _ in self.shape)
+
+    def data_ptr(self):
+        return self._ptr
+
+
+def test_torch_tensors_are_keyed_by_shape_strides_dtype_device_and_alignment():
+    """Torch callers take plans too; their keys never meet a CuPy call's (another output kind)."""
+    sig = lambda *ts: plans.tensor_signature(ts, FakeTensor)  # noqa: E731
+    a = sig(FakeTensor((2, 3), 4096), FakeTensor((2, 3), 8192))
+    assert a is not None and a[0] == "torch" and a[-1] == 0
+    assert sig(FakeTensor((2, 3), 64), FakeTensor((2, 3), 128)) == a  # same 64-byte alignment
+    for other in (sig(FakeTensor((2, 3), 4096), FakeTensor((2, 3), 8200)),
+                  sig(FakeTensor((2, 3), 4096), FakeTensor((3, 2), 8192)),
+                  sig(FakeTensor((2, 3), 4096), FakeTensor((2, 3), 8192, dtype="torch.bfloat16")),
+                  sig(FakeTensor((2, 3), 4096), FakeTensor((2, 3), 8192, device=1))):
+        assert other is not None and other != a
+    assert sig(FakeTensor((2, 3), 4096), FakeTensor((2, 3), 8192, is_cuda=False)) is None
+    assert sig(FakeTensor((2, 3), 4096), FakeArray((2, 3), 8192)) is None
+    assert plans.signature((FakeArray((2, 3), 4096), FakeArray((2, 3), 8192)), FakeArray) != a

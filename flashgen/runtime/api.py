@@ -1,10 +1,12 @@
 """``attention_forward`` / ``attention_backward`` / ``explain``: validate once, then ask the families.
 
 Layout is BMHK: q [B, M, H, K], k [B, N, Hk, K], v [B, N, Hk, Kv], any strides
-with a contiguous last dim.  Inputs are CuPy arrays or anything that speaks
-DLPack or ``__cuda_array_interface__`` (torch tensors, zero-copy); outputs
-are CuPy arrays.  Every check happens before the launch; a launch goes to the
-given or current CuPy stream with no host synchronisation.
+with a contiguous last dim.  Inputs are CuPy arrays, torch CUDA tensors, or
+anything that speaks DLPack or ``__cuda_array_interface__`` (zero-copy).  Outputs
+are of the caller's kind: torch tensors (from torch's allocator) for torch inputs,
+CuPy arrays otherwise (``memory.py``).  Every check happens before the launch; a
+launch goes to the given CuPy stream, else the caller's current one (CuPy's, or
+torch's for torch inputs), with no host synchronisation.
 
 A call takes one of three paths: a repeated signature replays the launch plan its
 first call left (``plans.py``); an empty problem, or rows that see no key, get their
@@ -13,6 +15,7 @@ family, in the spec's order, that accepts it (``families``).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from typing import Optional
 
@@ -21,6 +24,7 @@ import numpy as np
 from flashgen.runtime import families, plans
 from flashgen.runtime.arrays import cupy_module
 from flashgen.runtime.launch import on_device
+from flashgen.runtime.memory import memory_for
 from flashgen.runtime.registry import Registry, default_registry
 from flashgen.runtime.validate import Call, backward_call, check_rng, forward_call, rows_without_keys
 
@@ -43,33 +47,38 @@ def attention_forward(q, k, v, *, attn_bias=None, causal=None, scale=None, dropo
     """
     cupy = cupy_module()
     registry = registry or default_registry()
-    key = None
-    if attn_bias is None and cu_seqlens_q is None and cu_seqlens_k is None:
-        key, plan = plans.find(cupy.ndarray, "fwd", (q, k, v), (causal, scale, dropout_p, window, softcap, registry))
+    memory, key = memory_for(q, cupy), None
+    if memory is not None and attn_bias is None and cu_seqlens_q is None and cu_seqlens_k is None:
+        key, plan = plans.find(memory.signature, "fwd", (q, k, v),
+                               (causal, scale, dropout_p, window, softcap, registry))
         if plan is not None:
             if dropout_p or seed is not None or offset:
                 check_rng(dropout_p, seed, offset)
-            return families.replay(plan, (q, k, v), seed, offset, stream)
+            return families.replay(plan, memory, (q, k, v), seed, offset, stream)
     options = dict(attn_bias=attn_bias, causal=causal, scale=scale, dropout_p=dropout_p, seed=seed, offset=offset,
                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window, softcap=softcap,
                    stream=stream, registry=registry)
     call = forward_call(q, k, v, options, attention_forward, key)
+    with _full_path(cupy, memory, call):
+        return _adopt(memory, _forward(cupy, call))
+
+
+def _forward(cupy, call: Call):
     p = call.p
-    with on_device(cupy, p.device):
-        if p.M == 0 or p.N == 0 or call.q.shape[1] == 0:
-            out = cupy.zeros((p.B, call.q.shape[1], p.H, p.Kv), dtype=call.q.dtype)
-            return out, cupy.full((p.batches, p.H, p.M), -np.inf, dtype=cupy.float32)  # softmax over no keys
-        skip = rows_without_keys(p, call.q, call.k)
-        if skip:
-            return _forward_without_rows(call, skip)
-        return families.dispatch(call)
+    if p.M == 0 or p.N == 0 or call.q.shape[1] == 0:
+        out = cupy.zeros((p.B, call.q.shape[1], p.H, p.Kv), dtype=call.q.dtype)
+        return out, cupy.full((p.batches, p.H, p.M), -np.inf, dtype=cupy.float32)  # softmax over no keys
+    skip = rows_without_keys(p, call.q, call.k)
+    if skip:
+        return _forward_without_rows(call, skip)
+    return families.dispatch(call)
 
 
 def _forward_without_rows(call: Call, skip: int):
     """See ``rows_without_keys``: the forward of the last M - skip queries; out 0 and lse -inf
     (a softmax over nothing) for the first ``skip``."""
     cupy, p = cupy_module(), call.p
-    part_out, part_lse = call.again(call.q[:, skip:], call.k, call.v, scale=p.scale,
+    part_out, part_lse = call.again(call.q[:, skip:], call.k, call.v, scale=p.scale,  # CuPy views: CuPy out
                                     attn_bias=None if call.bias is None else call.bias[:, :, skip:])
     out = cupy.zeros((p.B, p.M, p.H, p.Kv), dtype=call.q.dtype)
     out[:, skip:] = part_out
@@ -97,26 +106,48 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     cupy = cupy_module()
     registry = registry or default_registry()
-    key = None
-    if attn_bias is None and not bias_requires_grad and cu_seqlens_q is None and cu_seqlens_k is None:
-        key, plan = plans.find(cupy.ndarray, "bwd", (grad_out, q, k, v, out, lse),
+    memory, key = memory_for(q, cupy), None
+    if (memory is not None and attn_bias is None and not bias_requires_grad and cu_seqlens_q is None
+            and cu_seqlens_k is None):
+        key, plan = plans.find(memory.signature, "bwd", (grad_out, q, k, v, out, lse),
                                (causal, scale, dropout_p, window, softcap, deterministic, registry))
         if plan is not None:
             if dropout_p or seed is not None or offset:
                 check_rng(dropout_p, seed, offset)
-            return families.replay(plan, (grad_out, q, k, v, out, lse), seed, offset, stream)
+            return families.replay(plan, memory, (grad_out, q, k, v, out, lse), seed, offset, stream)
     options = dict(attn_bias=attn_bias, bias_requires_grad=bias_requires_grad, causal=causal, scale=scale,
                    dropout_p=dropout_p, seed=seed, offset=offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                    window=window, softcap=softcap, deterministic=deterministic, stream=stream, registry=registry)
     call = backward_call(grad_out, q, k, v, out, lse, options, attention_backward, key)
+    with _full_path(cupy, memory, call):
+        return _adopt(memory, _backward(cupy, call))
+
+
+def _backward(cupy, call: Call):
     p = call.p
-    with on_device(cupy, p.device):
-        if p.M == 0 or p.N == 0 or call.q.shape[1] == 0 or call.k.shape[1] == 0:  # nothing to differentiate
-            grads = tuple(cupy.zeros(x.shape, dtype=x.dtype) for x in (call.q, call.k, call.v))
-            if bias_requires_grad:
-                grads += (cupy.zeros((p.B, p.H, call.q.shape[1], call.k.shape[1]), dtype=call.q.dtype),)
-            return grads
-        return families.dispatch(call)
+    if p.M == 0 or p.N == 0 or call.q.shape[1] == 0 or call.k.shape[1] == 0:  # nothing to differentiate
+        grads = tuple(cupy.zeros(x.shape, dtype=x.dtype) for x in (call.q, call.k, call.v))
+        if call.options["bias_requires_grad"]:
+            grads += (cupy.zeros((p.B, p.H, call.q.shape[1], call.k.shape[1]), dtype=call.q.dtype),)
+        return grads
+    return families.dispatch(call)
+
+
+@contextlib.contextmanager
+def _full_path(cupy, memory, call: Call):
+    """The call's device current, and for a torch caller torch's stream as CuPy's (unless a
+    stream was given): the full path allocates and launches through CuPy."""
+    with on_device(cupy, call.p.device):
+        if memory is None or call.stream is not None:
+            yield
+        else:
+            with memory.full_path(call.p.device):
+                yield
+
+
+def _adopt(memory, outputs):
+    """The full path's CuPy outputs as the caller's kind of array."""
+    return outputs if memory is None else memory.adopt(outputs)
 
 
 def explain(q, k, v, *, backward=False, attn_bias=None, dropout_p=0.0, causal=None, window=None, softcap=0.0,

@@ -39,6 +39,8 @@ def as_array(x, name: str):
         raise TypeError(f"{name} is a host (NumPy) array; move it to the GPU first (cupy.asarray)")
     if hasattr(x, "__dlpack__"):  # keeps bfloat16 (CUDA array interface has no code for it)
         _check_dlpack_device(name, x)
+        if getattr(x, "requires_grad", False):  # torch exports no tensor that requires grad
+            x = x.detach()
         try:
             arr = cupy.from_dlpack(x)
         except Exception as e:  # e.g. a CPU torch tensor

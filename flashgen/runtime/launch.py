@@ -35,11 +35,6 @@ def handle(registry: Registry, binary: KernelBinary, device: int, entry: str = "
         return getattr(fn, "kernel", fn).ptr  # RawKernel.kernel: its Function on the current device
 
 
-def stream_handle(cupy, stream) -> int:
-    """The CUDA stream a call launches on: the one given, else CuPy's current stream."""
-    return (stream if stream is not None else cupy.cuda.get_current_stream()).ptr
-
-
 def on_device(cupy, device: int):
     """A context that makes ``device`` current (a no-op when it already is)."""
     return _NO_SWITCH if cupy.cuda.runtime.getDevice() == device else cupy.cuda.Device(device)

@@ -45,6 +45,22 @@ def signature(arrays, ndarray) -> Optional[tuple]:
     return tuple(parts)
 
 
+def tensor_signature(arrays, tensor) -> Optional[tuple]:
+    """``signature`` for torch CUDA tensors (strides in elements, torch dtypes: never equal to
+    a CuPy signature); None when one is not a CUDA ``tensor``."""
+    parts, pointers = ["torch"], 0
+    for x in arrays:
+        if not isinstance(x, tensor):
+            return None
+        device = x.get_device()  # -1: on the host
+        if device < 0:
+            return None
+        pointers |= x.data_ptr()
+        parts += (x.shape, x.stride(), x.dtype, device)
+    parts.append(pointers % _ALIGNMENT_BYTES)
+    return tuple(parts)
+
+
 def _driver_launch():
     """cuLaunchKernel through CuPy's driver binding (a RawKernel call costs ~7 us more), called as
     launch(handle, gx, gy, gz, bx, by, bz, shared_memory, stream, argv, extra)."""
@@ -140,10 +156,11 @@ class LaunchPlan:
                 launch(*arguments, stream, argv, 0)
 
 
-def find(ndarray, direction: str, arrays, options: tuple):
+def find(signature_of: Callable, direction: str, arrays, options: tuple):
     """(key, plan) of a call: the plan made for its key, or None; the key is None when the call
-    cannot be planned (an input that is not a CuPy ``ndarray``, an unhashable option)."""
-    parts = signature(arrays, ndarray)
+    cannot be planned (``signature_of(arrays)`` is None: inputs of another kind; an unhashable
+    option)."""
+    parts = signature_of(arrays)
     if parts is None:
         return None, None
     key = (direction, parts, options, tuple(map(type, options)))  # 1 and True hash alike, validate apart

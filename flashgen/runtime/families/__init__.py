@@ -55,8 +55,9 @@ class RuntimeFamily:
         """Size, allocate and launch ``binary`` for ``call`` (tests call it for each kernel)."""
         raise NotImplementedError
 
-    def replay(self, plan, arrays: Sequence, seed, offset, stream):
-        """Serve a call whose signature left ``plan``: allocate, point, launch (plans.py)."""
+    def replay(self, plan, memory, arrays: Sequence, seed, offset, stream):
+        """Serve a call whose signature left ``plan``: allocate (through ``memory``: the caller's
+        kind of array), point, launch (plans.py)."""
         raise NotImplementedError
 
     def kernel(self, call: Call, req: Request) -> Optional[KernelBinary]:
@@ -91,9 +92,9 @@ def tuned(req: Request, p: Problem) -> Optional[tuning.Choice]:
     return tuning.choice(req.device, bucket)
 
 
-def planned_forward_outputs(cupy, sizes, dtype):
+def planned_forward_outputs(memory, sizes, q):
     """The out and lse a forward plan allocates per call (shapes recorded in the plan's ``sizes``)."""
-    return cupy.empty(sizes["out"], dtype=dtype), cupy.empty(sizes["lse"], dtype=cupy.float32)
+    return memory.empty(sizes["out"], q), memory.empty(sizes["lse"], q, f32=True)
 
 
 def visible_lse(lse, rows: int):
@@ -117,9 +118,9 @@ def serving(direction: str) -> List[RuntimeFamily]:
     return [runtime(name) for name, cls in FAMILIES.items() if cls.DIRECTION == direction]
 
 
-def replay(plan, arrays: Sequence, seed, offset, stream):
+def replay(plan, memory, arrays: Sequence, seed, offset, stream):
     """Serve a call from the launch plan a family left for its signature (that family is loaded)."""
-    return _runtimes[plan.family].replay(plan, arrays, seed, offset, stream)
+    return _runtimes[plan.family].replay(plan, memory, arrays, seed, offset, stream)
 
 
 def dispatch(call: Call):

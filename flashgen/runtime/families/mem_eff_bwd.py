@@ -18,7 +18,8 @@ from flashgen.runtime.arrays import alignment, cupy_module, elem_strides
 from flashgen.runtime.device import device_info
 from flashgen.runtime.families import RuntimeFamily, selector, tuned
 from flashgen.runtime.families.mem_eff_fwd import repeat_heads, unfit_example41
-from flashgen.runtime.launch import fill, handle, launch, on_device, packed_offsets, params_buffer, stream_handle
+from flashgen.runtime.launch import fill, handle, launch, on_device, packed_offsets, params_buffer
+from flashgen.runtime.memory import CupyMemory
 from flashgen.runtime.limits import check_int32
 from flashgen.runtime.registry import KernelBinary
 from flashgen.runtime.select import Request, num_splits_key, seq_multiples, workspace_bytes
@@ -38,7 +39,7 @@ def sum_groups(grad, heads_kv: int):
                                   .astype(grad.dtype))
 
 
-def padded_lse(lse, batches: int, heads: int, rows: int, seq_rows=None):
+def padded_lse(memory, lse, batches: int, heads: int, rows: int, seq_rows=None):
     """lse as the backward reads it: every row block complete, +inf past each sequence's last query
     (``seq_rows``: each packed sequence's query count with cu_seqlens, else None).
 
@@ -47,22 +48,13 @@ def padded_lse(lse, batches: int, heads: int, rows: int, seq_rows=None):
     its (batch, head) row, past the buffer for the last one (compute-sanitizer: invalid reads,
     NaN gradients).  A copy of B*H*M floats costs nothing next to the backward itself.
     """
-    cupy = cupy_module()
-    padded = cupy.full((batches, heads, -(-max(rows, 1) // LSE_ROW_BLOCK) * LSE_ROW_BLOCK), np.inf,
-                       dtype=cupy.float32)
+    padded = memory.full_f32((batches, heads, -(-max(rows, 1) // LSE_ROW_BLOCK) * LSE_ROW_BLOCK), np.inf, lse)
     if seq_rows is None:
         padded[:, :, :rows] = lse[:, :, :rows]
     else:  # rows past a sequence's own length were never written by the forward
         for seq, n in enumerate(seq_rows):
             padded[seq, :, :n] = lse[seq, :, :n]
     return padded
-
-
-def compute_delta(grad_out, out, delta):
-    """delta = rowsum(dO * O) as [B, H, M], for the kernels that do not compute it themselves."""
-    cupy = cupy_module()
-    rowsum = (grad_out.astype(cupy.float32) * out.astype(cupy.float32)).sum(axis=-1)  # [B, M, H]
-    delta[...] = rowsum.transpose(0, 2, 1).reshape(delta.shape)
 
 
 class MemEffBwdRuntime(RuntimeFamily):
@@ -125,7 +117,7 @@ class MemEffBwdRuntime(RuntimeFamily):
     def launch(self, call: Call, binary: KernelBinary):
         """(dq, dk, dv[, dbias]) on ``binary`` (on the call's device, api.py makes it current)."""
         cupy, p, q, k, v, bias = cupy_module(), call.p, call.q, call.k, call.v, call.bias
-        out, grad_out, lse = call.out, call.grad_out, call.lse
+        out, grad_out, lse, memory = call.out, call.grad_out, call.lse, CupyMemory(cupy)
         # varlen: the kernel never visits the queries of a sequence without keys; their dq is 0
         dq = (cupy.zeros_like if p.seqstart_q is not None else cupy.empty_like)(q, order="C")
         dk, dv = cupy.empty_like(k, order="C"), cupy.empty_like(v, order="C")
@@ -138,15 +130,15 @@ class MemEffBwdRuntime(RuntimeFamily):
         # lse is read a row block at a time: whole blocks of a unit-stride lse need no copy
         pad_lse = p.seqstart_q is not None or p.M % kc["block_i"] or (p.M > 1 and lse.strides[2] != 4)
         if pad_lse:
-            lse = padded_lse(lse, p.batches, p.H, p.M, None if p.seqstart_q is None else varlen_lengths(p)[1])
+            lse = padded_lse(memory, lse, p.batches, p.H, p.M, None if p.seqstart_q is None else varlen_lengths(p)[1])
         if p.seqstart_q is not None:  # the kernel indexes delta as [H, total_q]
             delta = cupy.empty((p.H, q.shape[1]), dtype=cupy.float32)
             delta_strides = (0, q.shape[1])
         else:
             delta = cupy.empty((p.B, p.H, p.M), dtype=cupy.float32)
             delta_strides = (p.H * p.M, p.M)
-        if not kc["kernel_computes_delta"]:
-            compute_delta(grad_out, out, delta)
+        if not kc["kernel_computes_delta"]:  # delta = rowsum(dO * O), for the f32 kernels
+            memory.row_sums(grad_out, out, delta)
         splits = num_splits_key(binary, p.batches, p.H, p.N, device_info(p.device), p.K, p.Kv, split_policy)
         ws_bytes = workspace_bytes(binary, p.batches, p.H, p.M, p.N, p.K, p.Kv, splits)
         workspace = (cupy.zeros if splits > 1 else cupy.empty)(ws_bytes // 4, dtype=cupy.float32) if ws_bytes else None
@@ -191,28 +183,27 @@ class MemEffBwdRuntime(RuntimeFamily):
             return dq, dk, dv
         return dq, dk, dv, dbias_full[..., :k.shape[1]]
 
-    def replay(self, plan, arrays, seed, offset, stream):
-        cupy, sizes = cupy_module(), plan.sizes
+    def replay(self, plan, memory, arrays, seed, offset, stream):
+        sizes, ptr = plan.sizes, memory.ptr
         grad_out, q, k, v, out, lse = arrays
-        with on_device(cupy, plan.device):
+        with on_device(cupy_module(), plan.device):
             if sizes["pad_lse"] is not None:
-                lse = padded_lse(lse, *sizes["pad_lse"])
-            # dq, dk, dv, delta and the workspace in one allocation: four pool calls fewer per step
-            # (the gradients keep it alive together; each is still its own contiguous array)
+                lse = padded_lse(memory, lse, *sizes["pad_lse"])
+            # dq, dk, dv, delta and the workspace in one allocation (CuPy): four pool calls fewer per
+            # step (the gradients keep it alive together; each is still its own contiguous array)
             at_dk, at_dv, at_delta, at_workspace, total = sizes["offsets"]
-            memory = cupy.empty(total, dtype=cupy.uint8).data
-            dq = cupy.ndarray(q.shape, q.dtype, memory)
-            dk = cupy.ndarray(k.shape, k.dtype, memory + at_dk)
-            dv = cupy.ndarray(v.shape, v.dtype, memory + at_dv)
-            delta_ptr = memory.ptr + at_delta
-            workspace_ptr = memory.ptr + at_workspace if sizes["workspace_bytes"] else 0
+            (dq, dk, dv, delta), base, workspace = memory.carve(
+                ((0, q.shape, q), (at_dk, k.shape, k), (at_dv, v.shape, v), (at_delta, sizes["delta"], None)),
+                at_workspace, total)
+            workspace_ptr = base + at_workspace if sizes["workspace_bytes"] else 0
             if not sizes["delta_in_kernel"]:
-                compute_delta(grad_out, out, cupy.ndarray(sizes["delta"], cupy.float32, memory + at_delta))
-            handle_ = stream_handle(cupy, stream)
+                memory.row_sums(grad_out, out, delta)
+            handle_ = memory.stream(stream, plan.device)
             if sizes["zero_workspace"]:
-                cupy.cuda.runtime.memsetAsync(workspace_ptr, 0, sizes["workspace_bytes"], handle_)
-            plan.launch((q.data.ptr, k.data.ptr, v.data.ptr, lse.data.ptr, out.data.ptr, grad_out.data.ptr,
-                         delta_ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr, workspace_ptr), seed or 0, offset, handle_)
+                cupy_module().cuda.runtime.memsetAsync(workspace_ptr, 0, sizes["workspace_bytes"], handle_)
+            plan.launch((ptr(q), ptr(k), ptr(v), ptr(lse), ptr(out), ptr(grad_out), ptr(delta), ptr(dq), ptr(dk),
+                         ptr(dv), workspace_ptr), seed or 0, offset, handle_)
+            del workspace  # after the launch: the allocator reuses it in stream order
         return dq, dk, dv
 
 

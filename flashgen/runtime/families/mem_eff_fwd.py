@@ -16,7 +16,7 @@ from flashgen.runtime import plans
 from flashgen.runtime.arrays import alignment, cupy_module, elem_strides
 from flashgen.runtime.device import device_info
 from flashgen.runtime.families import RuntimeFamily, planned_forward_outputs, selector, tuned, visible_lse
-from flashgen.runtime.launch import fill, handle, launch, on_device, params_buffer, stream_handle
+from flashgen.runtime.launch import fill, handle, launch, on_device, params_buffer
 from flashgen.runtime.limits import check_int32
 from flashgen.runtime.registry import KernelBinary
 from flashgen.runtime.select import Request
@@ -97,14 +97,14 @@ class MemEffFwdRuntime(RuntimeFamily):
                 lse[seq, :, :q_lens[seq]] = -np.inf
         return out, visible_lse(lse, p.M)
 
-    def replay(self, plan, arrays, seed, offset, stream):
-        cupy, sizes = cupy_module(), plan.sizes
+    def replay(self, plan, memory, arrays, seed, offset, stream):
+        sizes, ptr = plan.sizes, memory.ptr
         q, k, v = arrays
-        with on_device(cupy, plan.device):
-            out, lse = planned_forward_outputs(cupy, sizes, q.dtype)
-            accum = cupy.empty(sizes["out"], dtype=cupy.float32) if sizes["accum"] else None
-            plan.launch((q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, accum.data.ptr if accum is not None else 0,
-                         lse.data.ptr), seed or 0, offset, stream_handle(cupy, stream))
+        with on_device(cupy_module(), plan.device):
+            out, lse = planned_forward_outputs(memory, sizes, q)
+            accum = memory.empty(sizes["out"], q, f32=True) if sizes["accum"] else None
+            plan.launch((ptr(q), ptr(k), ptr(v), ptr(out), ptr(accum) if accum is not None else 0, ptr(lse)),
+                        seed or 0, offset, memory.stream(stream, plan.device))
         return out, visible_lse(lse, sizes["M"])
 
 

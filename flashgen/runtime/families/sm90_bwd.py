@@ -10,7 +10,8 @@ from __future__ import annotations
 from flashgen.runtime import plans
 from flashgen.runtime.arrays import cupy_module, elem_strides
 from flashgen.runtime.families.sm90_common import HopperFamily, band_fields, encode_maps, zero_unpacked_rows
-from flashgen.runtime.launch import fill, handle, launch, on_device, packed_offsets, params_buffer, stream_handle
+from flashgen.runtime.launch import fill, handle, launch, on_device, packed_offsets, params_buffer
+from flashgen.runtime.memory import CupyMemory
 from flashgen.runtime.limits import check_int32
 from flashgen.runtime.registry import KernelBinary
 from flashgen.runtime.validate import Call, Problem
@@ -36,18 +37,16 @@ def layout(kc: dict, p: Problem, q, k) -> tuple:
                                     heads_rows * kc["max_k"] * 4, heads_rows // block_m * 4)
 
 
-def buffers(cupy, offsets, q, k, v):
-    """dq, dk, dv carved from one new allocation laid out by ``offsets`` (``layout`` without its
-    rows), and the pointers of the workspace (lse_log2, delta, dq accumulator, counters) and of
-    dq, dk, dv: the tail of ``POINTERS``."""
+def buffers(memory, offsets, q, k, v):
+    """dq, dk, dv and the workspace laid out by ``offsets`` (``layout`` without its rows): the
+    three arrays, the pointers of the workspace (lse_log2, delta, dq accumulator, counters) and
+    of dq, dk, dv (the tail of ``POINTERS``), and the workspace's owner (keep it to the launch)."""
     at_dk, at_dv, at_lse2, at_delta, at_accum, at_counters, total = offsets
-    memory = cupy.cuda.alloc(total)  # CuPy's pool, as cupy.empty would use, minus the array
-    base = memory.ptr
-    dq = cupy.ndarray(q.shape, q.dtype, memory)
-    dk = cupy.ndarray(k.shape, k.dtype, memory + at_dk)
-    dv = cupy.ndarray(v.shape, v.dtype, memory + at_dv)
-    return dq, dk, dv, (base + at_lse2, base + at_delta, base + at_accum, base + at_counters, base, base + at_dk,
-                        base + at_dv)
+    (dq, dk, dv), base, owner = memory.carve(((0, q.shape, q), (at_dk, k.shape, k), (at_dv, v.shape, v)), at_lse2,
+                                             total)
+    ptr = memory.ptr
+    return dq, dk, dv, (base + at_lse2, base + at_delta, base + at_accum, base + at_counters, ptr(dq), ptr(dk),
+                        ptr(dv)), owner
 
 
 class Sm90BwdRuntime(HopperFamily):
@@ -67,7 +66,7 @@ class Sm90BwdRuntime(HopperFamily):
             lse = cupy.ascontiguousarray(lse)  # the prep kernel reads a row's lse with unit stride
             plan_key = None  # a per-call copy: not a plan
         rows, *offsets = layout(kc, p, q, k)
-        dq, dk, dv, (lse_log2, delta, accum, counters, *_) = buffers(cupy, offsets, q, k, v)
+        dq, dk, dv, (lse_log2, delta, accum, counters, *_), _ = buffers(CupyMemory(cupy), offsets, q, k, v)
         os_, gos, ls = elem_strides(out), elem_strides(grad_out), elem_strides(lse)
         check_int32(out_stride_m=os_[1], out_stride_h=os_[2], dout_stride_m=gos[1], dout_stride_h=gos[2],
                     lse_stride_b=ls[0], lse_stride_h=ls[1], rows_padded=rows * p.H * p.B)
@@ -96,15 +95,16 @@ class Sm90BwdRuntime(HopperFamily):
                 before=[(entry("_prep"), aux_grid, aux_block)], after=[(entry("_convert"), aux_grid, aux_block)]))
         return dq, dk, dv
 
-    def replay(self, plan, arrays, seed, offset, stream):
-        cupy = cupy_module()
+    def replay(self, plan, memory, arrays, seed, offset, stream):
         grad_out, q, k, v, out, lse = arrays
-        with on_device(cupy, plan.device):
-            dq, dk, dv, carved = buffers(cupy, plan.sizes["layout"], q, k, v)
-            dout = grad_out.data.ptr
+        ptr = memory.ptr
+        with on_device(cupy_module(), plan.device):
+            dq, dk, dv, carved, workspace = buffers(memory, plan.sizes["layout"], q, k, v)
+            dout = ptr(grad_out)
             # tensor maps (q, k, v, grad_out), then POINTERS' order
-            plan.launch((q.data.ptr, k.data.ptr, v.data.ptr, dout, out.data.ptr, dout, lse.data.ptr) + carved, 0, 0,
-                        stream_handle(cupy, stream))
+            plan.launch((ptr(q), ptr(k), ptr(v), dout, ptr(out), dout, ptr(lse)) + carved, 0, 0,
+                        memory.stream(stream, plan.device))
+            del workspace  # after the launch: the allocator reuses it in stream order
         return dq, dk, dv
 
 

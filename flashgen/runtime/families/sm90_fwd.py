@@ -5,7 +5,7 @@ from flashgen.runtime import plans
 from flashgen.runtime.arrays import cupy_module
 from flashgen.runtime.families import planned_forward_outputs, visible_lse
 from flashgen.runtime.families.sm90_common import HopperFamily, band_fields, encode_maps, zero_unpacked_rows
-from flashgen.runtime.launch import fill, handle, launch, on_device, params_buffer, stream_handle
+from flashgen.runtime.launch import fill, handle, launch, on_device, params_buffer
 from flashgen.runtime.limits import check_int32
 from flashgen.runtime.registry import KernelBinary
 from flashgen.runtime.validate import Call
@@ -42,14 +42,13 @@ class Sm90FwdRuntime(HopperFamily):
                 family=self.name))
         return out, visible_lse(lse, p.M)
 
-    def replay(self, plan, arrays, seed, offset, stream):
-        cupy, sizes = cupy_module(), plan.sizes
+    def replay(self, plan, memory, arrays, seed, offset, stream):
         q, k, v = arrays
-        with on_device(cupy, plan.device):
-            out, lse = planned_forward_outputs(cupy, sizes, q.dtype)
-            plan.launch((q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr), 0, 0,
-                        stream_handle(cupy, stream))
-        return out, visible_lse(lse, sizes["M"])
+        ptr = memory.ptr
+        with on_device(cupy_module(), plan.device):
+            out, lse = planned_forward_outputs(memory, plan.sizes, q)
+            plan.launch((ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse)), 0, 0, memory.stream(stream, plan.device))
+        return out, visible_lse(lse, plan.sizes["M"])
 
 
 RUNTIME = Sm90FwdRuntime()
