@@ -1,0 +1,164 @@
+"""flashgen's attention as PyTorch operators: ``torch.ops.flashgen.attention_forward/backward``.
+
+Both are ``torch.library`` custom ops with fake implementations (shapes and strides
+without a GPU), so ``torch.compile(fullgraph=True)`` traces through them, and the
+forward has a registered autograd formula.  Eager calls take a plain
+``autograd.Function`` over the same two implementations instead: the custom-op
+dispatcher costs tens of microseconds per call, as much as the runtime's whole launch
+path (``flashgen.runtime.plans``).  Tensors go to the runtime as they are: torch in,
+torch out, on torch's current stream, outputs from torch's caching allocator.
+
+Options travel as plain ints and floats (an operator schema has no None in a tuple):
+``causal`` 0/1/2 (none, top-left, bottom-right), a window side < 0 for unbounded,
+``max_seqlen_q`` 0 for fixed-length batches.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from flashgen.runtime import api
+
+CAUSAL = {None: 0, "top_left": 1, "bottom_right": 2}
+_CAUSAL_NAMES = {code: name for name, code in CAUSAL.items()}
+
+
+def _lse_rows(q: Tensor, max_seqlen_q: int) -> int:
+    return max_seqlen_q if max_seqlen_q else q.shape[1]
+
+
+def _lse_strides(heads: int, rows: int) -> Tuple[int, int, int]:
+    """The forward's lse is [batches, heads, rows] inside rows padded to 32 (+inf), as the kernels write it."""
+    padded = -(-rows // 32) * 32
+    return heads * padded, padded, 1
+
+
+def _runtime_options(causal: int, scale: Optional[float], dropout_p: float, seed: int, offset: int,
+                     window_left: int, window_right: int, softcap: float) -> dict:
+    window = None
+    if window_left >= 0 or window_right >= 0:
+        window = (window_left if window_left >= 0 else None, window_right if window_right >= 0 else None)
+    return dict(causal=_CAUSAL_NAMES[causal], scale=scale, dropout_p=dropout_p, seed=seed if dropout_p else None,
+                offset=offset, window=window, softcap=softcap)
+
+
+def _with_lse_layout(lse: Tensor, heads: int, rows: int) -> Tensor:
+    """lse in the layout the fake implementation promises (padded to 32 rows, or to max_seqlen_q's)."""
+    strides = _lse_strides(heads, rows)
+    if tuple(lse.shape[1:]) == (heads, rows) and lse.stride() == strides:
+        return lse
+    fixed = torch.empty_strided((lse.shape[0], heads, rows), strides, dtype=torch.float32, device=lse.device)
+    fixed.as_strided((lse.shape[0], heads, strides[1]), (strides[0], strides[1], 1)).fill_(float("inf"))
+    fixed[:, :, :lse.shape[2]] = lse
+    return fixed
+
+
+def _contiguous(x: Tensor) -> Tensor:
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
+                 cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, causal: int, scale: Optional[float],
+                 dropout_p: float, seed: int, offset: int, window_left: int, window_right: int, softcap: float,
+                 deterministic: bool) -> Tuple[Tensor, Tensor]:
+    """(out [B, M, H, Kv], lse [batches, H, rows] float32) of BMHK q, k, v (see ``api.attention_forward``).
+
+    ``deterministic`` is the backward's option, carried so that it reaches it."""
+    options = _runtime_options(causal, scale, dropout_p, seed, offset, window_left, window_right, softcap)
+    out, lse = api.attention_forward(q, k, v, attn_bias=attn_bias, cu_seqlens_q=cu_seqlens_q,
+                                     cu_seqlens_k=cu_seqlens_k, **options)
+    rows = _lse_rows(q, max_seqlen_q)
+    if lse.shape[2] > rows:
+        raise ValueError(f"max_seqlen_q is {max_seqlen_q}, but the longest query sequence has {lse.shape[2]} rows")
+    return _contiguous(out), _with_lse_layout(lse, q.shape[2], rows)
+
+
+def backward_impl(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                  attn_bias: Optional[Tensor], bias_requires_grad: bool, cu_seqlens_q: Optional[Tensor],
+                  cu_seqlens_k: Optional[Tensor], causal: int, scale: Optional[float], dropout_p: float,
+                  seed: int, offset: int, window_left: int, window_right: int, softcap: float,
+                  deterministic: bool) -> List[Tensor]:
+    """[dq, dk, dv, dbias] (dbias [B, H, M, N], or an empty tensor when not asked for)."""
+    options = _runtime_options(causal, scale, dropout_p, seed, offset, window_left, window_right, softcap)
+    # autograd may hand a gradient with any strides; the kernels need a contiguous head dim
+    grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+    grads = api.attention_backward(grad_out, q, k, v, out, lse, attn_bias=attn_bias,
+                                   bias_requires_grad=bias_requires_grad, cu_seqlens_q=cu_seqlens_q,
+                                   cu_seqlens_k=cu_seqlens_k, deterministic=deterministic, **options)
+    dbias = _contiguous(grads[3]) if bias_requires_grad else q.new_empty((0,))
+    return [_contiguous(g) for g in grads[:3]] + [dbias]
+
+
+attention_forward = torch.library.custom_op("flashgen::attention_forward", mutates_args=(),
+                                            device_types="cuda")(forward_impl)
+attention_backward = torch.library.custom_op("flashgen::attention_backward", mutates_args=(),
+                                             device_types="cuda")(backward_impl)
+
+
+@attention_forward.register_fake
+def _attention_forward_fake(q, k, v, attn_bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, dropout_p,
+                            seed, offset, window_left, window_right, softcap, deterministic):
+    batches = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+    rows = _lse_rows(q, max_seqlen_q)
+    out = q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
+    lse = torch.empty_strided((batches, q.shape[2], rows), _lse_strides(q.shape[2], rows), dtype=torch.float32,
+                              device=q.device)
+    return out, lse
+
+
+@attention_backward.register_fake
+def _attention_backward_fake(grad_out, q, k, v, out, lse, attn_bias, bias_requires_grad, cu_seqlens_q, cu_seqlens_k,
+                             causal, scale, dropout_p, seed, offset, window_left, window_right, softcap,
+                             deterministic):
+    dbias = (q.new_empty((q.shape[0], q.shape[2], q.shape[1], k.shape[1])) if bias_requires_grad
+             else q.new_empty((0,)))
+    return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias]
+
+
+def _setup_context(ctx, inputs, output):
+    """Save what the backward needs: the tensors, and the options after q, k, v, attn_bias
+    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, ..., deterministic: the forward's order)."""
+    q, k, v, attn_bias = inputs[:4]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, attn_bias, out, lse)
+    ctx.options = tuple(inputs[4:])
+    ctx.mark_non_differentiable(lse)
+
+
+def _gradients(ctx, grad_out: Tensor, backward) -> tuple:
+    """dq, dk, dv, dbias through ``backward`` (the op, or its implementation in eager mode)."""
+    q, k, v, attn_bias, out, lse = ctx.saved_tensors
+    cu_q, cu_k, _, *options = ctx.options
+    bias_grad = attn_bias is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dbias = backward(grad_out, q, k, v, out, lse, attn_bias, bias_grad, cu_q, cu_k, *options)
+    return dq, dk, dv, dbias.sum_to_size(attn_bias.shape) if bias_grad else None
+
+
+attention_forward.register_autograd(
+    lambda ctx, grad_out, grad_lse: _gradients(ctx, grad_out, attention_backward) + (None,) * (len(ctx.options)),
+    setup_context=_setup_context)
+
+
+class EagerAttention(torch.autograd.Function):
+    """The same forward and backward without the custom-op dispatcher (eager mode), its options
+    in one argument: the autograd engine's work grows with the number of inputs, and this path
+    is what a training step pays on every call."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_bias, options):
+        output = forward_impl(q, k, v, attn_bias, *options)
+        _setup_context(ctx, (q, k, v, attn_bias) + options, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        return _gradients(ctx, grad_out, backward_impl) + (None,)
+
+
+def forward(q, k, v, attn_bias, *options) -> Tuple[Tensor, Tensor]:
+    """The forward op while torch.compile traces, the autograd.Function otherwise (same arguments)."""
+    if torch.compiler.is_compiling():
+        return attention_forward(q, k, v, attn_bias, *options)
+    return EagerAttention.apply(q, k, v, attn_bias, options)

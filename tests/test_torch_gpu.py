@@ -1,0 +1,229 @@
+"""flashgen.torch on a GPU: every option's gradients through the operator against float64,
+launch plans for torch tensors, torch.compile(fullgraph=True), CUDA graphs, autocast, the
+SDPA drop-in and packed sequences."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+cupy = pytest.importorskip("cupy")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+import flashgen.torch as ft  # noqa: E402
+from attention_reference import BWD_TOL, FWD_TOL, grouped_reference, lse_err, reference, rel_err  # noqa: E402
+from flashgen.errors import UnsupportedError  # noqa: E402
+from flashgen.runtime import plans  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
+
+
+def cp(t):
+    return cupy.from_dlpack(t.detach())
+
+
+def poison_torch_cache(nbytes=1 << 28):
+    """Fill torch's cached free blocks with NaN so an output element the kernels never write shows."""
+    torch.full((nbytes // 4,), float("nan"), device="cuda")
+    torch.cuda.synchronize()
+
+
+def randn(shape, dtype, seed, requires_grad=True):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(shape, device="cuda", dtype=DTYPES[dtype], generator=g).requires_grad_(requires_grad)
+
+
+def run(q, k, v, bias=None, **options):
+    """out and the gradients of q, k, v (and bias) through ft.attention, from poisoned memory."""
+    poison_torch_cache()
+    try:
+        out = ft.attention(q, k, v, bias, **options)
+    except UnsupportedError as e:
+        pytest.skip(f"no kernels for this call on this GPU: {e}")
+    do = torch.randn_like(out)
+    inputs = [t for t in (q, k, v, bias) if t is not None and t.requires_grad]
+    grads = torch.autograd.grad(out, inputs, do)
+    return out, do, grads
+
+
+CASES = [  # (dtype, B, M, N, H, Hk, K, options)
+    ("f16", 2, 1, 7, 2, 2, 64, {}),
+    ("bf16", 1, 129, 1000, 8, 2, 128, {"causal": "bottom_right"}),
+    ("bf16", 2, 1000, 129, 8, 1, 64, {"causal": "top_left"}),
+    ("f16", 1, 300, 700, 4, 4, 128, {"window": (100, 20)}),
+    ("bf16", 2, 257, 257, 8, 2, 64, {"causal": "top_left", "window": (64, None), "softcap": 20.0}),
+    ("f16", 2, 200, 300, 4, 4, 64, {"scale": 0.3}),
+    ("f32", 1, 129, 65, 2, 2, 40, {"causal": "top_left"}),
+]
+
+
+@pytest.mark.parametrize("dtype,B,M,N,H,Hk,K,options", CASES, ids=[f"{c[0]}-{c[1]}x{c[2]}x{c[3]}-h{c[4]}/{c[5]}-k{c[6]}-"
+                                                                  + "-".join(map(str, c[7].items())) for c in CASES])
+def test_gradients_of_every_option_match_float64(dtype, B, M, N, H, Hk, K, options):
+    q, k, v = randn((B, M, H, K), dtype, 1), randn((B, N, Hk, K), dtype, 2), randn((B, N, Hk, K), dtype, 3)
+    out, do, (dq, dk, dv) = run(q, k, v, **options)
+    ref_out, _, ref = grouped_reference(cp(q), cp(k), cp(v), cp(do), **options)
+    assert rel_err(cp(out), ref_out) < FWD_TOL[dtype]
+    for name, g, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
+        assert g.shape == r.shape and rel_err(cp(g), r, math.sqrt(K)) < BWD_TOL[dtype], name
+
+
+def test_bias_gradient_is_summed_to_the_bias_shape():
+    q, k, v = (randn((2, 129, 4, 64), "f16", s) for s in (1, 2, 3))
+    bias = randn((1, 4, 129, 129), "f16", 4)
+    out, do, (dq, dk, dv, dbias) = run(q, k, v, bias, causal="top_left")
+    ref_out, _, (rq, rk, rv, ds) = reference(cp(q), cp(k), cp(v), bias=cp(bias), causal="top_left", grad_out=cp(do))
+    assert rel_err(cp(out), ref_out) < FWD_TOL["f16"]
+    assert dbias.shape == bias.shape
+    assert rel_err(cp(dbias), ds.sum(axis=0, keepdims=True)) < BWD_TOL["f16"]
+    for g, r in zip((dq, dk, dv), (rq, rk, rv)):
+        assert rel_err(cp(g), r) < BWD_TOL["f16"]
+
+
+def test_dropout_and_deterministic_reach_the_runtime():
+    """Dropout: the op draws what the runtime draws for the same seed; deterministic: the same bits."""
+    import flashgen
+
+    q, k, v = (randn((1, 200, 4, 64), "bf16", s) for s in (1, 2, 3))
+    out = ft.attention(q, k, v, dropout_p=0.2, seed=1234, offset=8)
+    direct, _ = flashgen.attention_forward(q.detach(), k.detach(), v.detach(), dropout_p=0.2, seed=1234, offset=8)
+    assert torch.equal(out, direct)
+    torch.manual_seed(5)
+    first = ft.attention(q, k, v, dropout_p=0.2)
+    torch.manual_seed(5)
+    assert torch.equal(first, ft.attention(q, k, v, dropout_p=0.2)), "a drawn seed follows torch.manual_seed"
+    runs = []
+    for _ in range(2):
+        out = ft.attention(q, k, v, causal="top_left", deterministic=True)
+        runs.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_lse_comes_back_in_the_layout_the_fake_promises():
+    q, k, v = (randn((2, 100, 4, 64), "bf16", s) for s in (1, 2, 3))
+    out, lse = ft.attention(q, k, v, return_lse=True)
+    _, ref_lse = reference(cp(q), cp(k), cp(v))
+    assert lse.shape == (2, 4, 100) and lse.stride() == (4 * 128, 128, 1) and not lse.requires_grad
+    assert lse_err(cp(lse), ref_lse) < FWD_TOL["bf16"]
+
+
+def test_packed_sequences_match_each_sequence_alone():
+    lengths_q, lengths_k = [5, 0, 130, 64], [7, 3, 100, 64]
+    cu_q = torch.tensor(np.cumsum([0] + lengths_q), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor(np.cumsum([0] + lengths_k), dtype=torch.int32, device="cuda")
+    q, k, v = randn((sum(lengths_q), 4, 64), "f16", 1), randn((sum(lengths_k), 2, 64), "f16", 2), \
+        randn((sum(lengths_k), 2, 64), "f16", 3)
+    poison_torch_cache()
+    out, lse = ft.attention_varlen(q, k, v, cu_q, cu_k, 160, 100, causal="top_left", return_lse=True)
+    assert out.shape == (sum(lengths_q), 4, 64) and lse.shape == (4, 4, 160)
+    do = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    for s in range(4):
+        qs, ks = slice(int(cu_q[s]), int(cu_q[s + 1])), slice(int(cu_k[s]), int(cu_k[s + 1]))
+        if lengths_q[s] == 0:
+            continue
+        ref_out, _, (rq, rk, rv) = grouped_reference(cp(q[qs])[None], cp(k[ks])[None], cp(v[ks])[None],
+                                                     cp(do[qs])[None], causal="top_left")
+        assert rel_err(cp(out[qs])[None], ref_out) < FWD_TOL["f16"], s
+        for g, r in zip((dq[qs], dk[ks], dv[ks]), (rq, rk, rv)):
+            assert rel_err(cp(g)[None], r, 8.0) < BWD_TOL["f16"], s
+
+
+def test_torch_tensors_take_launch_plans_and_torchs_memory():
+    plans.clear()
+    q, k, v = (randn((2, 256, 4, 64), "bf16", s) for s in (1, 2, 3))
+    first = ft.attention(q, k, v, causal="top_left")
+    assert any(key[1][0] == "torch" for key in plans._plans), "no plan was made for torch tensors"
+    before = torch.cuda.memory_allocated()
+    again = ft.attention(q, k, v, causal="top_left")
+    assert torch.cuda.memory_allocated() > before, "the planned output is not torch's memory"
+    assert torch.equal(first, again)
+    q2 = randn((2, 256, 4, 64), "bf16", 7)
+    ref_out, _ = reference(cp(q2), cp(k), cp(v), causal="top_left")
+    assert rel_err(cp(ft.attention(q2, k, v, causal="top_left")), ref_out) < FWD_TOL["bf16"]
+
+
+class TinyBlock(torch.nn.Module):
+    def __init__(self, dim=256, heads=4):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, S, D = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.heads, D // self.heads).unbind(2)
+        return self.proj(ft.attention(q, k, v, causal="top_left").reshape(B, S, D))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch.manual_seed(0)
+    model = TinyBlock().cuda().to(torch.bfloat16)
+    x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    eager = model(x)
+    (gx,) = torch.autograd.grad(eager.float().square().mean(), x)
+    compiled = torch.compile(model, fullgraph=True)
+    traced = compiled(x)
+    (cx,) = torch.autograd.grad(traced.float().square().mean(), x)
+    assert float((traced - eager).float().norm() / eager.float().norm()) < 1e-2
+    assert float((cx - gx).float().norm() / gx.float().norm()) < 3e-2
+
+
+def test_cuda_graph_replays_forward_and_backward():
+    q, k, v = (randn((2, 512, 8, 128), "bf16", s) for s in (1, 2, 3))
+    do = torch.randn(2, 512, 8, 128, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: the first calls take the full path and leave plans
+        for _ in range(2):
+            out = ft.attention(q, k, v, causal="top_left")
+            torch.autograd.grad(out, (q, k, v), do)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ft.attention(q, k, v, causal="top_left")
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    with torch.no_grad():
+        for x, seed in zip((q, k, v), (11, 12, 13)):
+            x.copy_(randn(x.shape, "bf16", seed, requires_grad=False))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_out, _, ref = reference(cp(q), cp(k), cp(v), causal="top_left", grad_out=cp(do))
+    assert rel_err(cp(out), ref_out) < FWD_TOL["bf16"]
+    for g, r in zip(grads, ref):
+        assert rel_err(cp(g), r) < BWD_TOL["bf16"]
+
+
+def test_autocast_casts_like_sdpa():
+    q, k, v = (randn((1, 128, 4, 64), "f32", s) for s in (1, 2, 3))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = ft.attention(q, k, v)
+        ref = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert float((out.float() - ref.transpose(1, 2).float()).norm() / ref.float().norm()) < FWD_TOL["bf16"]
+    (dq,) = torch.autograd.grad(out.float().sum(), (q,))
+    assert dq.dtype == torch.float32
+
+
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float", "causal", "gqa"])
+def test_sdpa_drop_in_matches_torch_sdpa(mask_kind):
+    H, Hk = (8, 2) if mask_kind == "gqa" else (4, 4)
+    q, k, v = randn((2, H, 129, 64), "f16", 1), randn((2, Hk, 200, 64), "f16", 2), randn((2, Hk, 200, 64), "f16", 3)
+    kwargs = {"enable_gqa": True} if mask_kind == "gqa" else {}
+    if mask_kind == "bool":
+        kwargs["attn_mask"] = torch.rand(1, 1, 129, 200, device="cuda") > 0.2
+    elif mask_kind == "float":
+        kwargs["attn_mask"] = torch.randn(2, 1, 129, 200, device="cuda", dtype=torch.float16)
+    elif mask_kind == "causal":
+        kwargs["is_causal"] = True
+    out = ft.scaled_dot_product_attention(q, k, v, **kwargs)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+    assert out.shape == ref.shape
+    assert float((out - ref).float().norm() / ref.float().norm()) < 2e-3
+    go = torch.randn_like(ref)
+    mine = torch.autograd.grad(out, (q, k, v), go)
+    theirs = torch.autograd.grad(ref, (q, k, v), go)
+    for a, b in zip(mine, theirs):
+        assert float((a - b).float().norm() / b.float().norm()) < 1e-2

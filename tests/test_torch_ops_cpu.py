@@ -1,0 +1,113 @@
+"""flashgen.torch without a GPU: the operators' fake implementations (what torch.compile traces
+with) and the argument checks that run before any GPU work."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+FakeTensorMode = pytest.importorskip("torch._subclasses.fake_tensor").FakeTensorMode
+
+import flashgen.torch as ft  # noqa: E402
+from flashgen.torch import ops  # noqa: E402
+
+OPTIONS = dict(causal=1, scale=None, dropout_p=0.0, seed=0, offset=0, window_left=-1, window_right=-1, softcap=0.0,
+               deterministic=False)
+
+
+def forward_fake(q, k, v, cu_q=None, cu_k=None, max_seqlen_q=0, bias=None):
+    return torch.ops.flashgen.attention_forward(q, k, v, bias, cu_q, cu_k, max_seqlen_q, *OPTIONS.values())
+
+
+@pytest.mark.parametrize("M,N,H,Hk,K,Kv", [(1, 1, 1, 1, 8, 8), (7, 129, 4, 4, 64, 32), (1000, 7, 8, 2, 128, 128),
+                                           (129, 1000, 16, 2, 256, 256)])
+def test_forward_fake_has_the_real_shapes_and_strides(M, N, H, Hk, K, Kv):
+    """out is a contiguous [B, M, H, Kv]; lse [B, H, M] lies in rows padded to 32, as the kernels
+    write it (the real implementation returns exactly that layout, test_torch_gpu checks)."""
+    with FakeTensorMode():
+        q = torch.empty(2, M, H, K, device="cuda", dtype=torch.bfloat16)
+        k = torch.empty(2, N, Hk, K, device="cuda", dtype=torch.bfloat16)
+        v = torch.empty(2, N, Hk, Kv, device="cuda", dtype=torch.bfloat16)
+        out, lse = forward_fake(q, k, v)
+    padded = -(-M // 32) * 32
+    assert (out.shape, out.stride(), out.dtype) == ((2, M, H, Kv), (M * H * Kv, H * Kv, Kv, 1), torch.bfloat16)
+    assert (lse.shape, lse.stride(), lse.dtype) == ((2, H, M), (H * padded, padded, 1), torch.float32)
+
+
+def test_forward_fake_for_packed_sequences_sizes_lse_by_max_seqlen_q():
+    with FakeTensorMode():
+        q = torch.empty(1, 300, 4, 64, device="cuda", dtype=torch.float16)
+        cu = torch.empty(6, device="cuda", dtype=torch.int32)  # 5 sequences
+        out, lse = forward_fake(q, q, q, cu, cu, max_seqlen_q=100)
+    assert out.shape == (1, 300, 4, 64)
+    assert (lse.shape, lse.stride()) == ((5, 4, 100), (4 * 128, 128, 1))
+
+
+@pytest.mark.parametrize("bias_grad", [False, True])
+def test_backward_fake_returns_contiguous_gradients_shaped_like_the_inputs(bias_grad):
+    with FakeTensorMode():
+        q = torch.empty(2, 33, 8, 64, device="cuda", dtype=torch.float16)
+        k = torch.empty(2, 65, 2, 64, device="cuda", dtype=torch.float16)
+        v = torch.empty(2, 65, 2, 32, device="cuda", dtype=torch.float16)
+        bias = torch.empty(1, 8, 33, 65, device="cuda", dtype=torch.float16)
+        out, lse = forward_fake(q, k, v, bias=bias)
+        options = dict(OPTIONS)
+        del options["deterministic"]
+        grads = torch.ops.flashgen.attention_backward(out, q, k, v, out, lse, bias, bias_grad, None, None,
+                                                      *options.values(), False)
+    assert [tuple(g.shape) for g in grads[:3]] == [(2, 33, 8, 64), (2, 65, 2, 64), (2, 65, 2, 32)]
+    assert all(g.is_contiguous() for g in grads)
+    assert tuple(grads[3].shape) == ((2, 8, 33, 65) if bias_grad else (0,))
+
+
+def cpu_qkv(shape=(1, 8, 2, 64)):
+    return tuple(torch.zeros(shape, dtype=torch.float16) for _ in range(3))
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(causal="yes"), ValueError, "causal must be None, 'top_left' or 'bottom_right'"),
+    (dict(causal=1), ValueError, "causal must be"),
+    (dict(window=5), TypeError, r"window must be \(left, right\)"),
+    (dict(window=(-1, 2)), ValueError, "window sides must be ints >= 0 or None"),
+    (dict(window=(1.5, None)), ValueError, "window sides"),
+    (dict(deterministic="yes"), TypeError, "deterministic must be True or False"),
+    (dict(dropout_p=0.1, seed=2**63), ValueError, r"seed must be an int in \[0, 2\*\*63\)"),
+    (dict(dropout_p=0.1, seed=-1), ValueError, "seed must be"),
+])
+def test_bad_options_are_refused_before_any_gpu_work(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ft.attention(*cpu_qkv(), **kwargs)
+
+
+def test_cpu_tensors_are_refused_with_what_to_do():
+    q, k, v = cpu_qkv()
+    with pytest.raises(TypeError, match=r"^q is on cpu, not a CUDA tensor: .*\.cuda\(\)"):
+        ft.attention(q, k, v)
+    with pytest.raises(TypeError, match=r"^q is a ndarray, not a CUDA tensor"):
+        ft.attention(q.numpy(), k, v)
+
+
+def test_sdpa_drop_in_checks_like_torch():
+    q = torch.zeros(1, 8, 4, 64, dtype=torch.float16)  # [B, H, L, E]
+    k = torch.zeros(1, 2, 4, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        ft.scaled_dot_product_attention(q, k, k)
+    with pytest.raises(ValueError, match="attn_mask or is_causal, not both"):
+        ft.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool), is_causal=True)
+    with pytest.raises(ValueError, match="4-D"):
+        ft.scaled_dot_product_attention(q[0], q[0], q[0])
+
+
+def test_varlen_takes_packed_3d_tensors_and_a_positive_max_seqlen():
+    q = torch.zeros(10, 2, 64, dtype=torch.float16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"q must be 3-D \[total, heads, head_dim\]"):
+        ft.attention_varlen(q[None], q, q, cu, cu, 6, 6)
+    with pytest.raises(ValueError, match="max_seqlen_q must be a positive int"):
+        ft.attention_varlen(q, q, q, cu, cu, 0, 6)
+
+
+def test_window_and_causal_reach_the_runtime_as_its_options():
+    assert ops._runtime_options(2, 0.5, 0.0, 7, 3, 4, -1, 2.0) == dict(
+        causal="bottom_right", scale=0.5, dropout_p=0.0, seed=None, offset=3, window=(4, None), softcap=2.0)
+    assert ops._runtime_options(0, None, 0.1, 7, 0, -1, -1, 0.0)["window"] is None
+    assert ops._runtime_options(0, None, 0.1, 7, 0, -1, -1, 0.0)["seed"] == 7
