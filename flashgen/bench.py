@@ -8,8 +8,11 @@ backward 2.5x that.
 
 Backward timing: flashgen calls ``attention_backward`` directly (no autograd);
 torch's SDPA backends are timed with ``torch.autograd.grad`` on one retained
-forward graph, the cheapest honest path to their backward kernels.  Needs
-torch for the peers (and for the inputs); flashgen itself runs through CuPy.
+forward graph, the cheapest honest path to their backward kernels.
+``flashgen-torch`` is flashgen through its PyTorch adapter, timed the way
+SDPA is, so against ``flashgen`` it shows what the adapter costs a training
+step.  Needs torch for the peers (and for the inputs); flashgen itself runs
+through CuPy.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import math
 import random
 import statistics
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -66,7 +70,7 @@ class Timed:
 
     impl: str
     direction: str
-    fn: Callable[[int], object]  # i picks the input set
+    fn: Optional[Callable[[int], object]]  # i picks the input set; None: could not be set up (see error)
     context: Callable[[], object] = contextlib.nullcontext
     times: List[float] = field(default_factory=list)
     round_medians: List[float] = field(default_factory=list)
@@ -78,8 +82,10 @@ def time_interleaved(entries: List[Timed], torch, rounds: int = 10, repeats: int
     clock ramps, thermal drift and the after-effects of the previous implementation (a hot
     cuDNN kernel lowers the clocks for the next one) fall on every implementation alike.  Each
     call is timed alone between CUDA events (host work before the launch counts, as it does
-    for a user)."""
+    for a user).  Entries that arrive with an error are not run."""
     for e in entries:
+        if e.error is not None:
+            continue
         try:
             with e.context():
                 for i in range(warmup):
@@ -87,7 +93,7 @@ def time_interleaved(entries: List[Timed], torch, rounds: int = 10, repeats: int
             torch.cuda.synchronize()
         except Exception as ex:  # a peer that does not support this point
             torch.cuda.synchronize()
-            e.error = f"{type(ex).__name__}: {str(ex)[:80]}"
+            e.error = error_note(ex)
     live = [e for e in entries if e.error is None]
     per_round = max(1, repeats // rounds)
     order = random.Random(0)
@@ -105,6 +111,11 @@ def time_interleaved(entries: List[Timed], torch, rounds: int = 10, repeats: int
                     times.append(start.elapsed_time(end))
             e.times += times
             e.round_medians.append(statistics.median(times))
+
+
+def error_note(ex: Exception) -> str:
+    """Why an entry has no timing, short enough for a results table."""
+    return f"{type(ex).__name__}: {str(ex)[:80]}"
 
 
 def spread(e: Timed) -> Optional[float]:
@@ -137,6 +148,8 @@ def bench_point(p: Point, impls: List[str], torch, repeats: int = 30, all_instan
                              lambda: stream))
         entries.append(Timed("flashgen", "bwd", lambda i: api.attention_backward(
             cp_sets[i % 3][3], *cp_sets[i % 3][:3], *fwd_out[i % 3], causal=causal), lambda: stream))
+    if "flashgen-torch" in impls:
+        entries += _flashgen_torch_entries(sets, causal, torch)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     # SDPA takes [B, H, S, D]: transposed views of the same BMHK buffers
     t_sets = [[t.transpose(1, 2).requires_grad_(j < 3) if j < 3 else t.transpose(1, 2) for j, t in enumerate(s)]
@@ -189,6 +202,24 @@ def _autograd_backward(forward, t_sets, torch):
     return backward
 
 
+def _flashgen_torch_entries(sets, causal, torch) -> List[Timed]:
+    """flashgen through ``flashgen.torch.attention`` as a training step calls it: the same
+    [B, S, H, D] buffers as the ``flashgen`` entries, as leaves that require grad (so the forward
+    saves what its backward needs), backward through autograd like SDPA.  An adapter that cannot
+    be imported is a result for this point, as an unsupported point is for a peer."""
+    try:
+        from flashgen.torch import attention
+    except Exception as ex:
+        return [Timed("flashgen-torch", direction, None, error=error_note(ex)) for direction in ("fwd", "bwd")]
+    g_sets = [[t.detach().requires_grad_() for t in s[:3]] + [s[3]] for s in sets]
+
+    def forward(s):
+        return attention(*s[:3], causal=causal)
+
+    return [Timed("flashgen-torch", "fwd", lambda i: forward(g_sets[i % 3])),
+            Timed("flashgen-torch", "bwd", _autograd_backward(forward, g_sets, torch))]
+
+
 _flex = None
 
 
@@ -211,9 +242,11 @@ def call_overhead_us(torch, calls: int = 500, rounds: int = 9) -> Dict[str, floa
     """Host microseconds per call on a tiny problem (1 x 128 x 1 x 64, f16), against SDPA's call.
 
     flashgen's calls repeat one signature, so they take the planned path (runtime/plans.py)
-    as a training loop does after its first step.  The GPU work is negligible; each figure is
-    the median over ``rounds`` (implementations interleaved) of the wall time per call over
-    ``calls`` back-to-back calls: one round is easily disturbed by the host.
+    as a training loop does after its first step; the PyTorch adapter's calls are measured
+    too (``adapter_overhead_cases``), so what it adds to the CuPy calls shows.  The GPU work
+    is negligible; each figure is the median over ``rounds`` (implementations interleaved) of
+    the wall time per call over ``calls`` back-to-back calls: one round is easily disturbed
+    by the host.
     """
     import cupy
 
@@ -231,6 +264,7 @@ def call_overhead_us(torch, calls: int = 500, rounds: int = 9) -> Dict[str, floa
         "flashgen.attention_backward": lambda: api.attention_backward(out, cq, cq, cq, out, lse),
         "torch sdpa forward": lambda: sdpa(tq, tq, tq),
         "torch sdpa backward (autograd.grad)": lambda: torch.autograd.grad(t_out, tq, t_grad, retain_graph=True),
+        **adapter_overhead_cases(q, torch),
     }
     times = {name: [] for name in cases}
     for _ in range(rounds):
@@ -244,6 +278,26 @@ def call_overhead_us(torch, calls: int = 500, rounds: int = 9) -> Dict[str, floa
             times[name].append((time.perf_counter() - start) / calls * 1e6)
             torch.cuda.synchronize()
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def adapter_overhead_cases(q, torch) -> Dict[str, Callable[[], object]]:
+    """The PyTorch adapter's calls for ``call_overhead_us``, paired like SDPA's: the forward on a
+    leaf that requires grad (as in training), the backward through autograd on one retained
+    forward output.  None of them where the adapter cannot run (a warning says why), so the
+    overhead of the other calls is still measured."""
+    try:
+        from flashgen.torch import attention
+
+        tq_bmhk = q.detach().requires_grad_()
+        out = attention(tq_bmhk, tq_bmhk, tq_bmhk)
+    except Exception as ex:
+        warnings.warn(f"flashgen.torch call overhead not measured: {error_note(ex)}", stacklevel=2)
+        return {}
+    grad = torch.ones_like(out)
+    return {
+        "flashgen.torch forward": lambda: attention(tq_bmhk, tq_bmhk, tq_bmhk),
+        "flashgen.torch backward (autograd.grad)": lambda: torch.autograd.grad(out, tq_bmhk, grad, retain_graph=True),
+    }
 
 
 def import_times_ms() -> Dict[str, float]:

@@ -312,12 +312,46 @@ def tune(dtypes, head_dims, seqlens, tokens, hidden, repeats, out_path) -> None:
                f"{t.KEEP_DEFAULT:.0%}; table: {out_path}")
 
 
+def _ratio(got: dict, a: str, b: str) -> str:
+    return f"{got[a] / got[b]:.2f}" if got.get(a) and got.get(b) else "-"
+
+
+def _bench_table(grid, results, impls, all_instances: bool) -> str:
+    """TFLOP/s per point and direction, a column per implementation, and the two ratios asked
+    most: flashgen against sdpa-efficient (fg/efficient, with the noise to judge it by) and what
+    the PyTorch adapter keeps of the direct CuPy calls' speed (fg-torch/fg)."""
+    vs_efficient = "flashgen" in impls and "sdpa-efficient" in impls
+    vs_direct = "flashgen" in impls and "flashgen-torch" in impls
+    header = (["dtype", "hdim", "causal", "seqlen", "dir"] + list(impls) + (["best instance"] if all_instances else [])
+              + (["fg/efficient", "noise"] if vs_efficient else []) + (["fg-torch/fg"] if vs_direct else []))
+    table = []
+    for point in grid:
+        for direction in ("fwd", "bwd"):
+            here = [r for r in results if r.point == point and r.direction == direction]
+            got = {r.impl: r.tflops for r in here}
+            row = [point.dtype, point.head_dim, "yes" if point.causal else "no", point.seqlen, direction]
+            row += [f"{got[i]:.0f}" if got.get(i) else "-" for i in impls]
+            if all_instances:
+                tiles = {i: t for i, t in got.items() if i.startswith("flashgen[") and t}
+                best = max(tiles, key=tiles.get) if tiles else None
+                row.append(f"{tiles[best]:.0f} {best[len('flashgen['):-1]}" if best else "-")
+            if vs_efficient:
+                noise = [r.spread for r in here if r.impl in ("flashgen", "sdpa-efficient") and r.spread is not None]
+                row += [_ratio(got, "flashgen", "sdpa-efficient"), f"{max(noise):.0%}" if noise else "-"]
+            if vs_direct:
+                row.append(_ratio(got, "flashgen-torch", "flashgen"))
+            table.append(row)
+    return _table(header, table)
+
+
 @main.command()
 @_grid_options
-@click.option("--impl", "impls", multiple=True, type=click.Choice(["flashgen", "sdpa-flash", "sdpa-efficient",
-                                                                   "sdpa-cudnn", "flex"]),
-              default=("flashgen", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"), show_default=True,
-              help="flex: torch.compile'd flex_attention (compiles once per shape: slow to start).")
+@click.option("--impl", "impls", multiple=True, type=click.Choice(["flashgen", "flashgen-torch", "sdpa-flash",
+                                                                   "sdpa-efficient", "sdpa-cudnn", "flex"]),
+              default=("flashgen", "flashgen-torch", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"), show_default=True,
+              help="flashgen-torch: flashgen through flashgen.torch.attention, backward by autograd, as a training "
+                   "step calls it (the table's fg-torch/fg divides its TFLOP/s by flashgen's). "
+                   "flex: torch.compile'd flex_attention (compiles once per shape: slow to start).")
 @click.option("--all-instances", is_flag=True, help="Also time every flashgen kernel tile (and backward key-split "
               "policy) that can serve each point, as flashgen[<tile>].")
 @click.option("--repeats", type=int, default=30, show_default=True,
@@ -325,7 +359,8 @@ def tune(dtypes, head_dims, seqlens, tokens, hidden, repeats, out_path) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def bench(dtypes, head_dims, seqlens, tokens, hidden, impls, all_instances, repeats, json_path, plot_path) -> None:
-    """Forward and backward TFLOP/s of flashgen and torch's SDPA backends, side by side."""
+    """Forward and backward TFLOP/s of flashgen (directly and through its PyTorch adapter) and torch's SDPA
+    backends, side by side."""
     from flashgen import bench as b
 
     try:
@@ -343,25 +378,7 @@ def bench(dtypes, head_dims, seqlens, tokens, hidden, impls, all_instances, repe
         summary = "  ".join(f"{r.impl}/{r.direction} {r.tflops:.0f}" for r in rows if r.tflops)
         click.echo(f"[{n}/{len(grid)}] {point.dtype} d{point.head_dim} {'causal ' if point.causal else ''}"
                    f"B{point.batch} S{point.seqlen}: {summary}", err=True)
-    header = ["dtype", "hdim", "causal", "seqlen", "dir"] + list(impls) + (["best instance"] if all_instances else []) + (
-        ["fg/efficient", "noise"] if "flashgen" in impls and "sdpa-efficient" in impls else [])
-    table = []
-    for point in grid:
-        for direction in ("fwd", "bwd"):
-            got = {r.impl: r.tflops for r in results if r.point == point and r.direction == direction}
-            row = [point.dtype, point.head_dim, "yes" if point.causal else "no", point.seqlen, direction]
-            row += [f"{got[i]:.0f}" if got.get(i) else "-" for i in impls]
-            if all_instances:
-                tiles = {i: t for i, t in got.items() if i.startswith("flashgen[") and t}
-                best = max(tiles, key=tiles.get) if tiles else None
-                row.append(f"{tiles[best]:.0f} {best[len('flashgen['):-1]}" if best else "-")
-            if len(header) > len(row):
-                ratio = got.get("flashgen") / got["sdpa-efficient"] if got.get("flashgen") and got.get("sdpa-efficient") else None
-                noise = [r.spread for r in results if r.point == point and r.direction == direction
-                         and r.impl in ("flashgen", "sdpa-efficient") and r.spread is not None]
-                row += [f"{ratio:.2f}" if ratio else "-", f"{max(noise):.0%}" if noise else "-"]
-            table.append(row)
-    click.echo(_table(header, table))
+    click.echo(_bench_table(grid, results, impls, all_instances))
     overhead = b.call_overhead_us(torch)
     for name, us in overhead.items():
         click.echo(f"call overhead, {name}: {us:.1f} us")

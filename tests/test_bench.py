@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import sys
+import time
+import types
 
+import pytest
 from click.testing import CliRunner
 
 from flashgen import bench
@@ -34,3 +37,176 @@ def test_tune_without_cupy_says_what_it_needs(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
     result = CliRunner().invoke(main, ["tune", "--seqlen", "512"])
     assert result.exit_code == 1 and "needs CuPy and a CUDA GPU" in result.output
+
+
+# flashgen-torch: the PyTorch adapter timed as a training step calls it.  bench_point runs here on
+# CPU tensors with torch.cuda's timing surface faked, and with fakes for the adapter, so what is
+# checked is the bookkeeping (which tensors reach the adapter, what is timed, how failures are
+# recorded), not the kernels.
+
+class _FakeEvent:
+    def __init__(self, enable_timing=False):
+        self.at = None
+
+    def record(self):
+        self.at = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) * 1e3
+
+
+def _host_torch(torch):
+    """torch with torch.cuda's timing calls on the host clock: enough for bench_point's loops."""
+    cuda = types.SimpleNamespace(Event=_FakeEvent, synchronize=lambda: None, empty_cache=lambda: None)
+    return types.SimpleNamespace(nn=torch.nn, autograd=torch.autograd, cuda=cuda)
+
+
+@pytest.fixture
+def host_bench(monkeypatch):
+    """bench_point without a GPU: CPU inputs (kept for the assertions), no CuPy."""
+    torch = pytest.importorskip("torch")
+    made = []
+
+    def cpu_inputs(_torch, p, sets=3):
+        shape = (p.batch, p.seqlen, p.heads, p.head_dim)
+        made[:] = [[torch.randn(shape) for _ in range(4)] for _ in range(sets)]
+        return made
+
+    pool = types.SimpleNamespace(free_all_blocks=lambda: None)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(get_default_memory_pool=lambda: pool))
+    monkeypatch.setattr(bench, "_inputs", cpu_inputs)
+    return types.SimpleNamespace(torch=_host_torch(torch), inputs=made)
+
+
+def _adapter(monkeypatch, attention):
+    monkeypatch.setitem(sys.modules, "flashgen.torch", types.SimpleNamespace(attention=attention))
+
+
+POINT = bench.Point("f16", 8, True, 2, 3, 16)
+
+
+def test_flashgen_torch_times_the_adapter_like_a_training_step(host_bench, monkeypatch):
+    calls = []
+
+    def attention(q, k, v, attn_bias=None, *, causal=None, **_):
+        calls.append((q, k, v, causal))
+        return q * k + v
+
+    _adapter(monkeypatch, attention)
+    results = bench.bench_point(POINT, ["flashgen-torch"], host_bench.torch, repeats=10)
+    assert [(r.impl, r.direction) for r in results] == [("flashgen-torch", "fwd"), ("flashgen-torch", "bwd")]
+    assert all(r.ms and r.tflops and not r.note for r in results)
+    # the forward: 3 warm-up + 10 timed calls; the backward's graphs: one forward per input set, in warm-up
+    assert len(calls) == 3 + 10 + 3
+    buffers = {t.data_ptr() for s in host_bench.inputs for t in s[:3]}
+    for q, k, v, causal in calls:
+        assert causal == "top_left"
+        for t in (q, k, v):
+            assert t.shape == (2, 16, 3, 8) and t.requires_grad and t.is_leaf and t.data_ptr() in buffers
+
+
+def test_flashgen_torch_records_an_adapter_that_fails(host_bench, monkeypatch):
+    def attention(*args, **kwargs):
+        raise RuntimeError("no kernel for this point")
+
+    _adapter(monkeypatch, attention)
+    results = bench.bench_point(POINT, ["flashgen-torch"], host_bench.torch, repeats=10)
+    assert [(r.direction, r.ms, r.note) for r in results] == [
+        ("fwd", None, "RuntimeError: no kernel for this point"), ("bwd", None, "RuntimeError: no kernel for this point")]
+
+
+def test_flashgen_torch_records_an_adapter_that_cannot_be_imported(host_bench, monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashgen.torch", None)  # import -> ImportError
+    results = bench.bench_point(POINT, ["flashgen-torch"], host_bench.torch, repeats=10)
+    assert [r.direction for r in results] == ["fwd", "bwd"]
+    assert all(r.ms is None and r.note == "ModuleNotFoundError: import of flashgen.torch halted; None in sys.modules"
+               for r in results)
+
+
+def test_time_interleaved_does_not_run_an_entry_that_arrives_failed():
+    ran = []
+    entries = [bench.Timed("a", "fwd", None, error="ImportError: x"), bench.Timed("b", "fwd", ran.append)]
+    bench.time_interleaved(entries, types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Event=_FakeEvent, synchronize=lambda: None)), repeats=10)
+    assert entries[0].error == "ImportError: x" and not entries[0].times
+    assert len(ran) == 3 + 10 and len(entries[1].times) == 10
+
+
+def test_adapter_overhead_cases_pair_forward_and_autograd_backward(monkeypatch):
+    torch = pytest.importorskip("torch")
+    forwards = []
+
+    def attention(q, k, v, **_):
+        forwards.append(q)
+        return q * k * v
+
+    _adapter(monkeypatch, attention)
+    q = torch.randn(1, 128, 1, 64)
+    cases = bench.adapter_overhead_cases(q, torch)
+    assert list(cases) == ["flashgen.torch forward", "flashgen.torch backward (autograd.grad)"]
+    for _ in range(2):  # the backward is repeatable: one retained graph
+        (grad,) = cases["flashgen.torch backward (autograd.grad)"]()
+        assert grad.shape == q.shape
+    cases["flashgen.torch forward"]()
+    assert len(forwards) == 2 and all(t.requires_grad and t.data_ptr() == q.data_ptr() for t in forwards)
+
+
+def test_adapter_overhead_cases_leave_out_an_adapter_that_cannot_run(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setitem(sys.modules, "flashgen.torch", None)
+    with pytest.warns(UserWarning, match="flashgen.torch call overhead not measured: ModuleNotFoundError"):
+        assert bench.adapter_overhead_cases(torch.zeros(1, 128, 1, 64), torch) == {}
+
+
+def _bench_cli(monkeypatch, tflops, *args):
+    """`flashgen bench` on one point, with a fake GPU torch and these TFLOP/s per implementation."""
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True,
+                                                                  get_device_name=lambda: "Fake GPU"))
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    seen = []
+
+    def bench_point(p, impls, torch, repeats, all_instances):
+        seen.append(impls)
+        return [bench.Result(i, d, p, 1.0, tflops.get(i), spread=0.01) for i in impls for d in ("fwd", "bwd")]
+
+    monkeypatch.setattr(bench, "bench_point", bench_point)
+    monkeypatch.setattr(bench, "call_overhead_us", lambda torch: {"flashgen.torch forward": 12.5})
+    monkeypatch.setattr(bench, "import_times_ms", lambda: {})
+    result = CliRunner().invoke(main, ["bench", "--dtype", "f16", "--head-dim", "64", "--seqlen", "512", *args],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return seen[0], result.output
+
+
+def _table(output):
+    lines = output.splitlines()
+    start = next(n for n, line in enumerate(lines) if line.startswith("dtype"))
+    return [line.split() for line in lines[start:start + 4]]  # header, rule, fwd, bwd
+
+
+def test_bench_defaults_to_the_adapter_next_to_flashgen_with_its_ratio(monkeypatch):
+    tflops = {"flashgen": 400, "flashgen-torch": 300, "sdpa-efficient": 200, "sdpa-flash": 350, "sdpa-cudnn": 500}
+    impls, output = _bench_cli(monkeypatch, tflops)
+    assert impls == ["flashgen", "flashgen-torch", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]
+    header, _, fwd, bwd = _table(output)
+    assert header == ["dtype", "hdim", "causal", "seqlen", "dir", *impls, "fg/efficient", "noise", "fg-torch/fg"]
+    assert fwd == ["f16", "64", "no", "512", "fwd", "400", "300", "350", "200", "500", "2.00", "1%", "0.75"]
+    assert bwd[-3:] == ["2.00", "1%", "0.75"]
+    assert "call overhead, flashgen.torch forward: 12.5 us" in output
+
+
+def test_bench_ratio_of_the_adapter_needs_both_flashgen_impls(monkeypatch):
+    _, output = _bench_cli(monkeypatch, {"flashgen-torch": 300, "sdpa-efficient": 200},
+                           "--impl", "flashgen-torch", "--impl", "sdpa-efficient")
+    header, _, fwd, _ = _table(output)
+    assert header == ["dtype", "hdim", "causal", "seqlen", "dir", "flashgen-torch", "sdpa-efficient"]
+    assert fwd[-2:] == ["300", "200"]
+
+
+def test_bench_ratio_of_the_adapter_is_blank_where_it_failed(monkeypatch):
+    _, output = _bench_cli(monkeypatch, {"flashgen": 400}, "--impl", "flashgen", "--impl", "flashgen-torch")
+    header, _, fwd, _ = _table(output)
+    assert header[-1] == "fg-torch/fg" and fwd[-3:] == ["400", "-", "-"]
