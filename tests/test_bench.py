@@ -210,3 +210,30 @@ def test_bench_ratio_of_the_adapter_is_blank_where_it_failed(monkeypatch):
     _, output = _bench_cli(monkeypatch, {"flashgen": 400}, "--impl", "flashgen", "--impl", "flashgen-torch")
     header, _, fwd, _ = _table(output)
     assert header[-1] == "fg-torch/fg" and fwd[-3:] == ["400", "-", "-"]
+
+
+def test_bench_compare_finds_the_point_a_change_slowed(tmp_path):
+    """tools/bench_compare.py: a point slower in every new run than the old runs' spread is listed first."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_compare", Path(__file__).parents[1] / "tools/bench_compare.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+
+    def run(name, slow_point_tflops, noise):
+        points = [{"dtype": "bf16", "head_dim": 128, "causal": c, "seqlen": 4096} for c in (False, True)]
+        results = [{"impl": "flashgen", "direction": "fwd", "point": points[0], "tflops": slow_point_tflops},
+                   {"impl": "flashgen", "direction": "fwd", "point": points[1], "tflops": 300 + noise},
+                   {"impl": "sdpa-cudnn", "direction": "fwd", "point": points[0], "tflops": 1.0}]
+        path = tmp_path / name
+        path.write_text(json.dumps({"results": results}))
+        return tool.load(str(path), "flashgen")
+
+    old = [run("o1", 500, 0), run("o2", 505, 3)]
+    new = [run("n1", 450, 1), run("n2", 452, 2)]
+    rows = tool.compare(new, old)
+    assert [round(r[0], 3) for r in rows] == [round(451 / 502.5, 3), round(301.5 / 301.5, 3)]
+    slowest, spread, point, direction = rows[0]
+    assert (point["causal"], direction) == (False, "fwd") and slowest < 1 - spread

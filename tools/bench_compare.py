@@ -1,0 +1,57 @@
+"""Did a change make any grid point slower?  Compare one implementation across two sets of
+`flashgen bench --json` runs (new and old code over the same cubins, runs alternated).
+
+    flashgen bench --impl flashgen --json new1.json        # in the new tree, then the old one,
+    (cd ../old && flashgen bench --impl flashgen --json ../old1.json)   # alternating, 2-3 times
+    python tools/bench_compare.py new1.json,new2.json old1.json,old2.json [--impl flashgen]
+
+Per point, the median TFLOP/s of the new runs over the median of the old ones; the old
+runs' own spread ((max - min) / median) is the run-to-run noise a slowdown must exceed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+
+def load(path: str, impl: str) -> dict:
+    """{(point, direction): TFLOP/s} of ``impl`` in one bench JSON."""
+    with open(path) as f:
+        results = json.load(f)["results"]
+    return {(json.dumps(r["point"], sort_keys=True), r["direction"]): r["tflops"]
+            for r in results if r["impl"] == impl and r["tflops"]}
+
+
+def compare(new_runs, old_runs):
+    """(new/old ratio, old spread, point, direction) per point both sides measured, slowest first."""
+    rows = []
+    for key in set.intersection(*(set(r) for r in new_runs + old_runs)):
+        new, old = [r[key] for r in new_runs], [r[key] for r in old_runs]
+        spread = (max(old) - min(old)) / statistics.median(old)
+        rows.append((statistics.median(new) / statistics.median(old), spread, json.loads(key[0]), key[1]))
+    return sorted(rows, key=lambda row: row[0])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("new", help="comma-separated bench JSONs of the new code")
+    ap.add_argument("old", help="comma-separated bench JSONs of the old code")
+    ap.add_argument("--impl", default="flashgen")
+    ap.add_argument("--show", type=int, default=8, help="slowest points to list")
+    args = ap.parse_args(argv)
+    rows = compare([load(p, args.impl) for p in args.new.split(",")], [load(p, args.impl) for p in args.old.split(",")])
+    if not rows:
+        raise SystemExit(f"no point measured for {args.impl} in every file")
+    ratios = [r[0] for r in rows]
+    beyond = [r for r in rows if r[0] < 1 - r[1]]
+    print(f"{len(rows)} points: new/old median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, "
+          f"max {max(ratios):.3f}; slower than the old runs' own spread: {len(beyond)}")
+    for ratio, spread, p, direction in rows[:args.show]:
+        print(f"  {ratio:.3f} (old spread {spread:.1%}) {p['dtype']} d{p['head_dim']} "
+              f"{'causal' if p['causal'] else 'full'} S{p['seqlen']} {direction}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
