@@ -24,6 +24,7 @@ import numpy as np
 from flashgen.runtime import families, plans
 from flashgen.runtime.arrays import cupy_module
 from flashgen.runtime.launch import on_device
+from flashgen.runtime.limits import lse_rows
 from flashgen.runtime.memory import memory_for
 from flashgen.runtime.registry import Registry, default_registry
 from flashgen.runtime.validate import Call, backward_call, check_rng, forward_call, rows_without_keys
@@ -82,7 +83,7 @@ def _forward_without_rows(call: Call, skip: int):
                                     attn_bias=None if call.bias is None else call.bias[:, :, skip:])
     out = cupy.zeros((p.B, p.M, p.H, p.Kv), dtype=call.q.dtype)
     out[:, skip:] = part_out
-    lse = cupy.full((p.B, p.H, -(-p.M // 32) * 32), -np.inf, dtype=cupy.float32)
+    lse = cupy.full((p.B, p.H, lse_rows(p.M)), -np.inf, dtype=cupy.float32)
     lse[:, :, skip:p.M] = part_lse
     lse[:, :, p.M:] = np.inf  # padding, as the kernels write it
     return out, lse[:, :, :p.M]

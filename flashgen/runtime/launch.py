@@ -1,4 +1,4 @@
-"""Launching a family's kernel: ``Params`` by value, the stream, the CUfunction for a plan.
+"""Launching a family's kernel: ``Params`` by value on the caller's stream, the CUfunction for a plan.
 
 Every family packs its kernel's ``Params`` record (the spec's ABI, as a NumPy
 structured dtype) into a per-thread buffer with ``fill``, then calls ``launch``;

@@ -31,6 +31,12 @@ SPLIT_ROWS = ("split the call: fewer heads per call (each group copied into its 
 SPLIT_HEADS = "use a BMHK-contiguous layout (cupy.ascontiguousarray) or split the heads over several calls"
 
 
+def lse_rows(rows: int) -> int:
+    """Rows of each (batch, head) in the forward's lse buffer: both forward families write lse
+    padded to a multiple of 32 rows (+inf past the last query), as example 41 does."""
+    return -(-rows // 32) * 32
+
+
 def check_offset(field: str, what: str, count: int, stride: int, advice: str, limit: int = INT32_MAX):
     """``count * stride`` is an offset a kernel computes in 32-bit arithmetic; refuse it if it overflows."""
     if count > 0 and count * stride > limit:
@@ -107,7 +113,7 @@ def check_kernel_limits(c: Problem, q, k, v):
         check_offset("num_batches * num_queries", "the output's last batch offset (batch - 1) * num_queries",
                       c.B - 1, rows_q, _SPLIT_BATCH, _UINT32_MAX)
     # lse: batch_id * lse_dim * num_heads + head_id * lse_dim + query_start, uint32 (kernel_forward.h:315)
-    lse_dim = -(-c.M // 32) * 32
+    lse_dim = lse_rows(c.M)
     check_offset("logsumexp_ptr", "the lse offsets batch * heads * lse_dim (largest + 1)", c.batches * c.H,
                   lse_dim, _SPLIT_BATCH, _UINT32_MAX + 1)
     if c.dropout_p > 0:

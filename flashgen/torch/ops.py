@@ -20,18 +20,20 @@ import torch
 from torch import Tensor
 
 from flashgen.runtime import api
+from flashgen.runtime.limits import lse_rows
+from flashgen.runtime.validate import MASKS
 
-CAUSAL = {None: 0, "top_left": 1, "bottom_right": 2}
+CAUSAL = MASKS  # the runtime's codes for its causal option
 _CAUSAL_NAMES = {code: name for name, code in CAUSAL.items()}
 
 
-def _lse_rows(q: Tensor, max_seqlen_q: int) -> int:
+def _query_rows(q: Tensor, max_seqlen_q: int) -> int:
     return max_seqlen_q if max_seqlen_q else q.shape[1]
 
 
 def _lse_strides(heads: int, rows: int) -> Tuple[int, int, int]:
     """The forward's lse is [batches, heads, rows] inside rows padded to 32 (+inf), as the kernels write it."""
-    padded = -(-rows // 32) * 32
+    padded = lse_rows(rows)
     return heads * padded, padded, 1
 
 
@@ -69,7 +71,7 @@ def forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], c
     options = _runtime_options(causal, scale, dropout_p, seed, offset, window_left, window_right, softcap)
     out, lse = api.attention_forward(q, k, v, attn_bias=attn_bias, cu_seqlens_q=cu_seqlens_q,
                                      cu_seqlens_k=cu_seqlens_k, **options)
-    rows = _lse_rows(q, max_seqlen_q)
+    rows = _query_rows(q, max_seqlen_q)
     if lse.shape[2] > rows:
         raise ValueError(f"max_seqlen_q is {max_seqlen_q}, but the longest query sequence has {lse.shape[2]} rows")
     return _contiguous(out), _with_lse_layout(lse, q.shape[2], rows)
@@ -101,7 +103,7 @@ attention_backward = torch.library.custom_op("flashgen::attention_backward", mut
 def _attention_forward_fake(q, k, v, attn_bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, dropout_p,
                             seed, offset, window_left, window_right, softcap, deterministic):
     batches = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
-    rows = _lse_rows(q, max_seqlen_q)
+    rows = _query_rows(q, max_seqlen_q)
     out = q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
     lse = torch.empty_strided((batches, q.shape[2], rows), _lse_strides(q.shape[2], rows), dtype=torch.float32,
                               device=q.device)

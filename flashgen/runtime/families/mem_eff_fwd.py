@@ -17,7 +17,7 @@ from flashgen.runtime.arrays import alignment, cupy_module, elem_strides
 from flashgen.runtime.device import device_info
 from flashgen.runtime.families import RuntimeFamily, planned_forward_outputs, selector, tuned, visible_lse
 from flashgen.runtime.launch import fill, handle, launch, on_device, params_buffer
-from flashgen.runtime.limits import check_int32
+from flashgen.runtime.limits import check_int32, lse_rows
 from flashgen.runtime.registry import KernelBinary
 from flashgen.runtime.select import Request
 from flashgen.runtime.validate import Call, varlen_lengths
@@ -62,7 +62,7 @@ class MemEffFwdRuntime(RuntimeFamily):
         cupy, p, q, k, v, bias = cupy_module(), call.p, call.q, call.k, call.v, call.bias
         kc = binary.constants
         out = cupy.empty((q.shape[0], q.shape[1], p.H, p.Kv), dtype=q.dtype)
-        lse = cupy.empty((p.batches, p.H, -(-p.M // 32) * 32), dtype=cupy.float32)
+        lse = cupy.empty((p.batches, p.H, lse_rows(p.M)), dtype=cupy.float32)
         accum = cupy.empty(out.shape, dtype=cupy.float32) if kc["needs_output_accum_buffer"] else None
         qs, ks, vs = elem_strides(q), elem_strides(k), elem_strides(v)
         bs = elem_strides(bias) if bias is not None else (0, 0, 0, 0)

@@ -6,7 +6,7 @@ from flashgen.runtime.arrays import cupy_module
 from flashgen.runtime.families import planned_forward_outputs, visible_lse
 from flashgen.runtime.families.sm90_common import HopperFamily, band_fields, encode_maps, zero_unpacked_rows
 from flashgen.runtime.launch import fill, handle, launch, on_device, params_buffer
-from flashgen.runtime.limits import check_int32
+from flashgen.runtime.limits import check_int32, lse_rows
 from flashgen.runtime.registry import KernelBinary
 from flashgen.runtime.validate import Call
 from flashgen.spec.sm90_fwd import Sm90Fwd
@@ -22,14 +22,14 @@ class Sm90FwdRuntime(HopperFamily):
         """(out, lse) of the forward on ``binary`` (on the call's device, api.py makes it current)."""
         cupy, p, q, k, v = cupy_module(), call.p, call.q, call.k, call.v
         kc = binary.constants
-        lse_rows = -(-p.M // 32) * 32
+        rows = lse_rows(p.M)
         out = cupy.empty((q.shape[0], q.shape[1], p.H, p.Kv), dtype=q.dtype)
-        lse = cupy.empty((p.batches, p.H, lse_rows), dtype=cupy.float32)
-        check_int32(lse_stride_b=p.H * lse_rows)
+        lse = cupy.empty((p.batches, p.H, rows), dtype=cupy.float32)
+        check_int32(lse_stride_b=p.H * rows)
         params = params_buffer(Sm90Fwd)
         fill(params, out_ptr=out.data.ptr, lse_ptr=lse.data.ptr, out_stride_b=out.shape[1] * p.H * p.Kv,
-             out_stride_m=p.H * p.Kv, out_stride_h=p.Kv, lse_stride_b=p.H * lse_rows, lse_stride_h=lse_rows,
-             lse_rows=lse_rows, num_queries=p.M, num_keys=p.N, head_dim=p.K, head_group=p.H // k.shape[2],
+             out_stride_m=p.H * p.Kv, out_stride_h=p.Kv, lse_stride_b=p.H * rows, lse_stride_h=rows,
+             lse_rows=rows, num_queries=p.M, num_keys=p.N, head_dim=p.K, head_group=p.H // k.shape[2],
              **band_fields(p))
         encode_maps(params, MAPS, (q, k, v), (kc["block_m"], kc["block_n"], kc["block_n"]), p, kc)
         grid, block = (-(-p.M // kc["block_m"]), p.H, p.batches), (kc["threads_per_block"], 1, 1)
