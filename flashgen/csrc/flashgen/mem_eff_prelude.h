@@ -10,13 +10,39 @@
 // replacement for what that switch pulls in) on the include path.
 #define HAS_PYTORCH 1
 
-// The kernels include <curand_kernel.h> but only use Philox.  Without this,
-// every cubin carries curand's XORWOW skip-ahead tables (~200 KB of
-// __device__ data).  The filter drops their definitions; the declarations keep
-// the (never instantiated) XORWOW helpers compiling.
-#define CURAND_TABLE_INCLUDE_FILTER 1
-extern __device__ unsigned int precalc_xorwow_matrix[32][800];
-extern __device__ unsigned int precalc_xorwow_offset_matrix[32][800];
+// The kernels include <curand_kernel.h> but only use Philox.  Left alone, its
+// curand_precalc.h puts curand's XORWOW skip-ahead tables (2 x 100 KB of
+// __device__ data) into every cubin.  Headers from curand 10.4.5 on skip them
+// under CURAND_TABLE_INCLUDE_FILTER, but older ones (10.4.0, which CUDA 13.0's
+// toolkit ships, through 10.4.4) have no such switch and define them always,
+// `static __device__`: a device-only build then keeps them silently, and a host
+// compile rejects them as a redefinition of an `extern __device__` declaration.
+// So the prelude takes curand_precalc.h's place, for every header version
+// alike: it claims the header's include guard and gives curand_kernel.h what
+// it uses from there.
+#if defined(CURAND_XORWOW_PRECALCULATED_H_)
+#error "flashgen/mem_eff_prelude.h must be included before <curand_kernel.h>"
+#endif
+#define CURAND_XORWOW_PRECALCULATED_H_
+#define CURAND_TABLE_INCLUDE_FILTER 1  // the official switch too, for a header that renames its guard
+#define PRECALC_NUM_MATRICES (32)
+#define PRECALC_MATRIX_SIZE (800)
+#define PRECALC_BLOCK_SIZE (2)
+#define PRECALC_BLOCK_MASK ((1<<PRECALC_BLOCK_SIZE)-1)
+#define XORWOW_SEQUENCE_SPACING (67)
+// The device tables are no variables at all: an `extern __device__` array is
+// "treated as a static definition" without -rdc (warning #20044-D) and would
+// still reserve 200 KB of zeroed .nv.global per loaded cubin.  The (never
+// instantiated) XORWOW helpers only index them; should a kernel ever use
+// XORWOW, the call to this undefined function fails its build.
+__device__ unsigned int (*flashgen_curand_xorwow_tables_are_not_compiled_in())[PRECALC_MATRIX_SIZE];
+#define precalc_xorwow_matrix (flashgen_curand_xorwow_tables_are_not_compiled_in())
+#define precalc_xorwow_offset_matrix (flashgen_curand_xorwow_tables_are_not_compiled_in())
+#if !defined(__CUDACC_RTC__)
+// Host copies (host-side skip-ahead): declared, never defined; unused, so never linked.
+extern unsigned int precalc_xorwow_matrix_host[PRECALC_NUM_MATRICES][PRECALC_MATRIX_SIZE];
+extern unsigned int precalc_xorwow_offset_matrix_host[PRECALC_NUM_MATRICES][PRECALC_MATRIX_SIZE];
+#endif
 
 // Shared-memory zero fill without a pending asynchronous write.
 //
