@@ -3,7 +3,7 @@
 Template: ``flashgen::sm90::FwdKernel<Element, kHeadDim, kBlockM, kBlockN,
 kStages, kBand>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
 K/V streamed by TMA through a ``kStages``-deep shared-memory ring, one
-producer warp.  Launch: block (threads_per_block, 1, 1), grid
+producer warpgroup.  Launch: block (threads_per_block, 1, 1), grid
 (ceil(M / block_m), heads, batch or sequences), dynamic shared memory
 ``shared_memory_bytes``.  Built only for ``sm_90a`` (wgmma and setmaxnreg do
 not exist in plain sm_90 code).
@@ -52,8 +52,8 @@ class Sm90Fwd(Sm90Tile):
         "band": (False, True),
     }
     RULES = (
-        Rule("192 query rows are three consumer warpgroups (416 threads): at most 152 registers each, "
-             "which only head dim 64 fits without spilling",
+        Rule("192 query rows are three consumer warpgroups beside the producer's: at most 160 registers "
+             "each, which only head dim 64 fits without spilling",
              lambda k: k.block_m == 192 and k.max_k > 64),
         Rule("the Q tile and the K and V rings exceed the 227 KB of shared memory of a Hopper block",
              lambda k: 2 * k.max_k * (k.block_m + 2 * k.stages * k.block_n) + 1024 + 256 > 227 * 1024),

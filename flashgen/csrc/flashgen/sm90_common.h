@@ -86,8 +86,25 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
-// One warpgroup-wide wgmma GEMM over the K modes of a and b, accumulating into c
-// (or overwriting it when kZeroInit), waited for before returning.  kARegisters:
+// The wgmma instructions of one warpgroup-wide GEMM over the K modes of a and b, accumulating
+// into c (or overwriting it when kZeroInit), as one commit group, not waited for.  The caller
+// fences the register operands and issues warpgroup_arrive() before (once for all the GEMMs
+// it issues together: a register move between two of them would serialise the wgmmas), and
+// waits (warpgroup_wait<N>) and fences them again before touching them.
+template <bool kZeroInit, class TiledMma, class TensorA, class TensorB, class TensorC>
+__device__ __forceinline__ void warpgroup_gemm_issue(TiledMma& mma, TensorA const& a, TensorB const& b,
+                                                     TensorC& c) {
+  using namespace cute;
+  mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+}
+
+// One warpgroup-wide wgmma GEMM (warpgroup_gemm_issue), fenced and waited for.  kARegisters:
 // a is a register fragment (fenced like c), not shared-memory descriptors.
 template <bool kZeroInit, bool kARegisters, class TiledMma, class TensorA, class TensorB, class TensorC>
 __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TensorA const& a, TensorB const& b, TensorC& c) {
@@ -97,19 +114,44 @@ __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TensorA const& a, 
     warpgroup_fence_operand(const_cast<TensorA&>(a));
   }
   warpgroup_arrive();
-  mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(a); ++k) {
-    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
+  warpgroup_gemm_issue<kZeroInit>(mma, a, b, c);
   warpgroup_wait<0>();
   warpgroup_fence_operand(c);
   if constexpr (kARegisters) {
     warpgroup_fence_operand(const_cast<TensorA&>(a));
   }
 }
+
+// Consumer warpgroups take turns issuing their GEMMs (ping-pong), so one warpgroup's softmax
+// runs while the others' GEMMs keep the tensor cores busy: left alone, the warpgroups of a
+// CTA drift into step (they wait for the same tiles) and all do their softmax at once.
+// Warpgroup w waits on named barrier kFirstBarrier + w for its turn and, once its GEMMs are
+// issued, passes the turn to w + 1 (the last back to 0).  Each barrier counts the 128 threads
+// that wait plus the 128 that pass.  Every warpgroup takes the same number of turns; the last
+// one gives warpgroup 0 its first turn and skips its final pass, so no arrival is left over.
+template <int kWarpGroups, int kFirstBarrier = 1>
+struct TurnTaking {
+  static constexpr bool kEnabled = kWarpGroups > 1;
+  int const group;
+
+  __device__ explicit TurnTaking(int warp_group) : group(warp_group) {
+    if (kEnabled && group == kWarpGroups - 1) {
+      pass();
+    }
+  }
+  __device__ void wait() const {
+    if constexpr (kEnabled) {
+      asm volatile("bar.sync %0, 256;" ::"r"(kFirstBarrier + group) : "memory");
+    }
+  }
+  __device__ void pass(bool last_turn = false) const {
+    if constexpr (kEnabled) {
+      if (!(last_turn && group == kWarpGroups - 1)) {
+        asm volatile("bar.arrive %0, 256;" ::"r"(kFirstBarrier + (group + 1) % kWarpGroups) : "memory");
+      }
+    }
+  }
+};
 
 // One bulk reduce-add of `bytes` (a multiple of 16) of fp32 from shared into global memory: the
 // TMA unit does the adds.  It joins the issuing thread's bulk group (bulk_wait_read/_all).

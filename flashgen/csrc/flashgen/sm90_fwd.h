@@ -1,21 +1,24 @@
-// flashgen's Hopper attention forward (sm_90a): TMA loads, wgmma, one producer warp.
+// flashgen's Hopper attention forward (sm_90a): TMA loads, wgmma, one producer warpgroup.
 //
 // One CTA computes a block of kBlockM queries of one (sequence, head).  Warps
 // 0 .. 4*kConsumerWarpGroups-1 are consumer warpgroups, each owning 64 query
-// rows; the warp after them is the producer: its lane 0 issues every TMA load
-// (Q once, then K and V tiles through a kStages-deep ring of shared-memory
-// buffers).  Each buffer has a "full" mbarrier (TMA transaction count) and an
-// "empty" one (one arrival per consumer warp), so the warpgroups never wait
-// for each other, only for data.
+// rows; the warpgroup after them is the producer: lane 0 of its first warp
+// issues every TMA load (Q once, then K and V tiles through a kStages-deep
+// ring of shared-memory buffers), and it hands its registers to the consumers.
+// Each buffer has a "full" mbarrier (TMA transaction count) and an "empty" one
+// (one arrival per consumer warp).
 //
 // Per key block a consumer warpgroup computes S = Q K^T with wgmma (both
 // operands in shared memory), updates the running row max and sum (softmax in
 // the log2 domain), rescales its output accumulator and adds P V with wgmma
 // (P from registers: the S accumulator layout is the A-operand register layout,
-// so P is converted in place).  Out-of-range rows and keys come from TMA as
-// zeros; keys past num_keys and, in kBand instances, outside the band (causal
-// diagonal, sliding window) are masked to -inf, and key blocks wholly outside
-// it are never loaded.  With soft-capping the scores pass through
+// so P is converted in place).  The S of one block and the P V of the block
+// before are issued together, so the softmax runs while a GEMM is in flight,
+// and the consumer warpgroups take turns issuing (one's softmax under the
+// others' GEMMs).  Out-of-range rows and keys come from TMA as zeros; keys past
+// num_keys and, in kBand instances, outside the band (causal diagonal, sliding
+// window) are masked to -inf, and key blocks wholly outside it are never
+// loaded.  With soft-capping the scores pass through
 // softcap * tanh(score / softcap) first.
 //
 // The output is written from registers; the log-sum-exp (natural log, of the
@@ -86,15 +89,14 @@ struct FwdKernel {
   static constexpr int kConsumerWarpGroups = kBlockM / 64;
   static constexpr int kConsumerWarps = 4 * kConsumerWarpGroups;
   static constexpr int kProducerWarp = kConsumerWarps;
-  // An SM splits its registers between four schedulers, so with nine warps one of them holds
-  // three and a thread gets at most 168 registers.  Head dims above 128 need more (the O
-  // accumulator alone is kHeadDim / 2): the producer then is a whole warpgroup that hands its
-  // registers to the consumers (setmaxnreg), as the backward's does.
-  static constexpr bool kProducerWarpGroup = kHeadDim > 128;
-  static constexpr int kThreads = 32 * kConsumerWarps + (kProducerWarpGroup ? 128 : 32);
+  // The producer is a whole warpgroup that hands its registers to the consumers (setmaxnreg):
+  // a consumer holds block t's S, block t - 1's P and O at once (S is computed while the
+  // previous P V runs), which head dim 128 alone puts at 160 registers, and with nine warps
+  // (a producer warp) one scheduler holds three of them and a thread gets at most 168.
+  static constexpr int kThreads = 32 * kConsumerWarps + 128;
   static constexpr int kProducerRegisters = 24;
-  static constexpr int kConsumerRegisters = 240;
-  static_assert(!kProducerWarpGroup || (kConsumerWarpGroups * kConsumerRegisters + kProducerRegisters) * 128 <= 65536,
+  static constexpr int kConsumerRegisters = kConsumerWarpGroups == 2 ? 240 : 160;
+  static_assert((kConsumerWarpGroups * kConsumerRegisters + kProducerRegisters) * 128 <= 65536,
                 "setmaxnreg shares one register file");
   static constexpr int kMinBlocksPerSm = 1;  // the register file is sized for one block per SM
 
@@ -215,17 +217,21 @@ struct FwdKernel {
     float row_max[2] = {-INFINITY, -INFINITY};
     float row_sum[2] = {0.f, 0.f};
 
-    Barrier::wait(&s.q_full, 0);
-    for (int t = 0; t < blocks.end - blocks.begin; ++t) {
-      int const stage = t % kStages;
-      int const phase = (t / kStages) & 1;
-      Barrier::wait(&s.k_full[stage], phase);
-      warpgroup_gemm<true, false>(mma_s, tSrQ, tSrK(_, _, _, stage), tSrS);
+    // Block t's S = Q K^T is issued together with block t - 1's O += P V; its softmax runs
+    // while that P V is still on the tensor cores (exponentials kept in S's registers until
+    // P V has read P), and the warpgroups take turns issuing (TurnTaking).  Block 0 is peeled
+    // off the loop: a branch between the two GEMMs makes ptxas serialise them.
+    TurnTaking<kConsumerWarpGroups> const turns(tid / 128);
+    int const num_blocks = blocks.end - blocks.begin;
+    auto release = [&](uint64_t* empty) {
       __syncwarp();
       if (lane == 0) {
-        Barrier::arrive(&s.k_empty[stage]);
+        Barrier::arrive(empty);
       }
-
+    };
+    // Block t's scores in tSrS become exp2(scaled score - running max) in place (soft-capped and
+    // masked first); the row sums follow, and `correction` is what O must be scaled by.
+    auto softmax = [&](int t, float (&correction)[2]) {
       if (p.softcap_in != 0.f) {
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {
@@ -247,7 +253,6 @@ struct FwdKernel {
           }
         }
       }
-
       float scaled_max[2];
       CUTE_UNROLL
       for (int h = 0; h < 2; ++h) {
@@ -259,29 +264,74 @@ struct FwdKernel {
         m = quad_max(m);
         // a row that has seen no key yet keeps max -inf: subtract 0 so exp2 gives 0, not NaN
         scaled_max[h] = m == -INFINITY ? 0.f : m * p.scale_log2;
-        float const correction = exp2_approx(row_max[h] * p.scale_log2 - scaled_max[h]);
+        correction[h] = exp2_approx(row_max[h] * p.scale_log2 - scaled_max[h]);
         row_max[h] = m;
-        row_sum[h] *= correction;
-        CUTE_UNROLL
-        for (int r = 2 * h; r < size(tOrO); r += (r % 2 == 0 ? 1 : 3)) {
-          tOrO(r) *= correction;
-        }
+        row_sum[h] *= correction[h];
       }
       CUTE_UNROLL
       for (int r = 0; r < size(tSrS); ++r) {
         int const h = (r / 2) % 2;
-        float const e = exp2_approx(fmaf(tSrS(r), p.scale_log2, -scaled_max[h]));
-        row_sum[h] += e;
-        tOrP(r) = static_cast<Element>(e);
+        tSrS(r) = exp2_approx(fmaf(tSrS(r), p.scale_log2, -scaled_max[h]));
+        row_sum[h] += tSrS(r);
       }
+    };
+    auto to_p = [&]() {
+      CUTE_UNROLL
+      for (int r = 0; r < size(tSrS); ++r) {
+        tOrP(r) = static_cast<Element>(tSrS(r));
+      }
+    };
 
-      Barrier::wait(&s.v_full[stage], phase);
-      warpgroup_gemm<false, true>(mma_o, tOrP, tOrV(_, _, _, stage), tOrO);
-      __syncwarp();
-      if (lane == 0) {
-        Barrier::arrive(&s.v_empty[stage]);
+    float correction[2];
+    Barrier::wait(&s.q_full, 0);
+    Barrier::wait(&s.k_full[0], 0);
+    turns.wait();
+    warpgroup_fence_operand(tSrS);
+    warpgroup_arrive();
+    warpgroup_gemm_issue<true>(mma_s, tSrQ, tSrK(_, _, _, 0), tSrS);
+    turns.pass();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+    release(&s.k_empty[0]);
+    softmax(0, correction);  // O is still zero: nothing to rescale
+    to_p();
+    for (int t = 1; t < num_blocks; ++t) {
+      int const stage = t % kStages;
+      int const prev_stage = (t - 1) % kStages;
+      Barrier::wait(&s.k_full[stage], (t / kStages) & 1);
+      Barrier::wait(&s.v_full[prev_stage], ((t - 1) / kStages) & 1);
+      turns.wait();
+      warpgroup_fence_operand(tSrS);
+      warpgroup_fence_operand(tOrO);
+      warpgroup_fence_operand(tOrP);
+      warpgroup_arrive();
+      warpgroup_gemm_issue<true>(mma_s, tSrQ, tSrK(_, _, _, stage), tSrS);
+      warpgroup_gemm_issue<false>(mma_o, tOrP, tOrV(_, _, _, prev_stage), tOrO);
+      turns.pass();
+      warpgroup_wait<1>();  // S; P V may still run
+      warpgroup_fence_operand(tSrS);
+      release(&s.k_empty[stage]);
+      softmax(t, correction);
+      warpgroup_wait<0>();  // P V has read P and written O
+      warpgroup_fence_operand(tOrO);
+      warpgroup_fence_operand(tOrP);
+      release(&s.v_empty[prev_stage]);
+      CUTE_UNROLL
+      for (int r = 0; r < size(tOrO); ++r) {
+        tOrO(r) *= correction[(r / 2) % 2];
       }
+      to_p();
     }
+    int const last_stage = (num_blocks - 1) % kStages;  // consume() runs only when num_blocks > 0
+    Barrier::wait(&s.v_full[last_stage], ((num_blocks - 1) / kStages) & 1);
+    turns.wait();
+    warpgroup_fence_operand(tOrO);
+    warpgroup_fence_operand(tOrP);
+    warpgroup_arrive();
+    warpgroup_gemm_issue<false>(mma_o, tOrP, tOrV(_, _, _, last_stage), tOrO);
+    turns.pass(/*last_turn=*/true);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
     store(p, seq, tOrO, row_max, row_sum, row0, col0, head);
   }
 
@@ -344,16 +394,12 @@ struct FwdKernel {
     __syncthreads();
 
     if (warp >= kProducerWarp) {
-      if constexpr (kProducerWarpGroup) {
-        cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
-      }
+      cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
       if (threadIdx.x == 32 * kProducerWarp && blocks.end > blocks.begin) {
         produce(p, s, seq, m_block, head, blocks);
       }
     } else {
-      if constexpr (kProducerWarpGroup) {
-        cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
-      }
+      cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
       if (blocks.end > blocks.begin) {
         consume(p, s, seq, m_block, head, blocks);
       } else {  // no key visible to any row of the block (or no row: lse padding only)
