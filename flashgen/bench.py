@@ -11,8 +11,11 @@ torch's SDPA backends are timed with ``torch.autograd.grad`` on one retained
 forward graph, the cheapest honest path to their backward kernels.
 ``flashgen-torch`` is flashgen through its PyTorch adapter, timed the way
 SDPA is, so against ``flashgen`` it shows what the adapter costs a training
-step.  Needs torch for the peers (and for the inputs); flashgen itself runs
-through CuPy.
+step.  ``fa4`` is FlashAttention-4 (the pip package ``flash-attn-4``), whose
+CuTe DSL kernels are compiled on the first call for each configuration: that
+first call lands in the warm-up, so the compile is in no timing, and its wall
+time is reported on its own as ``Result.compile_s``.  Needs torch for the
+peers (and for the inputs); flashgen itself runs through CuPy.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional
 
 TORCH_BACKENDS = ("flash", "efficient", "cudnn")
+JIT_IMPLS = ("fa4", "flex")  # compile on the first call at a point: Result.compile_s says how long that took
 
 
 @dataclass
@@ -48,6 +52,7 @@ class Result:
     tflops: Optional[float]
     note: str = ""
     spread: Optional[float] = None  # run-to-run noise: (slowest - fastest round median) / median
+    compile_s: Optional[float] = None  # JIT_IMPLS: wall seconds of the point's first call (compile + one run)
 
     def as_dict(self) -> dict:
         return dict(asdict(self), point=asdict(self.point))
@@ -75,6 +80,7 @@ class Timed:
     times: List[float] = field(default_factory=list)
     round_medians: List[float] = field(default_factory=list)
     error: Optional[str] = None
+    first_call_s: Optional[float] = None  # wall time of the first warm-up call, synchronized on both sides
 
 
 def time_interleaved(entries: List[Timed], torch, rounds: int = 10, repeats: int = 30, warmup: int = 3) -> None:
@@ -82,13 +88,22 @@ def time_interleaved(entries: List[Timed], torch, rounds: int = 10, repeats: int
     clock ramps, thermal drift and the after-effects of the previous implementation (a hot
     cuDNN kernel lowers the clocks for the next one) fall on every implementation alike.  Each
     call is timed alone between CUDA events (host work before the launch counts, as it does
-    for a user).  Entries that arrive with an error are not run."""
+    for a user).  Entries that arrive with an error are not run.
+
+    The first warm-up call is timed on the host clock on its own (``first_call_s``): for a peer
+    that compiles its kernels on first use that is the compile, which the warm-up keeps out of
+    the timed rounds."""
     for e in entries:
         if e.error is not None:
             continue
         try:
             with e.context():
-                for i in range(warmup):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                e.fn(0)
+                torch.cuda.synchronize()
+                e.first_call_s = time.perf_counter() - start
+                for i in range(1, warmup):
                     e.fn(i)
             torch.cuda.synchronize()
         except Exception as ex:  # a peer that does not support this point
@@ -150,6 +165,8 @@ def bench_point(p: Point, impls: List[str], torch, repeats: int = 30, all_instan
             cp_sets[i % 3][3], *cp_sets[i % 3][:3], *fwd_out[i % 3], causal=causal), lambda: stream))
     if "flashgen-torch" in impls:
         entries += _flashgen_torch_entries(sets, causal, torch)
+    if "fa4" in impls:
+        entries += _fa4_entries(p, sets, torch)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     # SDPA takes [B, H, S, D]: transposed views of the same BMHK buffers
     t_sets = [[t.transpose(1, 2).requires_grad_(j < 3) if j < 3 else t.transpose(1, 2) for j, t in enumerate(s)]
@@ -170,7 +187,8 @@ def bench_point(p: Point, impls: List[str], torch, repeats: int = 30, all_instan
     time_interleaved(entries, torch, repeats=repeats)
     results = [Result(e.impl, e.direction, p, None, None, e.error) if e.error else
                Result(e.impl, e.direction, p, statistics.median(e.times),
-                      flops(p, e.direction) / statistics.median(e.times) / 1e9, spread=spread(e))
+                      flops(p, e.direction) / statistics.median(e.times) / 1e9, spread=spread(e),
+                      compile_s=e.first_call_s if e.impl in JIT_IMPLS else None)
                for e in entries]
     del sets, t_sets
     if all_instances:  # every tile (and split policy) the runtime could pick here, through a one-entry table
@@ -202,6 +220,12 @@ def _autograd_backward(forward, t_sets, torch):
     return backward
 
 
+def _grad_leaves(sets):
+    """The [B, S, H, D] q, k, v of each input set as new leaves that require grad (same storage),
+    and its dO, for peers that take bench's own layout and are timed as a training step."""
+    return [[t.detach().requires_grad_() for t in s[:3]] + [s[3]] for s in sets]
+
+
 def _flashgen_torch_entries(sets, causal, torch) -> List[Timed]:
     """flashgen through ``flashgen.torch.attention`` as a training step calls it: the same
     [B, S, H, D] buffers as the ``flashgen`` entries, as leaves that require grad (so the forward
@@ -211,13 +235,34 @@ def _flashgen_torch_entries(sets, causal, torch) -> List[Timed]:
         from flashgen.torch import attention
     except Exception as ex:
         return [Timed("flashgen-torch", direction, None, error=error_note(ex)) for direction in ("fwd", "bwd")]
-    g_sets = [[t.detach().requires_grad_() for t in s[:3]] + [s[3]] for s in sets]
+    g_sets = _grad_leaves(sets)
 
     def forward(s):
         return attention(*s[:3], causal=causal)
 
     return [Timed("flashgen-torch", "fwd", lambda i: forward(g_sets[i % 3])),
             Timed("flashgen-torch", "bwd", _autograd_backward(forward, g_sets, torch))]
+
+
+def _fa4_entries(p: Point, sets, torch) -> List[Timed]:
+    """FlashAttention-4 (``flash_attn.cute.interface.flash_attn_func``, pip package
+    ``flash-attn-4``) on the same [B, S, H, D] buffers as flashgen, no transposes, as leaves that
+    require grad; backward through autograd like SDPA.  Its kernels are compiled on the first
+    call for each configuration, inside the warm-up (``time_interleaved``), so the timings hold
+    none of it and ``compile_s`` reports it.  A package that does not import (missing, or its
+    CUTLASS DSL failing to load) is a result for this point, as an unsupported point is."""
+    try:
+        from flash_attn.cute.interface import flash_attn_func
+    except Exception as ex:
+        return [Timed("fa4", direction, None, error=error_note(ex)) for direction in ("fwd", "bwd")]
+    g_sets = _grad_leaves(sets)
+
+    def forward(s):
+        out = flash_attn_func(*s[:3], causal=p.causal)
+        return out[0] if isinstance(out, tuple) else out  # (out, lse): lse is None unless return_lse
+
+    return [Timed("fa4", "fwd", lambda i: forward(g_sets[i % 3])),
+            Timed("fa4", "bwd", _autograd_backward(forward, g_sets, torch))]
 
 
 _flex = None

@@ -319,11 +319,16 @@ def _ratio(got: dict, a: str, b: str) -> str:
 def _bench_table(grid, results, impls, all_instances: bool) -> str:
     """TFLOP/s per point and direction, a column per implementation, and the two ratios asked
     most: flashgen against sdpa-efficient (fg/efficient, with the noise to judge it by) and what
-    the PyTorch adapter keeps of the direct CuPy calls' speed (fg-torch/fg)."""
+    the PyTorch adapter keeps of the direct CuPy calls' speed (fg-torch/fg); then, for the peers
+    that compile on first use, that first call's seconds (kept out of their TFLOP/s)."""
+    from flashgen.bench import JIT_IMPLS
+
     vs_efficient = "flashgen" in impls and "sdpa-efficient" in impls
     vs_direct = "flashgen" in impls and "flashgen-torch" in impls
+    jit = [i for i in impls if i in JIT_IMPLS]
     header = (["dtype", "hdim", "causal", "seqlen", "dir"] + list(impls) + (["best instance"] if all_instances else [])
-              + (["fg/efficient", "noise"] if vs_efficient else []) + (["fg-torch/fg"] if vs_direct else []))
+              + (["fg/efficient", "noise"] if vs_efficient else []) + (["fg-torch/fg"] if vs_direct else [])
+              + [f"{i} compile s" for i in jit])
     table = []
     for point in grid:
         for direction in ("fwd", "bwd"):
@@ -340,18 +345,36 @@ def _bench_table(grid, results, impls, all_instances: bool) -> str:
                 row += [_ratio(got, "flashgen", "sdpa-efficient"), f"{max(noise):.0%}" if noise else "-"]
             if vs_direct:
                 row.append(_ratio(got, "flashgen-torch", "flashgen"))
+            compiled = {r.impl: r.compile_s for r in here if r.compile_s is not None}
+            row += [f"{compiled[i]:.1f}" if i in compiled else "-" for i in jit]
             table.append(row)
     return _table(header, table)
 
 
+def _bench_notes(results) -> List[str]:
+    """Why cells are "-": each implementation's distinct notes (an import that failed, a point a
+    peer does not support), with how many of its results carry each."""
+    counts: dict = {}
+    for r in results:
+        if r.note:
+            counts[(r.impl, r.note)] = counts.get((r.impl, r.note), 0) + 1
+    total = {impl: sum(r.impl == impl for r in results) for impl, _ in counts}
+    return [f"no timing, {impl}: {note} ({n} of {total[impl]})" for (impl, note), n in counts.items()]
+
+
 @main.command()
 @_grid_options
-@click.option("--impl", "impls", multiple=True, type=click.Choice(["flashgen", "flashgen-torch", "sdpa-flash",
+@click.option("--impl", "impls", multiple=True, type=click.Choice(["flashgen", "flashgen-torch", "fa4", "sdpa-flash",
                                                                    "sdpa-efficient", "sdpa-cudnn", "flex"]),
-              default=("flashgen", "flashgen-torch", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"), show_default=True,
+              default=("flashgen", "flashgen-torch", "fa4", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"),
+              show_default=True,
               help="flashgen-torch: flashgen through flashgen.torch.attention, backward by autograd, as a training "
                    "step calls it (the table's fg-torch/fg divides its TFLOP/s by flashgen's). "
-                   "flex: torch.compile'd flex_attention (compiles once per shape: slow to start).")
+                   "fa4: FlashAttention-4 (pip install flash-attn-4; where it does not import, its cells are '-' "
+                   "and a note under the table says why). "
+                   "flex: torch.compile'd flex_attention (compiles once per shape: slow to start). "
+                   "fa4 and flex compile on the first call at a point: that call's seconds are a column of their "
+                   "own (fa4 compile s), not in the TFLOP/s.")
 @click.option("--all-instances", is_flag=True, help="Also time every flashgen kernel tile (and backward key-split "
               "policy) that can serve each point, as flashgen[<tile>].")
 @click.option("--repeats", type=int, default=30, show_default=True,
@@ -359,8 +382,8 @@ def _bench_table(grid, results, impls, all_instances: bool) -> str:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def bench(dtypes, head_dims, seqlens, tokens, hidden, impls, all_instances, repeats, json_path, plot_path) -> None:
-    """Forward and backward TFLOP/s of flashgen (directly and through its PyTorch adapter) and torch's SDPA
-    backends, side by side."""
+    """Forward and backward TFLOP/s of flashgen (directly and through its PyTorch adapter), FlashAttention-4 and
+    torch's SDPA backends, side by side."""
     from flashgen import bench as b
 
     try:
@@ -375,10 +398,14 @@ def bench(dtypes, head_dims, seqlens, tokens, hidden, impls, all_instances, repe
     for n, point in enumerate(grid, 1):
         rows = b.bench_point(point, list(impls), torch, repeats, all_instances)
         results += rows
-        summary = "  ".join(f"{r.impl}/{r.direction} {r.tflops:.0f}" for r in rows if r.tflops)
+        summary = "  ".join(f"{r.impl}/{r.direction} {r.tflops:.0f}"
+                            + (f" (first call {r.compile_s:.1f} s)" if r.compile_s is not None else "")
+                            for r in rows if r.tflops)
         click.echo(f"[{n}/{len(grid)}] {point.dtype} d{point.head_dim} {'causal ' if point.causal else ''}"
                    f"B{point.batch} S{point.seqlen}: {summary}", err=True)
     click.echo(_bench_table(grid, results, impls, all_instances))
+    for line in _bench_notes(results):
+        click.echo(line)
     overhead = b.call_overhead_us(torch)
     for name, us in overhead.items():
         click.echo(f"call overhead, {name}: {us:.1f} us")

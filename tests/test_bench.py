@@ -98,7 +98,7 @@ def test_flashgen_torch_times_the_adapter_like_a_training_step(host_bench, monke
     _adapter(monkeypatch, attention)
     results = bench.bench_point(POINT, ["flashgen-torch"], host_bench.torch, repeats=10)
     assert [(r.impl, r.direction) for r in results] == [("flashgen-torch", "fwd"), ("flashgen-torch", "bwd")]
-    assert all(r.ms and r.tflops and not r.note for r in results)
+    assert all(r.ms and r.tflops and not r.note and r.compile_s is None for r in results)  # AOT: nothing compiles
     # the forward: 3 warm-up + 10 timed calls; the backward's graphs: one forward per input set, in warm-up
     assert len(calls) == 3 + 10 + 3
     buffers = {t.data_ptr() for s in host_bench.inputs for t in s[:3]}
@@ -135,6 +135,103 @@ def test_time_interleaved_does_not_run_an_entry_that_arrives_failed():
     assert len(ran) == 3 + 10 and len(entries[1].times) == 10
 
 
+def test_time_interleaved_keeps_the_first_call_out_of_the_timings():
+    """A first call that compiles (here: sleeps 50 ms) is timed on its own, and is in no round."""
+    calls = []
+
+    def fn(i):
+        calls.append(i)
+        if len(calls) == 1:
+            time.sleep(0.05)
+
+    entry = bench.Timed("fa4", "fwd", fn)
+    bench.time_interleaved([entry], types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Event=_FakeEvent, synchronize=lambda: None)), repeats=10)
+    assert entry.first_call_s >= 0.05 and len(calls) == 3 + 10
+    assert len(entry.times) == 10 and max(entry.times) < 25  # ms
+
+
+# fa4: FlashAttention-4 through a fake flash_attn.cute.interface (the real one needs a GPU).
+
+def _fa4(monkeypatch, module):
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", types.ModuleType("flash_attn.cute"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", module)
+
+
+def test_fa4_times_flash_attn_func_on_bench_layout_with_its_compile_apart(host_bench, monkeypatch):
+    torch = pytest.importorskip("torch")
+    calls, backwards = [], []
+
+    class Attention(torch.autograd.Function):
+        """q * k + v, whose first forward and first backward 'compile' (sleep 50 ms)."""
+
+        @staticmethod
+        def forward(ctx, q, k, v):
+            ctx.save_for_backward(q, k)
+            if len(calls) == 1:
+                time.sleep(0.05)
+            return q * k + v
+
+        @staticmethod
+        def backward(ctx, grad):
+            q, k = ctx.saved_tensors
+            backwards.append(grad)
+            if len(backwards) == 1:
+                time.sleep(0.05)
+            return grad * k, grad * q, grad
+
+    def flash_attn_func(q, k, v, qv=None, gather_kv_indices=None, softmax_scale=None, causal=False, **_):
+        calls.append((q, k, v, causal))
+        return Attention.apply(q, k, v), None  # FA4 returns (out, lse); lse None unless return_lse
+
+    _fa4(monkeypatch, types.SimpleNamespace(flash_attn_func=flash_attn_func))
+    results = bench.bench_point(POINT, ["fa4"], host_bench.torch, repeats=10)
+    assert [(r.impl, r.direction, r.note) for r in results] == [("fa4", "fwd", ""), ("fa4", "bwd", "")]
+    for r in results:  # the compile is reported on its own and is in no timing
+        assert r.compile_s >= 0.05 and r.ms < 25 and r.tflops
+    assert len(calls) == 3 + 10 + 3 and len(backwards) == 3 + 10
+    buffers = {t.data_ptr() for s in host_bench.inputs for t in s[:3]}
+    for q, k, v, causal in calls:  # bench's own [B, S, H, D] buffers, no transposes, as grad leaves
+        assert causal is True
+        for t in (q, k, v):
+            assert t.shape == (2, 16, 3, 8) and t.requires_grad and t.is_leaf and t.data_ptr() in buffers
+
+
+class _NotInstalled:
+    """A meta path finder that makes these top-level packages missing, as on a machine without them."""
+
+    def __init__(self, *names):
+        self.names = names
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in self.names:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+def test_fa4_records_a_package_that_is_not_installed(host_bench, monkeypatch):
+    for name in [m for m in sys.modules if m.split(".")[0] == "flash_attn"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [_NotInstalled("flash_attn"), *sys.meta_path])
+    results = bench.bench_point(POINT, ["fa4"], host_bench.torch, repeats=10)
+    assert [(r.impl, r.direction) for r in results] == [("fa4", "fwd"), ("fa4", "bwd")]
+    assert all(r.ms is None and r.compile_s is None and r.note == "ModuleNotFoundError: No module named 'flash_attn'"
+               for r in results)
+
+
+def test_fa4_records_a_package_that_fails_to_load(host_bench, monkeypatch):
+    """Not only ImportError: the CUTLASS DSL raises RuntimeError where no CUDA flavour of it fits."""
+    class Broken(types.ModuleType):
+        def __getattr__(self, name):
+            raise RuntimeError("No CTK flavor installed")
+
+    _fa4(monkeypatch, Broken("flash_attn.cute.interface"))
+    results = bench.bench_point(POINT, ["fa4"], host_bench.torch, repeats=10)
+    assert [(r.direction, r.ms, r.note) for r in results] == [
+        ("fwd", None, "RuntimeError: No CTK flavor installed"), ("bwd", None, "RuntimeError: No CTK flavor installed")]
+
+
 def test_adapter_overhead_cases_pair_forward_and_autograd_backward(monkeypatch):
     torch = pytest.importorskip("torch")
     forwards = []
@@ -161,8 +258,9 @@ def test_adapter_overhead_cases_leave_out_an_adapter_that_cannot_run(monkeypatch
         assert bench.adapter_overhead_cases(torch.zeros(1, 128, 1, 64), torch) == {}
 
 
-def _bench_cli(monkeypatch, tflops, *args):
-    """`flashgen bench` on one point, with a fake GPU torch and these TFLOP/s per implementation."""
+def _bench_cli(monkeypatch, tflops, *args, compile_s=None, notes=None):
+    """`flashgen bench` on one point, with a fake GPU torch and these TFLOP/s per implementation
+    (and compile seconds per implementation and direction, and notes per implementation)."""
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True,
                                                                   get_device_name=lambda: "Fake GPU"))
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
@@ -170,7 +268,8 @@ def _bench_cli(monkeypatch, tflops, *args):
 
     def bench_point(p, impls, torch, repeats, all_instances):
         seen.append(impls)
-        return [bench.Result(i, d, p, 1.0, tflops.get(i), spread=0.01) for i in impls for d in ("fwd", "bwd")]
+        return [bench.Result(i, d, p, 1.0, tflops.get(i), (notes or {}).get(i, ""), spread=0.01,
+                             compile_s=(compile_s or {}).get((i, d))) for i in impls for d in ("fwd", "bwd")]
 
     monkeypatch.setattr(bench, "bench_point", bench_point)
     monkeypatch.setattr(bench, "call_overhead_us", lambda torch: {"flashgen.torch forward": 12.5})
@@ -187,15 +286,28 @@ def _table(output):
     return [line.split() for line in lines[start:start + 4]]  # header, rule, fwd, bwd
 
 
-def test_bench_defaults_to_the_adapter_next_to_flashgen_with_its_ratio(monkeypatch):
-    tflops = {"flashgen": 400, "flashgen-torch": 300, "sdpa-efficient": 200, "sdpa-flash": 350, "sdpa-cudnn": 500}
-    impls, output = _bench_cli(monkeypatch, tflops)
-    assert impls == ["flashgen", "flashgen-torch", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]
+def test_bench_defaults_to_the_adapter_and_fa4_with_ratio_and_compile_time(monkeypatch):
+    tflops = {"flashgen": 400, "flashgen-torch": 300, "fa4": 450, "sdpa-efficient": 200, "sdpa-flash": 350,
+              "sdpa-cudnn": 500}
+    impls, output = _bench_cli(monkeypatch, tflops, compile_s={("fa4", "fwd"): 12.34, ("fa4", "bwd"): 30.0})
+    assert impls == ["flashgen", "flashgen-torch", "fa4", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]
     header, _, fwd, bwd = _table(output)
-    assert header == ["dtype", "hdim", "causal", "seqlen", "dir", *impls, "fg/efficient", "noise", "fg-torch/fg"]
-    assert fwd == ["f16", "64", "no", "512", "fwd", "400", "300", "350", "200", "500", "2.00", "1%", "0.75"]
-    assert bwd[-3:] == ["2.00", "1%", "0.75"]
+    assert header == ["dtype", "hdim", "causal", "seqlen", "dir", *impls, "fg/efficient", "noise", "fg-torch/fg",
+                      "fa4", "compile", "s"]
+    assert fwd == ["f16", "64", "no", "512", "fwd", "400", "300", "450", "350", "200", "500", "2.00", "1%", "0.75",
+                   "12.3"]
+    assert bwd[-4:] == ["2.00", "1%", "0.75", "30.0"]
+    assert "fa4/fwd 450 (first call 12.3 s)" in output
     assert "call overhead, flashgen.torch forward: 12.5 us" in output
+
+
+def test_bench_says_why_fa4_has_no_column(monkeypatch):
+    note = "ModuleNotFoundError: No module named 'flash_attn'"
+    _, output = _bench_cli(monkeypatch, {"flashgen": 400}, "--impl", "flashgen", "--impl", "fa4",
+                           notes={"fa4": note})
+    header, _, fwd, bwd = _table(output)
+    assert header[-3:] == ["fa4", "compile", "s"] and fwd[-3:] == ["400", "-", "-"] and bwd[-3:] == ["400", "-", "-"]
+    assert f"no timing, fa4: {note} (4 of 4)" in output.splitlines()  # 2 points (causal or not) x fwd, bwd
 
 
 def test_bench_ratio_of_the_adapter_needs_both_flashgen_impls(monkeypatch):
@@ -237,3 +349,70 @@ def test_bench_compare_finds_the_point_a_change_slowed(tmp_path):
     assert [round(r[0], 3) for r in rows] == [round(451 / 502.5, 3), round(301.5 / 301.5, 3)]
     slowest, spread, point, direction = rows[0]
     assert (point["causal"], direction) == (False, "fwd") and slowest < 1 - spread
+
+
+def _bench_report():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_report", Path(__file__).parents[1] / "tools/bench_report.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def _report(tmp_path, capsys, fa4_tflops):
+    """tools/bench_report.py on two points (each fwd and bwd), fa4 at the points in ``fa4_tflops``
+    (seqlen -> TFLOP/s), an import note at the others; returns the output and each table's rows as
+    {column: cell} per (direction, seqlen)."""
+    import json
+
+    results = []
+    for seqlen in (512, 1024):
+        point = {"dtype": "bf16", "head_dim": 128, "causal": False, "batch": 16384 // seqlen, "heads": 16,
+                 "seqlen": seqlen}
+        for direction in ("fwd", "bwd"):
+            for impl, tflops in (("flashgen", 400), ("sdpa-efficient", 200), ("sdpa-flash", 320),
+                                 ("sdpa-cudnn", 500), ("fa4", fa4_tflops.get(seqlen))):
+                note = "" if tflops else "ModuleNotFoundError: No module named 'flash_attn'"
+                results.append({"impl": impl, "direction": direction, "point": point, "tflops": tflops,
+                                "ms": 100 / tflops if tflops else None, "note": note, "spread": 0.01,
+                                "compile_s": (12.5 if direction == "fwd" else 31.0) if tflops and impl == "fa4"
+                                else None})
+    run = {"device": "Fake GPU", "overhead_us": {"flashgen.attention_forward": 9.0}, "import_ms": {},
+           "results": results}
+    paths = [tmp_path / name for name in ("run.json", "repeat.json", "table.json")]
+    for path, data in zip(paths, (run, run, {"measured": {"points": [], "command": "tune", "repeats": 10},
+                                             "entries": []})):
+        path.write_text(json.dumps(data))
+    _bench_report().main(*map(str, paths))
+    output = capsys.readouterr().out
+    rows = {}
+    for direction, section in (("fwd", "## Forward\n"), ("bwd", "## Backward\n")):
+        lines = output.split(section)[1].strip().split("\n\n")[0].splitlines()
+        header = [c.strip() for c in lines[0].strip("|").split("|")]
+        for line in lines[2:]:
+            cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|"))))
+            rows[(direction, int(cells["B x S"].split(" x ")[1]))] = cells
+    return output, rows
+
+
+def test_bench_report_has_fa4_columns_and_ratios(tmp_path, capsys):
+    output, rows = _report(tmp_path, capsys, {512: 500, 1024: 320})
+    for direction in ("fwd", "bwd"):
+        assert (rows[(direction, 512)]["fa4"], rows[(direction, 512)]["flashgen / fa4"]) == ("500", "0.80")
+        assert (rows[(direction, 1024)]["fa4"], rows[(direction, 1024)]["flashgen / fa4"]) == ("320", "1.25")
+        assert rows[(direction, 512)]["flashgen / cudnn"] == "0.80"
+    assert output.count("flashgen / fa4: 0.80 to 1.25.") == 2  # the forward and backward summaries
+    assert "first calls took 12.5 s to 31.0 s" in output
+
+
+def test_bench_report_shows_dashes_where_fa4_is_missing(tmp_path, capsys):
+    output, rows = _report(tmp_path, capsys, {512: 500})
+    assert (rows[("fwd", 1024)]["fa4"], rows[("fwd", 1024)]["flashgen / fa4"]) == ("-", "-")
+    assert output.count("flashgen / fa4: 0.80 to 0.80.") == 2
+    output, rows = _report(tmp_path, capsys, {})
+    assert all((r["fa4"], r["flashgen / fa4"]) == ("-", "-") for r in rows.values()) and len(rows) == 4
+    assert output.count("flashgen / cudnn: 0.80 to 0.80; flashgen / fa4: -.") == 2
+    assert "fa4 (FlashAttention-4) has no timing in this run: ModuleNotFoundError: No module named 'flash_attn'." \
+        in output

@@ -13,7 +13,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-IMPLS = ["flashgen", "sdpa-efficient", "sdpa-flash", "sdpa-cudnn"]
+IMPLS = ["flashgen", "sdpa-efficient", "sdpa-flash", "sdpa-cudnn", "fa4"]
 
 FWD_NEXT_STEPS = """Toward cuDNN (behind it mostly with causal masks and short sequences): ncu on
 bf16, head dim 128, 4 x 4096, not causal (1.23 ms at ncu's clocks) shows SM
@@ -59,6 +59,30 @@ def ratio(got, a="flashgen", b="sdpa-efficient"):
     return None
 
 
+def span(values) -> str:
+    """'lowest to highest' of the ratios that exist, '-' where none does (a peer missing at
+    every point, as fa4 is where flash-attn-4 is not installed)."""
+    got = [v for v in values if v is not None]
+    return f"{min(got):.2f} to {max(got):.2f}" if got else "-"
+
+
+def fmt(r) -> str:
+    """A ratio for a table cell: '-' where either side has no timing at this point."""
+    return f"{r:.2f}" if r else "-"
+
+
+def fa4_sentence(results) -> str:
+    """What the report says about fa4: how its compile was kept out, or why it is missing."""
+    timed = [r for r in results if r["impl"] == "fa4" and r.get("ms")]
+    if timed:
+        firsts = [r["compile_s"] for r in timed if r.get("compile_s") is not None]
+        took = f" (first calls took {min(firsts):.1f} s to {max(firsts):.1f} s)" if firsts else ""
+        return (f"fa4 is FlashAttention-4 (flash-attn-4), whose CuTe DSL kernels are compiled on the first call"
+                f"{took}: that call is a warm-up call, in no timing.")
+    notes = sorted({r["note"] for r in results if r["impl"] == "fa4" and r.get("note")})
+    return f"fa4 (FlashAttention-4) has no timing in this run{': ' + '; '.join(notes) if notes else ''}."
+
+
 def main(path: str, repeat_path: str, table_path: str) -> None:
     data, cells = load(path)
     repeat_data, repeat = load(repeat_path)
@@ -71,6 +95,7 @@ def main(path: str, repeat_path: str, table_path: str) -> None:
                    if k[0] == "bwd" and ratios[k] < 1)
     vs_flash = {k: ratio(v, b="sdpa-flash") for k, v in cells.items()}
     vs_cudnn = {k: ratio(v, b="sdpa-cudnn") for k, v in cells.items()}
+    vs_fa4 = {k: ratio(v, b="fa4") for k, v in cells.items()}
     clearly = [(r, k) for r, k in below if r < 0.995]  # slower in both runs by more than the medians' drift
     print(f"""# Benchmarks
 
@@ -105,8 +130,9 @@ and at most {max(drift):.1%}.
 On this GPU both directions run flashgen's own Hopper families (`sm90_fwd`,
 `sm90_bwd`: wgmma, TMA, warp-specialised producers; issue 7).  sdpa-efficient
 runs CUTLASS example 41, the kernels flashgen falls back to elsewhere (bias,
-dropout, float32, head dims above 256, other GPUs); FlashAttention-2 (sdpa-flash) and
-cuDNN are the bars for the Hopper families.
+dropout, float32, head dims above 256, other GPUs); FlashAttention-2 (sdpa-flash),
+cuDNN and FlashAttention-4 are the bars for the Hopper families.
+{fa4_sentence(data['results'])}
 
 ![TFLOP/s vs seqlen](docs/bench_h200.png)
 """)
@@ -115,10 +141,9 @@ cuDNN are the bars for the Hopper families.
         name = "Forward" if direction == "fwd" else "Backward"
         behind = sorted((min(vs_flash[k], ratio(repeat.get(k, {}), b="sdpa-flash") or vs_flash[k]), k)
                         for k in keys if vs_flash[k] < 1)
-        print(f"## {name} ({family}) against FlashAttention-2 and cuDNN\n")
-        print(f"flashgen / flash over the {len(keys)} {name.lower()} points: "
-              f"{min(vs_flash[k] for k in keys):.2f} to {max(vs_flash[k] for k in keys):.2f}; "
-              f"flashgen / cudnn: {min(vs_cudnn[k] for k in keys):.2f} to {max(vs_cudnn[k] for k in keys):.2f}.")
+        print(f"## {name} ({family}) against FlashAttention-2, cuDNN and FlashAttention-4\n")
+        print(f"flashgen / flash over the {len(keys)} {name.lower()} points: {span(vs_flash[k] for k in keys)}; "
+              f"flashgen / cudnn: {span(vs_cudnn[k] for k in keys)}; flashgen / fa4: {span(vs_fa4[k] for k in keys)}.")
         if behind:
             print(f"{name} points behind FlashAttention-2 in this run or the repeat run (lower ratio of the two):")
             for r, k in behind:
@@ -139,17 +164,15 @@ Lowest flashgen / efficient ratio of the two runs: forward {worst['fwd']:.2f}, b
     for direction in ("fwd", "bwd"):
         print(f"\n## {'Forward' if direction == 'fwd' else 'Backward'}\n")
         print("| dtype | hdim | causal | B x S | " + " | ".join(IMPLS) +
-              " | flashgen / efficient | flashgen / flash | flashgen / cudnn | noise |")
-        print("|---" * (8 + len(IMPLS)) + "|")
+              " | flashgen / efficient | flashgen / flash | flashgen / cudnn | flashgen / fa4 | noise |")
+        print("|---" * (9 + len(IMPLS)) + "|")
         for key in sorted(k for k in cells if k[0] == direction):
             _, dtype, hd, causal, s, b, h = key
             got = cells[key]
             vals = " | ".join(f"{got[i]['tflops']:.0f}" if got.get(i, {}).get("tflops") else "-" for i in IMPLS)
             spreads = [got[i]["spread"] for i in ("flashgen", "sdpa-efficient") if got.get(i, {}).get("spread")]
-            r = ratios[key]
-            rf, rc = vs_flash[key], vs_cudnn[key]
-            print(f"| {dtype} | {hd} | {'yes' if causal else 'no'} | {b} x {s} | {vals} | "
-                  f"{f'{r:.2f}' if r else '-'} | {f'{rf:.2f}' if rf else '-'} | {f'{rc:.2f}' if rc else '-'} | "
+            print(f"| {dtype} | {hd} | {'yes' if causal else 'no'} | {b} x {s} | {vals} | {fmt(ratios[key])} | "
+                  f"{fmt(vs_flash[key])} | {fmt(vs_cudnn[key])} | {fmt(vs_fa4[key])} | "
                   f"{f'{max(spreads):.0%}' if spreads else '-'} |")
     print("\n## Per-call host overhead and import time\n")
     print("A tiny problem (1 x 128 x 1 x 64, f16), wall time per call over 500 back-to-back calls, median of")
