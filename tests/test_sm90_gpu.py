@@ -75,6 +75,28 @@ def test_strided_inputs(layout, causal):
     check_forward(np.random.default_rng(7), "f16", B=2, M=129, N=1000, H=4, K=64, causal=causal, layout=layout)
 
 
+PERSISTENT = [(dtype, K, M, N, causal, window) for dtype, K, M, N in (("bf16", 64, 1500, 1300), ("f16", 128, 1100, 1100))
+              for causal, window in ((None, None), ("top_left", None), ("bottom_right", None), (None, (300, 0)))]
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype,K,M,N,causal,window", PERSISTENT,
+                         ids=[f"{d}-k{k}-{m}x{n}-{c}-{w}" for d, k, m, n, c, w in PERSISTENT])
+def test_persistent_ctas_walk_many_tiles(dtype, K, M, N, causal, window):
+    """The grid has one CTA per SM, each walking its share of the work (FwdKernel::Schedule): with
+    3 x 12 heads and 8-9 query blocks every CTA takes several tiles, or pairs of tiles under a
+    band mask (odd and even counts), carrying the K/V ring, the Q buffer and the warpgroups'
+    turns from one to the next; a tile computed twice or never shows as a wrong or NaN row."""
+    B, H = 3, 12
+    rng = np.random.default_rng([K, M, N])
+    q, k, v = (randn(rng, (B, S, H, K), dtype) for S in (M, N, N))
+    assert selected(q, k, v, causal=causal, window=window).startswith("sm90_fwd_")
+    with poisoned_allocations():
+        out, lse = flashgen.attention_forward(q, k, v, causal=causal, window=window)
+    ref_out, ref_lse = reference(q, k, v, causal=causal, window=window)
+    assert rel_err(out, ref_out) < FWD_TOL[dtype] and lse_err(lse, ref_lse) < FWD_TOL[dtype]
+
+
 @needs_sm90
 @pytest.mark.parametrize("binary", KERNELS, ids=[b.name for b in KERNELS])
 def test_every_instance(binary):

@@ -3,9 +3,10 @@
 Template: ``flashgen::sm90::FwdKernel<Element, kHeadDim, kBlockM, kBlockN,
 kStages, kBand>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
 K/V streamed by TMA through a ``kStages``-deep shared-memory ring, one
-producer warpgroup.  Launch: block (threads_per_block, 1, 1), grid
-(ceil(M / block_m), heads, batch or sequences), dynamic shared memory
-``shared_memory_bytes``.  Built only for ``sm_90a`` (wgmma and setmaxnreg do
+producer warpgroup.  Launch: block (threads_per_block, 1, 1), a persistent
+grid (min(units, SMs), 1, 1) over the units of work of ``FwdKernel::Schedule``:
+ceil(M / block_m) query blocks (band instances: pairs of them, half as many) x
+heads x (batch or sequences); dynamic shared memory ``shared_memory_bytes``.  Built only for ``sm_90a`` (wgmma and setmaxnreg do
 not exist in plain sm_90 code).
 
 Inputs reach the kernel as TMA tensor maps (``runtime/tensormap.py``): every
@@ -86,6 +87,8 @@ class Sm90Fwd(Sm90Tile):
         Field("seqstart_k", "ptr"),
         Field("num_queries", "i32"),
         Field("num_keys", "i32"),
+        Field("num_heads", "i32"),
+        Field("num_sequences", "i32"),
         Field("head_dim", "i32"),
         Field("head_group", "i32"),
         Field("band_lo", "i32"),

@@ -43,20 +43,24 @@ struct FlashgenAbiCheck_sm90_fwd {
                 "flashgen ABI: Params::num_queries moved or changed size; update flashgen/spec/sm90_fwd.py");
   static_assert(offsetof(Params, num_keys) == 452 && sizeof(((Params*)nullptr)->num_keys) == 4,
                 "flashgen ABI: Params::num_keys moved or changed size; update flashgen/spec/sm90_fwd.py");
-  static_assert(offsetof(Params, head_dim) == 456 && sizeof(((Params*)nullptr)->head_dim) == 4,
+  static_assert(offsetof(Params, num_heads) == 456 && sizeof(((Params*)nullptr)->num_heads) == 4,
+                "flashgen ABI: Params::num_heads moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, num_sequences) == 460 && sizeof(((Params*)nullptr)->num_sequences) == 4,
+                "flashgen ABI: Params::num_sequences moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, head_dim) == 464 && sizeof(((Params*)nullptr)->head_dim) == 4,
                 "flashgen ABI: Params::head_dim moved or changed size; update flashgen/spec/sm90_fwd.py");
-  static_assert(offsetof(Params, head_group) == 460 && sizeof(((Params*)nullptr)->head_group) == 4,
+  static_assert(offsetof(Params, head_group) == 468 && sizeof(((Params*)nullptr)->head_group) == 4,
                 "flashgen ABI: Params::head_group moved or changed size; update flashgen/spec/sm90_fwd.py");
-  static_assert(offsetof(Params, band_lo) == 464 && sizeof(((Params*)nullptr)->band_lo) == 4,
+  static_assert(offsetof(Params, band_lo) == 472 && sizeof(((Params*)nullptr)->band_lo) == 4,
                 "flashgen ABI: Params::band_lo moved or changed size; update flashgen/spec/sm90_fwd.py");
-  static_assert(offsetof(Params, band_hi) == 468 && sizeof(((Params*)nullptr)->band_hi) == 4,
+  static_assert(offsetof(Params, band_hi) == 476 && sizeof(((Params*)nullptr)->band_hi) == 4,
                 "flashgen ABI: Params::band_hi moved or changed size; update flashgen/spec/sm90_fwd.py");
-  static_assert(offsetof(Params, band_from_end) == 472 && sizeof(((Params*)nullptr)->band_from_end) == 4,
+  static_assert(offsetof(Params, band_from_end) == 480 && sizeof(((Params*)nullptr)->band_from_end) == 4,
                 "flashgen ABI: Params::band_from_end moved or changed size; update flashgen/spec/sm90_fwd.py");
-  static_assert(offsetof(Params, scale_log2) == 476 && sizeof(((Params*)nullptr)->scale_log2) == 4,
+  static_assert(offsetof(Params, scale_log2) == 484 && sizeof(((Params*)nullptr)->scale_log2) == 4,
                 "flashgen ABI: Params::scale_log2 moved or changed size; update flashgen/spec/sm90_fwd.py");
-  static_assert(offsetof(Params, softcap_in) == 480 && sizeof(((Params*)nullptr)->softcap_in) == 4,
+  static_assert(offsetof(Params, softcap_in) == 488 && sizeof(((Params*)nullptr)->softcap_in) == 4,
                 "flashgen ABI: Params::softcap_in moved or changed size; update flashgen/spec/sm90_fwd.py");
-  static_assert(offsetof(Params, softcap_out) == 484 && sizeof(((Params*)nullptr)->softcap_out) == 4,
+  static_assert(offsetof(Params, softcap_out) == 492 && sizeof(((Params*)nullptr)->softcap_out) == 4,
                 "flashgen ABI: Params::softcap_out moved or changed size; update flashgen/spec/sm90_fwd.py");
 };

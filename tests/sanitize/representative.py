@@ -69,6 +69,10 @@ for dtype in ("f16", "bf16"):
     call(dtype, 1, 400, 100, 2, 128, window=(0, 5), deterministic=True)          # rows whose window is empty
     call(dtype, 1, 200, 333, 4, 256, heads_kv=2, causal="top_left")                 # the split head dim
     call(dtype, 1, 150, 300, 2, 192, deterministic=True, softcap=4.0)               # its deterministic order
+    # the persistent forward: more work units than SMs, so each CTA walks several tiles (one at
+    # a time, or causal pairs with an odd count), carrying its K/V ring, Q buffer and turns over
+    call(dtype, 2, 700, 500, 40, 64)
+    call(dtype, 2, 700, 500, 40, 128, causal="top_left")
 # packed batches: example 41 (float32) and, on a 9.0 GPU, sm90 (a sequence without keys, one
 # without queries, rows past the last sequence, a band per sequence, the deterministic order)
 cu_q, cu_k = np.array([0, 5, 5, 40], np.int32), np.array([0, 0, 30, 70], np.int32)

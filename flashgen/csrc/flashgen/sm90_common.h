@@ -128,7 +128,8 @@ __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TensorA const& a, 
 // Warpgroup w waits on named barrier kFirstBarrier + w for its turn and, once its GEMMs are
 // issued, passes the turn to w + 1 (the last back to 0).  Each barrier counts the 128 threads
 // that wait plus the 128 that pass.  Every warpgroup takes the same number of turns; the last
-// one gives warpgroup 0 its first turn and skips its final pass, so no arrival is left over.
+// one gives warpgroup 0 its first turn on construction, and warpgroup 0 takes that last pass
+// back in finish(), so no arrival is left over when the CTA exits.
 template <int kWarpGroups, int kFirstBarrier = 1>
 struct TurnTaking {
   static constexpr bool kEnabled = kWarpGroups > 1;
@@ -144,11 +145,15 @@ struct TurnTaking {
       asm volatile("bar.sync %0, 256;" ::"r"(kFirstBarrier + group) : "memory");
     }
   }
-  __device__ void pass(bool last_turn = false) const {
+  __device__ void pass() const {
     if constexpr (kEnabled) {
-      if (!(last_turn && group == kWarpGroups - 1)) {
-        asm volatile("bar.arrive %0, 256;" ::"r"(kFirstBarrier + (group + 1) % kWarpGroups) : "memory");
-      }
+      asm volatile("bar.arrive %0, 256;" ::"r"(kFirstBarrier + (group + 1) % kWarpGroups) : "memory");
+    }
+  }
+  // After the last turn: warpgroup 0 consumes the pass no turn of its own is left to take.
+  __device__ void finish() const {
+    if (group == 0) {
+      wait();
     }
   }
 };

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from flashgen.runtime import plans
 from flashgen.runtime.arrays import cupy_module
+from flashgen.runtime.device import device_info
 from flashgen.runtime.families import planned_forward_outputs, visible_lse
 from flashgen.runtime.families.sm90_common import HopperFamily, band_fields, encode_maps, zero_unpacked_rows
 from flashgen.runtime.launch import fill, handle, launch, on_device, params_buffer
@@ -29,10 +30,14 @@ class Sm90FwdRuntime(HopperFamily):
         params = params_buffer(Sm90Fwd)
         fill(params, out_ptr=out.data.ptr, lse_ptr=lse.data.ptr, out_stride_b=out.shape[1] * p.H * p.Kv,
              out_stride_m=p.H * p.Kv, out_stride_h=p.Kv, lse_stride_b=p.H * rows, lse_stride_h=rows,
-             lse_rows=rows, num_queries=p.M, num_keys=p.N, head_dim=p.K, head_group=p.H // k.shape[2],
-             **band_fields(p))
+             lse_rows=rows, num_queries=p.M, num_keys=p.N, num_heads=p.H, num_sequences=p.batches, head_dim=p.K,
+             head_group=p.H // k.shape[2], **band_fields(p))
         encode_maps(params, MAPS, (q, k, v), (kc["block_m"], kc["block_n"], kc["block_n"]), p, kc)
-        grid, block = (-(-p.M // kc["block_m"]), p.H, p.batches), (kc["threads_per_block"], 1, 1)
+        tiles_m = -(-p.M // kc["block_m"])
+        units = (-(-tiles_m // 2) if binary.spec.band else tiles_m) * p.H * p.batches  # FwdKernel::Schedule
+        # persistent: a CTA per SM (one fits, see the spec), each walking its share of the work units
+        grid = (min(units, device_info(p.device).multiprocessors), 1, 1)
+        block = (kc["threads_per_block"], 1, 1)
         launch(call.registry, binary, p.device, grid, block, params, call.stream)
         zero_unpacked_rows(p, out)
         if call.plan_key is not None:
