@@ -15,16 +15,22 @@ from collections import defaultdict
 
 IMPLS = ["flashgen", "sdpa-efficient", "sdpa-flash", "sdpa-cudnn", "fa4"]
 
-FWD_NEXT_STEPS = """Toward cuDNN (behind it mostly with causal masks and short sequences): ncu on
-bf16, head dim 128, 4 x 4096, not causal (1.23 ms at ncu's clocks) shows SM
-throughput at 61% of peak and the warps stalled on barriers 29% (consumers
-waiting for data and for their own wgmma), wait 22% and long scoreboard 12%.
-A one-block software pipeline (issue the next S = QK^T before the previous
-P V, run the softmax between them, a producer warpgroup giving its registers
-to the consumers so S, P and O fit) measured 15-25% slower on this H200 and
-was not kept.  Next: order the two consumer warpgroups' GEMMs against each
-other (one's softmax under the other's GEMMs), and write O through shared
-memory with a TMA store."""
+FWD_NEXT_STEPS = """Toward cuDNN: two steps since these tables were measured (issue 16, H200,
+flashgen and cuDNN in the same runs).  (1) Block t's S = QK^T is issued with
+block t-1's P V and its softmax runs while P V is on the tensor cores, the
+consumer warpgroups taking turns to issue (named barriers), the producer a
+register-donating warpgroup for every tier: forward median +10% (0.98-1.19x
+per point) against the cubins before.  (2) A persistent grid, one CTA per SM,
+the producer loading the next tile while the consumers finish the last, work
+units query blocks fastest (L2 sharing) and, under a causal mask, pairs of
+query blocks j and last-j (equal work): median +3%, up to +16% at short and
+causal points.  Forward / cuDNN is then 0.79-1.21 (median 0.97) in one run;
+FlashAttention-4 in a run of 8 bf16 points: flashgen / FA4 1.36-1.55 at 1k
+tokens, 0.92-1.03 at 8k (the backward: 0.82-1.02 at 1k, 0.62-0.70 at 8k).
+Tried and not kept: all tiles ordered by causal length (lost L2 sharing,
+-5 to -16% unmasked), a per-round rotation (-30% causal at 16k); earlier, a one-block software pipeline with one producer warp
+(15-25% slower).  Next: the short causal points (0.79-0.89 at 512-1k, d64),
+O through shared memory with a TMA store."""
 
 BWD_NEXT_STEPS = """Toward cuDNN (behind from 2k tokens on, level or ahead at 512-1k): dQ now
 leaves each CTA as one TMA bulk reduce-add per query block; it was 32 float2
