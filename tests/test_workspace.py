@@ -55,11 +55,17 @@ def _probe_source(kernels) -> str:
     return "\n".join(lines + ["  return 0;", "}"]) + "\n"
 
 
-def test_workspace_formula_matches_cutlass(tmp_path: Path):
+
+def _toolchain_or_skip():
+    """nvcc, CUTLASS and curand as a build would use them, or a skip where this machine lacks one."""
     report = probe_toolchain()
     if not report.ok():
         pytest.skip("no complete toolchain")
-    tc = report.toolchain()
+    return report.toolchain()
+
+
+def test_workspace_formula_matches_cutlass(tmp_path: Path):
+    tc = _toolchain_or_skip()
     src = tmp_path / "probe.cu"
     src.write_text(_probe_source(KERNELS))
     exe = tmp_path / "probe"
@@ -138,10 +144,7 @@ def test_prelude_with_each_curand_header(tmp_path: Path):
     A header without the table filter (CUDA 13.0's toolkit) is made from a newer one where none is
     installed, which is what the workspace probe above met on a machine whose toolkit has curand.
     """
-    report = probe_toolchain()
-    if not report.ok():
-        pytest.skip("no complete toolchain")
-    tc = report.toolchain()
+    tc = _toolchain_or_skip()
     dirs = _curand_header_dirs(tc)
     assert dirs, f"no curand_precalc.h next to {tc.curand_include / 'curand_kernel.h'}"
     variants = [(str(d), d) for d in dirs]
@@ -169,10 +172,7 @@ def test_prelude_with_each_curand_header(tmp_path: Path):
 
 def test_prelude_refuses_xorwow(tmp_path: Path):
     """A kernel that did use XORWOW would find no tables: its build fails instead of drawing from zeros."""
-    report = probe_toolchain()
-    if not report.ok():
-        pytest.skip("no complete toolchain")
-    tc = report.toolchain()
+    tc = _toolchain_or_skip()
     src = tmp_path / "xorwow.cu"
     src.write_text(PHILOX_SOURCE.replace("curandStatePhilox4_32_10_t", "curandStateXORWOW_t")
                    .replace("curand_uniform4(&state)", "make_float4(curand_uniform(&state), 0, 0, 0)"))
