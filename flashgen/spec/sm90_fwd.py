@@ -4,9 +4,9 @@ Template: ``flashgen::sm90::FwdKernel<Element, kHeadDim, kBlockM, kBlockN,
 kStages, kBand>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
 K/V streamed by TMA through a ``kStages``-deep shared-memory ring, one
 producer warpgroup.  Launch: block (threads_per_block, 1, 1), a persistent
-grid (min(units, SMs), 1, 1) over the units of work of ``FwdKernel::Schedule``:
-ceil(M / block_m) query blocks (band instances: pairs of them, half as many) x
-heads x (batch or sequences); dynamic shared memory ``shared_memory_bytes``.  Built only for ``sm_90a`` (wgmma and setmaxnreg do
+grid (min(tiles, SMs), 1, 1) over the ceil(M / block_m) x heads x (batch or
+sequences) tiles, which ``FwdKernel::Schedule`` hands out (band instances in
+pairs); dynamic shared memory ``shared_memory_bytes``.  Built only for ``sm_90a`` (wgmma and setmaxnreg do
 not exist in plain sm_90 code).
 
 Inputs reach the kernel as TMA tensor maps (``runtime/tensormap.py``): every

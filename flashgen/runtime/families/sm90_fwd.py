@@ -33,10 +33,10 @@ class Sm90FwdRuntime(HopperFamily):
              lse_rows=rows, num_queries=p.M, num_keys=p.N, num_heads=p.H, num_sequences=p.batches, head_dim=p.K,
              head_group=p.H // k.shape[2], **band_fields(p))
         encode_maps(params, MAPS, (q, k, v), (kc["block_m"], kc["block_n"], kc["block_n"]), p, kc)
-        tiles_m = -(-p.M // kc["block_m"])
-        units = (-(-tiles_m // 2) if binary.spec.band else tiles_m) * p.H * p.batches  # FwdKernel::Schedule
+        tiles = -(-p.M // kc["block_m"]) * p.H * p.batches
         # persistent: a CTA per SM (one fits, see the spec), each walking its share of the work units
-        grid = (min(units, device_info(p.device).multiprocessors), 1, 1)
+        # (FwdKernel::Schedule: tiles, or pairs of them); a CTA that finds no unit left exits at once
+        grid = (min(tiles, device_info(p.device).multiprocessors), 1, 1)
         block = (kc["threads_per_block"], 1, 1)
         launch(call.registry, binary, p.device, grid, block, params, call.stream)
         zero_unpacked_rows(p, out)
