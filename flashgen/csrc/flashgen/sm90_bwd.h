@@ -19,12 +19,15 @@
 //   P^T  = exp2(S^T * scale_log2 - lse_log2),   dS^T = P^T * (dP^T - delta)
 //          (with soft-capping S^T is capped first and dS^T carries tanh's derivative)
 //   dV  += P^T dO,  dK += dS^T Q             (wgmma, P^T / dS^T from registers)
-//   dQ  += dS K                              (dS^T through shared memory; fp32 atomics)
+//   dQ   = dS K                              (dS^T through shared memory), added into an
+//                                            fp32 accumulator by a TMA bulk reduce-add that
+//                                            leaves at the top of the next step, beside
+//                                            that step's S^T / dP^T (kSdpUnderDqOut)
 // Transposing S rather than dQ keeps every per-row softmax quantity a column
 // broadcast (one smem read per column) and dK/dV in registers for the whole
 // CTA.  The dQ product is split between the warpgroups by query rows when a
 // block has 128 of them, else by head-dim columns, so every dQ element gets one
-// atomic add per CTA.  With `deterministic` the CTAs of one (head, query block)
+// add per CTA.  With `deterministic` the CTAs of one (head, query block)
 // add in key-block order (they wait for the part's counter to reach their key
 // block), so results repeat bit for bit.
 #pragma once
@@ -138,7 +141,11 @@ struct BwdKernel {
   static constexpr int kDqCols = kDqSplitRows ? kHeadDim : kHeadDim / kWarpGroups;
   static_assert(kDqSplitRows || (kBlockM == 64 && kDqCols % kBoxCols == 0),
                 "dQ needs 64 query rows per warpgroup or whole swizzle atoms of head-dim columns per warpgroup");
-  // dQ leaves through a tile in shared memory (add_dq) where the tile fits beside the rest;
+  // Which goes first at the top of a step: the issue of its S^T and dP^T, so they run while
+  // the last step's dQ leaves (+2-3% at 64-query steps, H200), or that dQ's bulk add (+3-7%
+  // at 128-query steps, whose S^T and dP^T hold 128 registers per thread through it).
+  static constexpr bool kSdpUnderDqOut = kBlockM == 64;
+  // dQ leaves through a tile in shared memory (add_dq_tile) where the tile fits beside the rest;
   // the split head dim adds its parts with atomics instead.
   static constexpr bool kDqTile = !kSplitCols;
 
@@ -186,7 +193,7 @@ struct BwdKernel {
     alignas(1024) Element q[kStages * kBlockM * kHeadDim];
     alignas(1024) Element dout[kStages * kBlockM * kHeadDim];
     alignas(1024) Element ds[2 * kBlockM * kBlockN];
-    alignas(128) float dq[kDqTile ? kBlockM * kHeadDim : 4];  // a query block's dQ, row-major as in the accumulator
+    alignas(128) float dq[kDqTile ? kBlockM * kHeadDim : 4];  // a query block's dQ, laid out as the accumulator (dq_to_tile)
     alignas(16) float lse_log2[kStages][kBlockM];
     alignas(16) float delta[kStages][kBlockM];
     alignas(8) uint64_t kv_full;
@@ -317,38 +324,47 @@ struct BwdKernel {
     int const key0 = n_block * kBlockN;
     int const total = p.head_group * st.m_blocks;
 
-    if (total > 0) {
-      Barrier::wait(&s.kv_full, 0);
-    }
-    for (int t = 0; t < total; ++t) {
+    Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    Tensor tPrDp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
+    static_assert(size(tSrS) == kBlockM / 2, "one 64-key wgmma tile per warpgroup");
+    // Step t's S^T and dP^T, two commit groups (the softmax waits for S^T alone).
+    auto issue_sdp = [&](int t) {
       int const stage = t % kStages;
-      int const buf = t % 2;
-      int const head = head_kv * p.head_group + t / st.m_blocks;
-      int const m_block = st.m_begin + t % st.m_blocks;
-      int const query0 = m_block * kBlockM;
       Barrier::wait(&s.full[stage], (t / kStages) & 1);
-
-      Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-      Tensor tPrDp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-      static_assert(size(tSrS) == kBlockM / 2, "one 64-key wgmma tile per warpgroup");
       warpgroup_fence_operand(tSrS);
       warpgroup_fence_operand(tPrDp);
       warpgroup_arrive();
-      mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(tSrK); ++k) {
-        cute::gemm(mma_sdp, tSrK(_, _, k), tSrQ(_, _, k, stage), tSrS);
-        mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+      warpgroup_gemm_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
+      warpgroup_gemm_issue<true>(mma_sdp, tPrV, tPrDo(_, _, _, stage), tPrDp);
+    };
+
+    auto head_of = [&](int t) { return head_kv * p.head_group + t / st.m_blocks; };
+    auto m_block_of = [&](int t) { return st.m_begin + t % st.m_blocks; };
+    if (total > 0) {
+      Barrier::wait(&s.kv_full, 0);
+    }
+    // Step t - 1's dQ leaves at the top of step t, next to the issue of step t's S^T and dP^T
+    // (issued and waited for in one iteration: across the loop's back edge ptxas serialised
+    // the GEMMs, C7514).
+    auto previous_dq_out = [&](int t) {
+      if (kDqTile && t > 0) {
+        add_dq_tile(p, seq, s, head_of(t - 1), m_block_of(t - 1), n_block);
       }
-      warpgroup_commit_batch();
-      mma_sdp.accumulate_ = GMMA::ScaleOut::Zero;
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(tPrV); ++k) {
-        cute::gemm(mma_sdp, tPrV(_, _, k), tPrDo(_, _, k, stage), tPrDp);
-        mma_sdp.accumulate_ = GMMA::ScaleOut::One;
+    };
+    for (int t = 0; t < total; ++t) {
+      int const stage = t % kStages;
+      int const buf = t % 2;
+      int const head = head_of(t);
+      int const m_block = m_block_of(t);
+      int const query0 = m_block * kBlockM;
+      if constexpr (kSdpUnderDqOut) {
+        issue_sdp(t);
+        previous_dq_out(t);
+      } else {
+        previous_dq_out(t);
+        issue_sdp(t);
       }
-      warpgroup_commit_batch();
-      warpgroup_wait<1>();
+      warpgroup_wait<1>();  // S^T
       warpgroup_fence_operand(tSrS);
 
       // P^T.  Queries past num_queries have lse_log2 = +inf (P = 0); keys past
@@ -441,13 +457,7 @@ struct BwdKernel {
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<_64, Int<kDqCols>>{});
       warpgroup_fence_operand(acc_dq);
       warpgroup_arrive();
-      mma_dq.accumulate_ = GMMA::ScaleOut::Zero;
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(tQrDs); ++k) {
-        cute::gemm(mma_dq, tQrDs(_, _, k, buf), tQrKt(_, _, k), acc_dq);
-        mma_dq.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
+      warpgroup_gemm_issue<true>(mma_dq, tQrDs(_, _, _, buf), tQrKt, acc_dq);
       warpgroup_wait<1>();  // dK/dV done: this stage's Q and dO can be refilled
       warpgroup_fence_operand(acc_dv);
       warpgroup_fence_operand(acc_dk);
@@ -457,7 +467,14 @@ struct BwdKernel {
       Barrier::arrive(&s.empty[stage]);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_dq);
-      add_dq(p, seq, s, acc_dq, head, m_block, n_block, kDqSplitRows ? 64 * wg : 0, kDqSplitRows ? 0 : wg * kDqCols);
+      if constexpr (kDqTile) {
+        dq_to_tile(s, acc_dq);  // leaves under the next step's S^T and dP^T
+      } else {
+        add_dq_atomic(p, seq, acc_dq, head, m_block, n_block);
+      }
+    }
+    if (kDqTile && total > 0) {
+      add_dq_tile(p, seq, s, head_of(total - 1), m_block_of(total - 1), n_block);
     }
     if constexpr (kDqTile) {
       tile_free();  // the shared memory stays until the TMA unit has read the last tile
@@ -467,77 +484,111 @@ struct BwdKernel {
     store_dkv(p, seq, acc_dv, p.dv_ptr, 1.f, key0 + key_row, kv_col0, head_kv);
   }
 
-  // Adds this warpgroup's dQ part (64 rows from part_row0, kDqCols columns from part_col0
-  // of query block m_block) into the fp32 accumulator.  kDqTile: through the block's tile in
-  // shared memory -- once both parts are there, one thread hands the whole tile (kBlockM
-  // contiguous accumulator rows) to the TMA unit as one bulk reduce-add; per-thread atomics
-  // kept the consumers stalled on memory (ncu: long scoreboard and LSU throttle over 40%),
-  // and remain only where the tile does not fit (split head dim).  Deterministic: a part goes
-  // in after all parts of the key blocks before this one, counted by the query block's
-  // counter.  The caller has made sure the last tile was read (tile_free).
+  // The fp32 dQ accumulator of one query block is laid out as the consumers hold it: part
+  // after part (a part is one warpgroup's share, 64 rows x kDqCols columns, see kDqSplitRows),
+  // and within a part the accumulator registers four at a time, thread after thread (quad q
+  // of thread t at floats (q * 128 + t) * 4).  A part then goes to shared memory in
+  // conflict-free 16-byte stores (row-major rows of 64 or 128 floats put 8 rows on the same
+  // banks) and leaves in one contiguous bulk reduce-add.  convert() maps it back.
+  static constexpr int kDqPartFloats = 64 * kDqCols;
+  static_assert(kWarpGroups * kDqPartFloats == kBlockM * kHeadDim, "the parts tile the query block's dQ");
+
+  // Row and column (in the query block) of the first value of quad q of thread t of part
+  // `part`; the quad holds (row, col), (row, col + 1), (row + 8, col), (row + 8, col + 1).
+  static __device__ int2 dq_quad_place(int part, int q, int t) {
+    int const lane = t % 32;
+    int const row = 16 * (t / 32) + lane / 4 + (kDqSplitRows ? 64 * part : 0);
+    int const col = 8 * q + 2 * (lane % 4) + (kDqSplitRows ? 0 : kDqCols * part);
+    return make_int2(row, col);
+  }
+
+  // dQ parts go into the fp32 accumulator after all parts of the key blocks before this one
+  // when deterministic: the query block's counter counts the parts that are in.
+  struct DqOrder {
+    cuda::atomic_ref<int, cuda::thread_scope_device> counter;
+    int earlier;  // key blocks before this one that meet the query block
+    __device__ DqOrder(BwdParams const& p, Sequence const& seq, long long block_row0, int m_block, int n_block)
+        : counter(p.dq_counter_ptr[block_row0 / kBlockM]), earlier(n_block - dq_key_blocks(seq, m_block).begin) {}
+    __device__ void wait_turn() const {
+      while (counter.load(cuda::memory_order_acquire) < earlier * kWarpGroups) {
+      }
+    }
+    __device__ void done() const { counter.fetch_add(1, cuda::memory_order_release); }
+  };
+
+  // This warpgroup's dQ part into its part of the tile (kDqTile), in the accumulator's layout:
+  // conflict-free 16-byte stores.  The caller has made sure the last tile was read (tile_free).
   template <class Accumulator>
-  static __device__ void add_dq(BwdParams const& p, Sequence const& seq, SharedStorage& s, Accumulator const& acc,
-                                int head, int m_block, int n_block, int part_row0, int part_col0) {
+  static __device__ void dq_to_tile(SharedStorage& s, Accumulator const& acc) {
     using namespace cute;
-    int const lane = threadIdx.x % 32;
-    int const row = part_row0 + 16 * ((threadIdx.x / 32) % 4) + lane / 4;  // this thread's first row
-    long long const block_row0 = workspace_row0(p, seq, head) + m_block * kBlockM;
-    cuda::atomic_ref<int, cuda::thread_scope_device> counter(p.dq_counter_ptr[block_row0 / kBlockM]);
-    constexpr int kParts = kDqTile ? 1 : kWarpGroups;  // counter steps per key block
-    auto wait_for_earlier = [&] {  // the key blocks before this one all meet this query block too
-      int const earlier = n_block - dq_key_blocks(seq, m_block).begin;
-      while (counter.load(cuda::memory_order_acquire) < earlier * kParts) {
-      }
-    };
-    if constexpr (kDqTile) {
-      float* tile = s.dq + row * kHeadDim + part_col0 + 2 * (lane % 4);
-      CUTE_UNROLL
-      for (int r = 0; r < size(acc); r += 2) {
-        int const offset = ((r / 2) % 2) * 8 * kHeadDim + (r / 4) * 8;
-        *reinterpret_cast<float2*>(tile + offset) = make_float2(acc(r), acc(r + 1));
-      }
-      cutlass::arch::fence_view_async_shared();  // the writes above, before the TMA unit reads them
-      cutlass::arch::NamedBarrier::sync(kConsumerThreads, 0);
-      if (threadIdx.x == 0) {
-        if (p.deterministic) {
-          wait_for_earlier();
-          fence_proxy_async_global();  // the acquire, before the TMA unit's adds
-        }
-        bulk_reduce_add(p.dq_accum_ptr + block_row0 * kHeadDim, s.dq, kBlockM * kHeadDim * int(sizeof(float)));
-        if (p.deterministic) {
-          bulk_wait_all();             // the adds are done ...
-          fence_proxy_async_global();  // ... and ordered before the release
-          counter.fetch_add(1, cuda::memory_order_release);
-        }
-      }
-    } else {
-      int const barrier = 1 + threadIdx.x / 128;  // named barrier of this warpgroup's 128 threads
+    static_assert(decltype(size(acc))::value * 128 == kDqPartFloats, "a part is 64 x kDqCols accumulator values");
+    float4* tile = reinterpret_cast<float4*>(s.dq + threadIdx.x / 128 * kDqPartFloats) + threadIdx.x % 128;
+    CUTE_UNROLL
+    for (int q = 0; q < size(acc) / 4; ++q) {
+      tile[q * 128] = make_float4(acc(4 * q), acc(4 * q + 1), acc(4 * q + 2), acc(4 * q + 3));
+    }
+    cutlass::arch::fence_view_async_shared();  // the writes above, before the TMA unit reads them
+  }
+
+  // Once the warpgroup's part is in the tile, one of its threads hands it to the TMA unit as
+  // one bulk reduce-add into query block m_block's accumulator (per-thread atomics kept the
+  // consumers stalled on memory, ncu: long scoreboard and LSU throttle over 40%).
+  static __device__ void add_dq_tile(BwdParams const& p, Sequence const& seq, SharedStorage& s, int head, int m_block,
+                                     int n_block) {
+    int const part = threadIdx.x / 128;
+    cutlass::arch::NamedBarrier::sync(128, 1 + part);  // this warpgroup's 128 threads
+    if (threadIdx.x % 128 == 0) {
+      long long const block_row0 = workspace_row0(p, seq, head) + m_block * kBlockM;
+      DqOrder const order(p, seq, block_row0, m_block, n_block);
       if (p.deterministic) {
-        if (threadIdx.x % 128 == 0) {
-          wait_for_earlier();
-        }
-        cutlass::arch::NamedBarrier::sync(128, barrier);
+        order.wait_turn();
+        fence_proxy_async_global();  // the acquire, before the TMA unit's adds
       }
-      float* accum = p.dq_accum_ptr + (block_row0 + row) * kHeadDim + part_col0 + 2 * (lane % 4);
-      CUTE_UNROLL
-      for (int r = 0; r < size(acc); r += 2) {
-        int const offset = ((r / 2) % 2) * 8 * kHeadDim + (r / 4) * 8;
-        atomicAdd(reinterpret_cast<float2*>(accum + offset), make_float2(acc(r), acc(r + 1)));
-      }
+      bulk_reduce_add(p.dq_accum_ptr + block_row0 * kHeadDim + part * kDqPartFloats, s.dq + part * kDqPartFloats,
+                      kDqPartFloats * int(sizeof(float)));
       if (p.deterministic) {
-        __threadfence();
-        cutlass::arch::NamedBarrier::sync(128, barrier);
-        if (threadIdx.x % 128 == 0) {
-          counter.fetch_add(1, cuda::memory_order_release);
-        }
+        bulk_wait_all();             // the adds are done ...
+        fence_proxy_async_global();  // ... and ordered before the release
+        order.done();
       }
     }
   }
 
-  // Before threads write the next dQ tile: thread 0, which issued the last reduce-add, waits
-  // until the TMA unit has read its tile; the caller's next barrier tells the others.
+  // Where the tile does not fit (split head dim): this warpgroup's dQ part by 16-byte atomics.
+  template <class Accumulator>
+  static __device__ void add_dq_atomic(BwdParams const& p, Sequence const& seq, Accumulator const& acc, int head,
+                                       int m_block, int n_block) {
+    using namespace cute;
+    static_assert(decltype(size(acc))::value * 128 == kDqPartFloats, "a part is 64 x kDqCols accumulator values");
+    int const part = threadIdx.x / 128;
+    int const barrier = 1 + part;  // named barrier of this warpgroup's 128 threads
+    long long const block_row0 = workspace_row0(p, seq, head) + m_block * kBlockM;
+    DqOrder const order(p, seq, block_row0, m_block, n_block);
+    if (p.deterministic) {
+      if (threadIdx.x % 128 == 0) {
+        order.wait_turn();
+      }
+      cutlass::arch::NamedBarrier::sync(128, barrier);
+    }
+    float4* quads = reinterpret_cast<float4*>(p.dq_accum_ptr + block_row0 * kHeadDim + part * kDqPartFloats) +
+                    threadIdx.x % 128;
+    CUTE_UNROLL
+    for (int q = 0; q < size(acc) / 4; ++q) {
+      atomicAdd(quads + q * 128, make_float4(acc(4 * q), acc(4 * q + 1), acc(4 * q + 2), acc(4 * q + 3)));
+    }
+    if (p.deterministic) {
+      __threadfence();
+      cutlass::arch::NamedBarrier::sync(128, barrier);
+      if (threadIdx.x % 128 == 0) {
+        order.done();
+      }
+    }
+  }
+
+  // Before a warpgroup writes its next dQ part: its thread 0, which issued the last reduce-add,
+  // waits until the TMA unit has read it; the caller's next barrier tells the others.
   static __device__ void tile_free() {
-    if (threadIdx.x == 0) {
+    if (threadIdx.x % 128 == 0) {
       bulk_wait_read();
     }
   }
@@ -655,27 +706,46 @@ struct BwdKernel {
     }
   }
 
-  // grid as prep
+  // grid as prep.  A part at a time: its quads are read in order (coalesced) and put in
+  // rows in shared memory (see dq_quad_place), then each thread writes 8 columns of a row.
   static __device__ void convert(BwdParams const& p) {
-    constexpr int kQuads = kHeadDim / 4;
+    constexpr int kStride = kDqCols + 8;  // padded: a half-warp's float2 stores fall on distinct banks
+    __shared__ alignas(16) float rows[64 * kStride];
     int const m_block = blockIdx.x;
     int const head = blockIdx.y;
     Sequence const seq = sequence(p, blockIdx.z);
-    long long const head_row0 = workspace_row0(p, seq, head);
+    if (m_block * kBlockM >= seq.num_queries) {  // past a packed sequence: these rows are another's, or none
+      return;
+    }
+    float4 const* quads = reinterpret_cast<float4 const*>(
+        p.dq_accum_ptr + (workspace_row0(p, seq, head) + m_block * kBlockM) * kHeadDim);
     Element* dq = static_cast<Element*>(p.dq_ptr) + seq.batch * p.dq_stride_b + seq.q0 * (long long)p.dq_stride_m +
                   head * (long long)p.dq_stride_h;
-    for (int i = threadIdx.x; i < kBlockM * kQuads; i += kAuxThreads) {
-      int const row = m_block * kBlockM + i / kQuads;
-      int const col = (i % kQuads) * 4;
-      if (row < seq.num_queries && col < p.head_dim) {
-        float4 const a = *reinterpret_cast<float4 const*>(p.dq_accum_ptr + (head_row0 + row) * kHeadDim + col);
-        cutlass::Array<Element, 4> out;
-        out[0] = static_cast<Element>(a.x * p.scale);
-        out[1] = static_cast<Element>(a.y * p.scale);
-        out[2] = static_cast<Element>(a.z * p.scale);
-        out[3] = static_cast<Element>(a.w * p.scale);
-        *reinterpret_cast<cutlass::Array<Element, 4>*>(dq + row * (long long)p.dq_stride_m + col) = out;
+    CUTE_UNROLL
+    for (int part = 0; part < kWarpGroups; ++part) {
+      for (int i = threadIdx.x; i < kDqPartFloats / 4; i += kAuxThreads) {
+        int2 const place = dq_quad_place(0, i / 128, i % 128);  // within the part
+        float4 const a = quads[part * (kDqPartFloats / 4) + i];
+        *reinterpret_cast<float2*>(&rows[place.x * kStride + place.y]) = make_float2(a.x, a.y);
+        *reinterpret_cast<float2*>(&rows[(place.x + 8) * kStride + place.y]) = make_float2(a.z, a.w);
       }
+      __syncthreads();
+      int2 const origin = dq_quad_place(part, 0, 0);  // the part's first row and column
+      for (int i = threadIdx.x; i < 64 * kDqCols / 8; i += kAuxThreads) {
+        int const r = i / (kDqCols / 8);
+        int const c = i % (kDqCols / 8) * 8;
+        int const row = m_block * kBlockM + origin.x + r;
+        int const col = origin.y + c;
+        if (row < seq.num_queries && col < p.head_dim) {  // head_dim is a multiple of 8
+          cutlass::Array<Element, 8> out;
+          CUTE_UNROLL
+          for (int j = 0; j < 8; ++j) {
+            out[j] = static_cast<Element>(rows[r * kStride + c + j] * p.scale);
+          }
+          *reinterpret_cast<cutlass::Array<Element, 8>*>(dq + row * (long long)p.dq_stride_m + col) = out;
+        }
+      }
+      __syncthreads();
     }
   }
 };
