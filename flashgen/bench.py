@@ -4,7 +4,13 @@ Forward and backward throughput over a grid of shapes, in one process, with
 CUDA events, warm-up, the median of many repeats and three input sets used in
 turn (so repeated runs do not measure the cache).  TFLOP/s follow
 FlashAttention's convention: forward 4*B*H*M*N*D (halved for causal),
-backward 2.5x that.
+backward 2.5x that, H the query heads.  A point may be grouped-query
+(``Point.group`` query heads per key/value head): k and v then have H / group
+heads, and the FLOP count is the same (every query head still attends over
+every key), so TFLOP/s compare across groups as time does.  Whatever an
+implementation does with fewer k/v heads (flashgen's example-41 fallback
+repeats them per query head) is in its timing, as a user pays it; one that
+refuses them (an SDPA backend without a GQA kernel) gets a note, not a number.
 
 Backward timing: flashgen calls ``attention_backward`` directly (no autograd);
 torch's SDPA backends are timed with ``torch.autograd.grad`` on one retained
@@ -35,12 +41,26 @@ JIT_IMPLS = ("fa4", "flex")  # compile on the first call at a point: Result.comp
 
 @dataclass
 class Point:
+    """One shape of the grid.  ``heads`` counts query heads; k and v have ``heads // group``
+    (``group`` = 1: multi-head, > 1: grouped-query).  ``group`` is last and defaults to 1 so a
+    point written before it existed (``Point(**old_json_point)``) still loads, as the same shape."""
+
     dtype: str
     head_dim: int
     causal: bool
     batch: int
     heads: int
     seqlen: int
+    group: int = 1
+
+    @property
+    def kv_heads(self) -> int:
+        return self.heads // self.group
+
+    @property
+    def heads_label(self) -> str:
+        """``H/Hk``, as the table's column and the progress lines show it (e.g. "32/8")."""
+        return f"{self.heads}/{self.kv_heads}"
 
 
 @dataclass
@@ -59,9 +79,14 @@ class Result:
 
 
 def default_grid(dtypes=("f16", "bf16"), head_dims=(64, 128), hidden=2048, tokens=16384,
-                 seqlens=(512, 1024, 2048, 4096, 8192, 16384)) -> List[Point]:
-    return [Point(d, hd, causal, max(1, tokens // s), hidden // hd, s)
-            for d in dtypes for hd in head_dims for causal in (False, True) for s in seqlens]
+                 seqlens=(512, 1024, 2048, 4096, 8192, 16384), groups=(1,)) -> List[Point]:
+    """Every combination, with ``hidden // head_dim`` query heads and ``tokens // seqlen`` batches.
+    A group that does not divide a head dim's head count is left out for that head dim only
+    (hidden 2048: group 32 fits head dim 64's 32 heads, not 128's 16), so a mixed grid still runs
+    what it can; the CLI refuses a group that fits no head dim at all."""
+    return [Point(d, hd, causal, max(1, tokens // s), hidden // hd, s, g)
+            for d in dtypes for hd in head_dims for causal in (False, True)
+            for g in groups if (hidden // hd) % g == 0 for s in seqlens]
 
 
 def flops(p: Point, direction: str) -> float:
@@ -140,10 +165,22 @@ def spread(e: Timed) -> Optional[float]:
     return (max(e.round_medians) - min(e.round_medians)) / statistics.median(e.times)
 
 
+def shapes(p: Point):
+    """[B, S, H, D] shapes of q, k, v and dO: k and v have the point's k/v heads (fewer under GQA)."""
+    q = (p.batch, p.seqlen, p.heads, p.head_dim)
+    kv = (p.batch, p.seqlen, p.kv_heads, p.head_dim)
+    return q, kv, kv, q
+
+
 def _inputs(torch, p: Point, sets: int = 3):
     dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[p.dtype]
-    shape = (p.batch, p.seqlen, p.heads, p.head_dim)
-    return [[torch.randn(shape, device="cuda", dtype=dtype) for _ in range(4)] for _ in range(sets)]  # q k v dO
+    return [[torch.randn(shape, device="cuda", dtype=dtype) for shape in shapes(p)] for _ in range(sets)]
+
+
+def _gqa_note(p: Point, note: str) -> str:
+    """A peer that fails at a grouped-query point: say so, as the likely reason (an SDPA backend
+    without a GQA kernel answers only "No available kernel")."""
+    return f"at GQA {p.heads_label} heads: {note}" if p.group > 1 else note
 
 
 def bench_point(p: Point, impls: List[str], torch, repeats: int = 30, all_instances: bool = False) -> List[Result]:
@@ -168,6 +205,7 @@ def bench_point(p: Point, impls: List[str], torch, repeats: int = 30, all_instan
     if "fa4" in impls:
         entries += _fa4_entries(p, sets, torch)
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    gqa = {"enable_gqa": True} if p.group > 1 else {}  # only when needed: torch < 2.5 has no enable_gqa
     # SDPA takes [B, H, S, D]: transposed views of the same BMHK buffers
     t_sets = [[t.transpose(1, 2).requires_grad_(j < 3) if j < 3 else t.transpose(1, 2) for j, t in enumerate(s)]
               for s in sets]
@@ -179,19 +217,26 @@ def bench_point(p: Point, impls: List[str], torch, repeats: int = 30, all_instan
                 "efficient": torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION,
                 "cudnn": torch.nn.attention.SDPBackend.CUDNN_ATTENTION}[backend]
         context = functools.partial(torch.nn.attention.sdpa_kernel, kind)
-        entries.append(Timed(impl, "fwd", lambda i: sdpa(*t_sets[i % 3][:3], is_causal=p.causal), context))
-        entries.append(Timed(impl, "bwd", _autograd_backward(lambda s: sdpa(*s[:3], is_causal=p.causal), t_sets,
-                                                             torch), context))
+        entries.append(Timed(impl, "fwd", lambda i: sdpa(*t_sets[i % 3][:3], is_causal=p.causal, **gqa), context))
+        entries.append(Timed(impl, "bwd", _autograd_backward(lambda s: sdpa(*s[:3], is_causal=p.causal, **gqa),
+                                                             t_sets, torch), context))
     if "flex" in impls:
         entries += _flex_entries(p, t_sets, torch)
+    not_set_up = {id(e) for e in entries if e.error}  # e.g. an import: not about this point's shape
     time_interleaved(entries, torch, repeats=repeats)
+    for e in entries:
+        if e.error and id(e) not in not_set_up:
+            e.error = _gqa_note(p, e.error)
     results = [Result(e.impl, e.direction, p, None, None, e.error) if e.error else
                Result(e.impl, e.direction, p, statistics.median(e.times),
                       flops(p, e.direction) / statistics.median(e.times) / 1e9, spread=spread(e),
                       compile_s=e.first_call_s if e.impl in JIT_IMPLS else None)
                for e in entries]
     del sets, t_sets
-    if all_instances:  # every tile (and split policy) the runtime could pick here, through a one-entry table
+    if all_instances and p.group > 1:  # tune.measure_choices builds multi-head inputs: its numbers would be wrong
+        results += [Result("flashgen[*]", direction, p, None, None, "instances not timed at GQA points: "
+                           "flashgen tune measures multi-head shapes only") for direction in ("fwd", "bwd")]
+    elif all_instances:  # every tile (and split policy) the runtime could pick here, through a one-entry table
         from flashgen import tune
         from flashgen.runtime.device import device_info
         from flashgen.runtime.registry import default_registry
@@ -270,7 +315,8 @@ _flex = None
 
 def _flex_entries(p: Point, t_sets, torch) -> List[Timed]:
     """torch.compile'd flex_attention: Triton kernels generated for the shape and mask, compiled
-    once per shape (during warm-up); backward through autograd like SDPA."""
+    once per shape (during warm-up); backward through autograd like SDPA.  Grouped-query points
+    pass ``enable_gqa`` (flex refuses k/v with fewer heads without it)."""
     global _flex
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -279,8 +325,10 @@ def _flex_entries(p: Point, t_sets, torch) -> List[Timed]:
     mask = None
     if p.causal:
         mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, p.seqlen, p.seqlen, device="cuda")
-    return [Timed("flex", "fwd", lambda i: _flex(*t_sets[i % 3][:3], block_mask=mask)),
-            Timed("flex", "bwd", _autograd_backward(lambda s: _flex(*s[:3], block_mask=mask), t_sets, torch))]
+    gqa = {"enable_gqa": True} if p.group > 1 else {}
+    return [Timed("flex", "fwd", lambda i: _flex(*t_sets[i % 3][:3], block_mask=mask, **gqa)),
+            Timed("flex", "bwd", _autograd_backward(lambda s: _flex(*s[:3], block_mask=mask, **gqa), t_sets,
+                                                    torch))]
 
 
 def call_overhead_us(torch, calls: int = 500, rounds: int = 9) -> Dict[str, float]:
@@ -361,24 +409,41 @@ def import_times_ms() -> Dict[str, float]:
     return result
 
 
+def plot_series(results: List[Result]) -> Dict[str, Dict[str, list]]:
+    """{panel title: {impl: [(seqlen, TFLOP/s), ...]}}, panels in a stable order.  A panel is one
+    dtype, head dim, mask, head grouping and direction, so only the seqlen varies along a line: a
+    GQA point and its multi-head twin (same seqlen) land on separate panels, never one zigzag."""
+    def panel(r: Result):
+        p = r.point
+        return p.dtype, p.head_dim, p.causal, p.group, p.heads, r.direction
+
+    series: Dict[str, Dict[str, list]] = {}
+    for key in sorted({panel(r) for r in results}):
+        dtype, hd, causal, group, heads, direction = key
+        title = (f"{direction} {dtype} hdim {hd}{' causal' if causal else ''}"
+                 f"{f' GQA {heads}/{heads // group}' if group > 1 else ''}")
+        lines = {impl: sorted((r.point.seqlen, r.tflops) for r in results
+                              if r.impl == impl and r.tflops and panel(r) == key)
+                 for impl in sorted({r.impl for r in results})}
+        series[title] = {impl: pts for impl, pts in lines.items() if pts}
+    return series
+
+
 def plot(results: List[Result], path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r.point.dtype, r.point.head_dim, r.point.causal, r.direction) for r in results})
+    panels = plot_series(results)
     cols = 4
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
-    for ax, (dtype, hd, causal, direction) in zip(axes.flat, panels):
-        for impl in sorted({r.impl for r in results}):
-            pts = sorted((r.point.seqlen, r.tflops) for r in results if r.impl == impl and r.tflops
-                         and (r.point.dtype, r.point.head_dim, r.point.causal, r.direction) == (dtype, hd, causal, direction))
-            if pts:
-                ax.plot([s for s, _ in pts], [t for _, t in pts], marker="o", label=impl)
+    for ax, (title, lines) in zip(axes.flat, panels.items()):
+        for impl, pts in lines.items():
+            ax.plot([s for s, _ in pts], [t for _, t in pts], marker="o", label=impl)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{direction} {dtype} hdim {hd}{' causal' if causal else ''}", fontsize=10)
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel("seqlen")
         ax.set_ylabel("TFLOP/s")
         ax.grid(alpha=0.3)

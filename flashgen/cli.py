@@ -317,7 +317,8 @@ def _ratio(got: dict, a: str, b: str) -> str:
 
 
 def _bench_table(grid, results, impls, all_instances: bool) -> str:
-    """TFLOP/s per point and direction, a column per implementation, and the two ratios asked
+    """TFLOP/s per point and direction (H/Hk: query and key/value heads, so a GQA row is told from
+    its multi-head twin), a column per implementation, and the two ratios asked
     most: flashgen against sdpa-efficient (fg/efficient, with the noise to judge it by) and what
     the PyTorch adapter keeps of the direct CuPy calls' speed (fg-torch/fg); then, for the peers
     that compile on first use, that first call's seconds (kept out of their TFLOP/s)."""
@@ -326,7 +327,8 @@ def _bench_table(grid, results, impls, all_instances: bool) -> str:
     vs_efficient = "flashgen" in impls and "sdpa-efficient" in impls
     vs_direct = "flashgen" in impls and "flashgen-torch" in impls
     jit = [i for i in impls if i in JIT_IMPLS]
-    header = (["dtype", "hdim", "causal", "seqlen", "dir"] + list(impls) + (["best instance"] if all_instances else [])
+    header = (["dtype", "hdim", "H/Hk", "causal", "seqlen", "dir"] + list(impls)
+              + (["best instance"] if all_instances else [])
               + (["fg/efficient", "noise"] if vs_efficient else []) + (["fg-torch/fg"] if vs_direct else [])
               + [f"{i} compile s" for i in jit])
     table = []
@@ -334,7 +336,8 @@ def _bench_table(grid, results, impls, all_instances: bool) -> str:
         for direction in ("fwd", "bwd"):
             here = [r for r in results if r.point == point and r.direction == direction]
             got = {r.impl: r.tflops for r in here}
-            row = [point.dtype, point.head_dim, "yes" if point.causal else "no", point.seqlen, direction]
+            row = [point.dtype, point.head_dim, point.heads_label, "yes" if point.causal else "no", point.seqlen,
+                   direction]
             row += [f"{got[i]:.0f}" if got.get(i) else "-" for i in impls]
             if all_instances:
                 tiles = {i: t for i, t in got.items() if i.startswith("flashgen[") and t}
@@ -375,24 +378,33 @@ def _bench_notes(results) -> List[str]:
                    "flex: torch.compile'd flex_attention (compiles once per shape: slow to start). "
                    "fa4 and flex compile on the first call at a point: that call's seconds are a column of their "
                    "own (fa4 compile s), not in the TFLOP/s.")
+@click.option("--group", "groups", multiple=True, type=click.IntRange(min=1), default=(1,), show_default=True,
+              help="Query heads per key/value head (grouped-query attention; repeatable): k and v get heads / N "
+                   "heads.  Left out for a head dim whose head count N does not divide; TFLOP/s count query heads.")
 @click.option("--all-instances", is_flag=True, help="Also time every flashgen kernel tile (and backward key-split "
-              "policy) that can serve each point, as flashgen[<tile>].")
+              "policy) that can serve each point, as flashgen[<tile>] (multi-head points only).")
 @click.option("--repeats", type=int, default=30, show_default=True,
               help="Timed calls per implementation and direction, in 10 interleaved rounds.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def bench(dtypes, head_dims, seqlens, tokens, hidden, impls, all_instances, repeats, json_path, plot_path) -> None:
+def bench(dtypes, head_dims, seqlens, tokens, hidden, groups, impls, all_instances, repeats, json_path,
+          plot_path) -> None:
     """Forward and backward TFLOP/s of flashgen (directly and through its PyTorch adapter), FlashAttention-4 and
     torch's SDPA backends, side by side."""
     from flashgen import bench as b
 
+    grid = b.default_grid(dtypes, head_dims, hidden, tokens, seqlens, groups)
+    unused = sorted(set(groups) - {p.group for p in grid})  # checked before torch: a typo fails fast anywhere
+    if unused:
+        heads = ", ".join(f"{hidden // hd} (head dim {hd})" for hd in head_dims)
+        raise click.BadParameter(f"{', '.join(map(str, unused))} divides none of the head counts: {heads}",
+                                 param_hint="--group")
     try:
         import torch
     except ImportError:
         _fail("flashgen bench needs torch (for the peers and the inputs): pip install torch")
     if not torch.cuda.is_available():
         _fail("flashgen bench needs a CUDA GPU")
-    grid = b.default_grid(dtypes, head_dims, hidden, tokens, seqlens)
     click.echo(f"{torch.cuda.get_device_name()}: {len(grid)} points x {len(impls)} implementations", err=True)
     results = []
     for n, point in enumerate(grid, 1):
@@ -402,7 +414,7 @@ def bench(dtypes, head_dims, seqlens, tokens, hidden, impls, all_instances, repe
                             + (f" (first call {r.compile_s:.1f} s)" if r.compile_s is not None else "")
                             for r in rows if r.tflops)
         click.echo(f"[{n}/{len(grid)}] {point.dtype} d{point.head_dim} {'causal ' if point.causal else ''}"
-                   f"B{point.batch} S{point.seqlen}: {summary}", err=True)
+                   f"B{point.batch} H{point.heads_label} S{point.seqlen}: {summary}", err=True)
     click.echo(_bench_table(grid, results, impls, all_instances))
     for line in _bench_notes(results):
         click.echo(line)

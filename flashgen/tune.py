@@ -154,7 +154,8 @@ def tune(points: List[Point], repeats: int, progress: Callable[[str], None], com
             raise ValueError(f"{out_path} was measured on {previous.device_name} (sm_{previous.cc}), this is "
                              f"{device.name} (sm_{device.cc}): pass another --out")
         entries, measured = dict(previous.entries), list(previous.measured.get("points", []))
-    done = {(tuple(sorted(m["point"].items())), m["direction"]) for m in measured}
+    # points measured before Point had a group field are multi-head: read them as group 1 to resume them
+    done = {(tuple(sorted({"group": 1, **m["point"]}.items())), m["direction"]) for m in measured}
     for n, p in enumerate(points, 1):
         for direction in ("fwd", "bwd"):
             if (tuple(sorted(vars(p).items())), direction) in done:

@@ -71,8 +71,7 @@ def host_bench(monkeypatch):
     made = []
 
     def cpu_inputs(_torch, p, sets=3):
-        shape = (p.batch, p.seqlen, p.heads, p.head_dim)
-        made[:] = [[torch.randn(shape) for _ in range(4)] for _ in range(sets)]
+        made[:] = [[torch.randn(shape) for shape in bench.shapes(p)] for _ in range(sets)]
         return made
 
     pool = types.SimpleNamespace(free_all_blocks=lambda: None)
@@ -292,10 +291,10 @@ def test_bench_defaults_to_the_adapter_and_fa4_with_ratio_and_compile_time(monke
     impls, output = _bench_cli(monkeypatch, tflops, compile_s={("fa4", "fwd"): 12.34, ("fa4", "bwd"): 30.0})
     assert impls == ["flashgen", "flashgen-torch", "fa4", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]
     header, _, fwd, bwd = _table(output)
-    assert header == ["dtype", "hdim", "causal", "seqlen", "dir", *impls, "fg/efficient", "noise", "fg-torch/fg",
-                      "fa4", "compile", "s"]
-    assert fwd == ["f16", "64", "no", "512", "fwd", "400", "300", "450", "350", "200", "500", "2.00", "1%", "0.75",
-                   "12.3"]
+    assert header == ["dtype", "hdim", "H/Hk", "causal", "seqlen", "dir", *impls, "fg/efficient", "noise",
+                      "fg-torch/fg", "fa4", "compile", "s"]
+    assert fwd == ["f16", "64", "32/32", "no", "512", "fwd", "400", "300", "450", "350", "200", "500", "2.00", "1%",
+                   "0.75", "12.3"]
     assert bwd[-4:] == ["2.00", "1%", "0.75", "30.0"]
     assert "fa4/fwd 450 (first call 12.3 s)" in output
     assert "call overhead, flashgen.torch forward: 12.5 us" in output
@@ -314,7 +313,7 @@ def test_bench_ratio_of_the_adapter_needs_both_flashgen_impls(monkeypatch):
     _, output = _bench_cli(monkeypatch, {"flashgen-torch": 300, "sdpa-efficient": 200},
                            "--impl", "flashgen-torch", "--impl", "sdpa-efficient")
     header, _, fwd, _ = _table(output)
-    assert header == ["dtype", "hdim", "causal", "seqlen", "dir", "flashgen-torch", "sdpa-efficient"]
+    assert header == ["dtype", "hdim", "H/Hk", "causal", "seqlen", "dir", "flashgen-torch", "sdpa-efficient"]
     assert fwd[-2:] == ["300", "200"]
 
 
@@ -416,3 +415,269 @@ def test_bench_report_shows_dashes_where_fa4_is_missing(tmp_path, capsys):
     assert output.count("flashgen / cudnn: 0.80 to 0.80; flashgen / fa4: -.") == 2
     assert "fa4 (FlashAttention-4) has no timing in this run: ModuleNotFoundError: No module named 'flash_attn'." \
         in output
+
+
+# Grouped-query points (--group): k and v with heads // group heads, everything else as before.
+
+GQA = bench.Point("f16", 8, False, 2, 8, 16, 4)  # 8 query heads, 2 k/v heads
+
+
+def test_default_grid_adds_groups_and_skips_those_that_do_not_divide():
+    grid = bench.default_grid(("f16",), (64, 128), hidden=2048, tokens=16384, seqlens=(1024,), groups=(1, 4, 32))
+    # head dim 64: 32 heads, every group divides; head dim 128: 16 heads, no group of 32
+    assert [(p.head_dim, p.causal, p.heads, p.kv_heads, p.group) for p in grid] == [
+        (64, False, 32, 32, 1), (64, False, 32, 8, 4), (64, False, 32, 1, 32),
+        (64, True, 32, 32, 1), (64, True, 32, 8, 4), (64, True, 32, 1, 32),
+        (128, False, 16, 16, 1), (128, False, 16, 4, 4), (128, True, 16, 16, 1), (128, True, 16, 4, 4)]
+    assert all(p.batch == 16 and p.seqlen == 1024 for p in grid)
+    assert {p.group for p in bench.default_grid()} == {1}  # no --group: the multi-head grid as before
+
+
+def test_gqa_keeps_the_flop_count_and_shrinks_only_k_and_v():
+    mha, gqa = bench.Point("bf16", 128, True, 2, 16, 4096), bench.Point("bf16", 128, True, 2, 16, 4096, 4)
+    assert bench.flops(gqa, "fwd") == bench.flops(mha, "fwd") == 4 * 2 * 16 * 4096 * 4096 * 128 / 2
+    assert bench.shapes(gqa) == ((2, 4096, 16, 128), (2, 4096, 4, 128), (2, 4096, 4, 128), (2, 4096, 16, 128))
+    assert gqa.heads_label == "16/4" and mha.heads_label == "16/16"
+
+
+def test_point_json_round_trip_with_and_without_group():
+    import json
+    from dataclasses import asdict
+
+    result = bench.Result("flashgen", "fwd", GQA, 1.5, 300.0)
+    written = json.loads(json.dumps(result.as_dict()))
+    assert written["point"] == {"dtype": "f16", "head_dim": 8, "causal": False, "batch": 2, "heads": 8,
+                                "seqlen": 16, "group": 4}
+    assert bench.Point(**written["point"]) == GQA
+    old = {k: v for k, v in asdict(POINT).items() if k != "group"}  # a file from before --group
+    assert bench.Point(**json.loads(json.dumps(old))) == POINT and POINT.group == 1
+    assert bench.Point(**old) != bench.Point(**dict(old, group=3))
+
+
+def test_flashgen_torch_gets_fewer_kv_heads_at_a_gqa_point(host_bench, monkeypatch):
+    seen = []
+
+    def attention(q, k, v, attn_bias=None, *, causal=None, **_):
+        seen.append((q.shape, k.shape, v.shape))
+        group = q.shape[2] // k.shape[2]
+        return q * k.repeat_interleave(group, 2) + v.repeat_interleave(group, 2)
+
+    _adapter(monkeypatch, attention)
+    results = bench.bench_point(GQA, ["flashgen-torch"], host_bench.torch, repeats=10)
+    assert all(r.tflops and not r.note and r.point.group == 4 for r in results)
+    assert set(seen) == {((2, 16, 8, 8), (2, 16, 2, 8), (2, 16, 2, 8))}
+
+
+def _fake_nn(refuse_gqa=()):
+    """torch.nn with SDPA backends chosen by sdpa_kernel as on a GPU; those in ``refuse_gqa`` (and
+    any, without enable_gqa) answer fewer k/v heads as torch does: "No available kernel"."""
+    import contextlib
+
+    calls, backend = [], []
+
+    @contextlib.contextmanager
+    def sdpa_kernel(kind):
+        backend.append(kind)
+        try:
+            yield
+        finally:
+            backend.pop()
+
+    def attend(q, k, v, enable_gqa, refused):
+        group = q.shape[1] // k.shape[1]
+        if group > 1 and (refused or not enable_gqa):
+            raise RuntimeError("No available kernel. Aborting execution.")
+        return q * k.repeat_interleave(group, 1) + v.repeat_interleave(group, 1)
+
+    def sdpa(q, k, v, is_causal=False, **kwargs):
+        calls.append((backend[-1], tuple(k.shape), kwargs))
+        return attend(q, k, v, kwargs.get("enable_gqa", False), backend[-1] in refuse_gqa)
+
+    def flex(q, k, v, block_mask=None, **kwargs):
+        calls.append(("flex", tuple(k.shape), kwargs))
+        return attend(q, k, v, kwargs.get("enable_gqa", False), False)
+
+    kinds = types.SimpleNamespace(FLASH_ATTENTION="flash", EFFICIENT_ATTENTION="efficient", CUDNN_ATTENTION="cudnn")
+    nn = types.SimpleNamespace(functional=types.SimpleNamespace(scaled_dot_product_attention=sdpa),
+                               attention=types.SimpleNamespace(SDPBackend=kinds, sdpa_kernel=sdpa_kernel))
+    return nn, flex, calls
+
+
+def test_sdpa_and_flex_pass_enable_gqa_and_a_refusing_backend_is_a_dash_with_why(host_bench, monkeypatch):
+    nn, flex, calls = _fake_nn(refuse_gqa=("efficient",))
+    monkeypatch.setattr(host_bench.torch, "nn", nn)
+    monkeypatch.setattr(bench, "_flex", flex)
+    results = bench.bench_point(GQA, ["sdpa-flash", "sdpa-efficient", "flex"], host_bench.torch, repeats=10)
+    got = {(r.impl, r.direction): (bool(r.tflops), r.note) for r in results}
+    refused = "at GQA 8/2 heads: RuntimeError: No available kernel. Aborting execution."
+    assert got == {("sdpa-flash", "fwd"): (True, ""), ("sdpa-flash", "bwd"): (True, ""),
+                   ("sdpa-efficient", "fwd"): (False, refused), ("sdpa-efficient", "bwd"): (False, refused),
+                   ("flex", "fwd"): (True, ""), ("flex", "bwd"): (True, "")}
+    assert {(impl, shape, kwargs["enable_gqa"]) for impl, shape, kwargs in calls} == {
+        ("flash", (2, 2, 16, 8), True), ("efficient", (2, 2, 16, 8), True), ("flex", (2, 2, 16, 8), True)}
+
+
+def test_sdpa_at_a_multi_head_point_gets_no_enable_gqa(host_bench, monkeypatch):
+    """torch before 2.5 has no enable_gqa: a multi-head point must not pass it."""
+    nn, _, calls = _fake_nn()
+    monkeypatch.setattr(host_bench.torch, "nn", nn)
+    results = bench.bench_point(POINT, ["sdpa-flash"], host_bench.torch, repeats=10)
+    assert all(r.tflops and not r.note for r in results)
+    assert {(impl, shape, tuple(kwargs)) for impl, shape, kwargs in calls} == {("flash", (2, 3, 16, 8), ())}
+
+
+def test_all_instances_are_not_timed_at_a_gqa_point(host_bench, monkeypatch):
+    """tune.measure_choices builds multi-head inputs: at a GQA point its numbers would be another shape's."""
+    from flashgen import tune
+
+    monkeypatch.setattr(tune, "measure_choices", lambda *a, **k: pytest.fail("timed a GQA point as multi-head"))
+    results = bench.bench_point(GQA, [], host_bench.torch, repeats=10, all_instances=True)
+    assert [(r.impl, r.direction, r.tflops) for r in results] == [("flashgen[*]", "fwd", None),
+                                                                  ("flashgen[*]", "bwd", None)]
+    assert results[0].note == "instances not timed at GQA points: flashgen tune measures multi-head shapes only"
+
+
+def test_plot_keeps_a_gqa_point_apart_from_its_multi_head_twin():
+    mha, gqa = bench.Point("f16", 64, False, 16, 32, 1024), bench.Point("f16", 64, False, 16, 32, 1024, 4)
+    results = [bench.Result("flashgen", "fwd", mha, 1.0, 400.0), bench.Result("flashgen", "fwd", gqa, 1.0, 350.0),
+               bench.Result("sdpa-efficient", "fwd", gqa, None, None, "at GQA 32/8 heads: no kernel")]
+    assert bench.plot_series(results) == {"fwd f16 hdim 64": {"flashgen": [(1024, 400.0)]},
+                                          "fwd f16 hdim 64 GQA 32/8": {"flashgen": [(1024, 350.0)]}}
+
+
+def _table_rows(output):
+    """Every row of the bench table (header and rule included), split on whitespace."""
+    lines = output.splitlines()
+    start = next(n for n, line in enumerate(lines) if line.startswith("dtype"))
+    end = next((n for n in range(start, len(lines)) if not lines[n].strip() or lines[n].startswith(
+        ("no timing", "call overhead"))), len(lines))
+    return [line.split() for line in lines[start:end]]
+
+
+def test_bench_table_json_and_progress_show_the_group(monkeypatch, tmp_path):
+    import json
+
+    path = tmp_path / "run.json"
+    _, output = _bench_cli(monkeypatch, {"flashgen": 400}, "--impl", "flashgen", "--group", "1", "--group", "4",
+                           "--json", str(path))
+    rows = _table_rows(output)
+    assert rows[0] == ["dtype", "hdim", "H/Hk", "causal", "seqlen", "dir", "flashgen"]
+    assert [row[:6] for row in rows[2:]] == [
+        ["f16", "64", heads, causal, "512", d] for causal in ("no", "yes") for heads in ("32/32", "32/8")
+        for d in ("fwd", "bwd")]
+    assert "f16 d64 B32 H32/8 S512: flashgen/fwd 400" in output  # the progress line
+    points = [r["point"] for r in json.loads(path.read_text())["results"]]
+    assert [p["group"] for p in points] == [1, 1, 4, 4, 1, 1, 4, 4]
+    assert all(p["heads"] == 32 for p in points)
+
+
+@pytest.mark.parametrize("group, message", [
+    ("0", "0 is not in the range x>=1"),
+    ("3", "3 divides none of the head counts: 32 (head dim 64), 16 (head dim 128)"),
+])
+def test_bench_rejects_a_group_that_cannot_be_run(group, message):
+    result = CliRunner().invoke(main, ["bench", "--head-dim", "64", "--head-dim", "128", "--group", "4",
+                                       "--group", group])
+    assert result.exit_code == 2 and "--group" in result.output
+    assert message in " ".join(result.output.split())  # click wraps long messages
+
+
+def test_bench_accepts_a_group_that_fits_one_head_dim(monkeypatch):
+    """--group 32 fits head dim 64's 32 heads: those points run, head dim 128's 16 heads are skipped."""
+    _, output = _bench_cli(monkeypatch, {"flashgen": 400}, "--impl", "flashgen", "--head-dim", "128",
+                           "--group", "32")
+    rows = _table_rows(output)
+    assert {(row[1], row[2]) for row in rows[2:]} == {("64", "32/1")}
+
+
+def test_bench_report_gives_a_gqa_point_its_own_row(tmp_path, capsys):
+    """A GQA point and its multi-head twin (same B x S) get their own rows; a peer without a GQA
+    kernel there (sdpa-efficient) leaves dashes, not a crash; an old file without groups pairs up."""
+    import json
+
+    def point(group=None):
+        p = {"dtype": "bf16", "head_dim": 128, "causal": False, "batch": 16, "heads": 16, "seqlen": 1024}
+        return p if group is None else dict(p, group=group)
+
+    def results(mha_point):
+        rows = []
+        for p, efficient in ((mha_point, 200), (point(4), None)):
+            for direction in ("fwd", "bwd"):
+                for impl, tflops in (("flashgen", 400 if p is mha_point else 500), ("sdpa-efficient", efficient),
+                                     ("sdpa-flash", 320), ("sdpa-cudnn", 500)):
+                    rows.append({"impl": impl, "direction": direction, "point": p, "tflops": tflops,
+                                 "ms": 100 / tflops if tflops else None, "spread": 0.01,
+                                 "note": "" if tflops else "at GQA 16/4 heads: RuntimeError: No available kernel"})
+        return rows
+
+    runs = [{"device": "Fake GPU", "overhead_us": {}, "import_ms": {}, "results": results(mha)}
+            for mha in (point(1), point())]  # the repeat run: written before --group
+    paths = [tmp_path / name for name in ("run.json", "repeat.json", "table.json")]
+    for path, data in zip(paths, runs + [{"measured": {"points": [], "command": "tune", "repeats": 10},
+                                          "entries": []}]):
+        path.write_text(json.dumps(data))
+    _bench_report().main(*map(str, paths))
+    output = capsys.readouterr().out
+    table = output.split("## Forward\n")[1].strip().split("\n\n")[0].splitlines()
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    rows = {cells["B x S"]: cells for cells in (dict(zip(header, (c.strip() for c in line.strip("|").split("|"))))
+                                                for line in table[2:])}
+    assert set(rows) == {"16 x 1024", "16 x 1024, 16/4 heads"}
+    assert (rows["16 x 1024"]["flashgen"], rows["16 x 1024"]["flashgen / efficient"]) == ("400", "2.00")
+    assert (rows["16 x 1024, 16/4 heads"]["flashgen"], rows["16 x 1024, 16/4 heads"]["sdpa-efficient"],
+            rows["16 x 1024, 16/4 heads"]["flashgen / efficient"]) == ("500", "-", "-")
+    assert "moved each implementation's median by 0.0% (median)" in output  # the old repeat file paired up
+
+
+def test_bench_compare_pairs_old_files_without_group_and_keeps_gqa_apart(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_compare", Path(__file__).parents[1] / "tools/bench_compare.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    base = {"dtype": "bf16", "head_dim": 128, "causal": False, "batch": 4, "heads": 16, "seqlen": 4096}
+
+    def run(name, points):
+        path = tmp_path / name
+        path.write_text(json.dumps({"results": [{"impl": "flashgen", "direction": "fwd", "point": p, "tflops": t}
+                                                for p, t in points]}))
+        return tool.load(str(path), "flashgen")
+
+    old = run("old.json", [(base, 400)])  # before --group: no group field
+    new = run("new.json", [(dict(base, group=1), 380), (dict(base, group=4), 500)])
+    rows = tool.compare([new], [old])
+    assert [(round(r[0], 3), r[2]["group"]) for r in rows] == [(0.95, 1)]  # the GQA point has no old twin
+    assert len(new) == 2
+
+
+def test_tune_resumes_a_table_written_before_points_had_a_group(monkeypatch, tmp_path):
+    """Point's new field must not make `flashgen tune` re-measure what an older table holds."""
+    import json
+
+    from flashgen import tune
+    from flashgen.runtime import device as device_module
+    from flashgen.runtime import tuning
+
+    fake_cupy = types.ModuleType("cupy")
+    fake_cupy.__version__ = "fake"
+    fake_cupy.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setattr(device_module, "device_info", lambda index: types.SimpleNamespace(name="Fake GPU", cc=90))
+    monkeypatch.setattr("flashgen.runtime.registry.default_registry", lambda: None)
+    monkeypatch.setattr(tune, "family_for", lambda direction, registry, device: f"mem_eff_{direction}")
+    tile = tuning.Choice((("queries_per_block", 64), ("keys_per_block", 64), ("max_k", 64)))
+    monkeypatch.setattr(tune, "candidates", lambda registry, device, p, direction: [("prio", tile)])
+    measured = []
+    monkeypatch.setattr(tune, "measure_choices", lambda p, direction, *a: measured.append(p) or
+                        {"default": 1.0, "prio": 1.0})
+    out = tmp_path / "table.json"
+    points = bench.default_grid(("f16",), (64,), seqlens=(512,))
+    tune.tune(points, 3, lambda line: None, "flashgen tune", out)
+    assert len(measured) == 2 * len(points)
+    data = json.loads(out.read_text())
+    assert all(m["point"].pop("group") == 1 for m in data["measured"]["points"])  # as an older flashgen wrote it
+    out.write_text(json.dumps(data))
+    tune.tune(points, 3, lambda line: None, "flashgen tune", out)
+    assert len(measured) == 2 * len(points)  # nothing measured again

@@ -16,10 +16,11 @@ import statistics
 
 
 def load(path: str, impl: str) -> dict:
-    """{(point, direction): TFLOP/s} of ``impl`` in one bench JSON."""
+    """{(point, direction): TFLOP/s} of ``impl`` in one bench JSON.  A point without a group (a
+    file from before GQA points) is multi-head, group 1, so old and new files still pair up."""
     with open(path) as f:
         results = json.load(f)["results"]
-    return {(json.dumps(r["point"], sort_keys=True), r["direction"]): r["tflops"]
+    return {(json.dumps({"group": 1, **r["point"]}, sort_keys=True), r["direction"]): r["tflops"]
             for r in results if r["impl"] == impl and r["tflops"]}
 
 
@@ -48,8 +49,9 @@ def main(argv=None) -> int:
     print(f"{len(rows)} points: new/old median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, "
           f"max {max(ratios):.3f}; slower than the old runs' own spread: {len(beyond)}")
     for ratio, spread, p, direction in rows[:args.show]:
+        gqa = f" H{p['heads']}/{p['heads'] // p['group']}" if p["group"] > 1 else ""
         print(f"  {ratio:.3f} (old spread {spread:.1%}) {p['dtype']} d{p['head_dim']} "
-              f"{'causal' if p['causal'] else 'full'} S{p['seqlen']} {direction}")
+              f"{'causal' if p['causal'] else 'full'}{gqa} S{p['seqlen']} {direction}")
     return 0
 
 
