@@ -2,8 +2,10 @@
 
     FLASHGEN_TUNING=flashgen/tuning/nvidia_h200_sm90.json \\
         flashgen bench --json docs/bench_h200.json --plot docs/bench_h200.png      # on the GPU
+    flashgen bench --group 4 --group 8 --seqlen 2048 --seqlen 8192 \\
+        --impl flashgen --impl flashgen-torch --impl fa4 --impl sdpa-cudnn --json docs/bench_h200_gqa.json
     python tools/bench_report.py docs/bench_h200.json docs/bench_h200_repeat.json \\
-        flashgen/tuning/nvidia_h200_sm90.json > BENCHMARKS.md
+        flashgen/tuning/nvidia_h200_sm90.json docs/bench_h200_gqa.json > BENCHMARKS.md
 
 The second JSON (an independent run of the same code) gives the run-to-run
 noise; the tuning table gives what tuning changed.
@@ -15,47 +17,68 @@ from collections import defaultdict
 
 IMPLS = ["flashgen", "sdpa-efficient", "sdpa-flash", "sdpa-cudnn", "fa4"]
 
-FWD_NEXT_STEPS = """Toward cuDNN: two steps since these tables were measured (issue 16, H200,
-flashgen and cuDNN in the same runs).  (1) Block t's S = QK^T is issued with
-block t-1's P V and its softmax runs while P V is on the tensor cores, the
-consumer warpgroups taking turns to issue (named barriers), the producer a
-register-donating warpgroup for every tier: forward median +10% (0.98-1.19x
-per point) against the cubins before.  (2) A persistent grid, one CTA per SM,
-the producer loading the next tile while the consumers finish the last, work
-units query blocks fastest (L2 sharing) and, under a causal mask, pairs of
+FWD_NEXT_STEPS = """Two steps behind these numbers (issue 16, same-run A/B against the cubins
+before each).  (1) Block t's S = QK^T is issued with block t-1's P V and its
+softmax runs while P V is on the tensor cores, the consumer warpgroups taking
+turns to issue (named barriers), the producer a register-donating warpgroup for
+every tier: median +10% (0.98-1.19x per point).  (2) A persistent grid, one CTA
+per SM, the producer loading the next tile while the consumers finish the last,
+work units query blocks fastest (L2 sharing) and, under a causal mask, pairs of
 query blocks j and last-j (equal work): median +3%, up to +16% at short and
-causal points.  Forward / cuDNN is then 0.79-1.21 (median 0.97) in one run;
-FlashAttention-4 in a run of 8 bf16 points: flashgen / FA4 1.36-1.55 at 1k
-tokens, 0.92-1.03 at 8k (the backward: 0.82-1.02 at 1k, 0.62-0.70 at 8k).
-Tried and not kept: all tiles ordered by causal length (lost L2 sharing,
--5 to -16% unmasked), a per-round rotation (-30% causal at 16k); earlier, a one-block software pipeline with one producer warp
-(15-25% slower).  Next: the short causal points (0.79-0.89 at 512-1k, d64),
-O through shared memory with a TMA store."""
+causal points.  Tried and not kept: all tiles ordered by causal length (lost L2
+sharing, -5 to -16% unmasked), a per-round rotation (-30% causal at 16k);
+earlier, a one-block software pipeline with one producer warp (15-25% slower).
+Behind cuDNN: short sequences (512-2k, where cuDNN's forward is at its best) and
+unmasked head dim 128.  Next: O through shared memory with a TMA store, and the
+short causal points."""
 
-BWD_NEXT_STEPS = """Toward cuDNN (behind from 2k tokens on, level or ahead at 512-1k): dQ now
-leaves each CTA as one TMA bulk reduce-add per query block; it was 32 float2
-atomics per thread, with the warps stalled on long scoreboard 31% and LSU
-throttle 14%.  ncu on bf16, head dim 128, 4 x 4096, not causal: the main
-kernel takes 4.12 ms at ncu's clocks (5.05 ms with the atomics), SM
-throughput 45% of peak, stalls long scoreboard 22%, wait 20%, barrier 12%,
-LG throttle 9%.  Next: overlap the next block's S and dP GEMMs with the
-current block's softmax (the two warpgroups taking turns), a second dQ tile
-so no consumer waits for the TMA unit to read the last one, and three stages
-and fewer spills at head dim 64 (its kernels spill 84-104 bytes).  Outside
-this grid, head dims 136-256 run on a split-head-dim tile (two warpgroups
-share 64 keys, both compute S and dP, dQ by atomics): at 256, 136-171 TFLOP/s
-from 1k to 16k tokens against FlashAttention-2's 137-253 and example 41's
-32-40 (a separate `flashgen bench --head-dim 256` run); sharing S and dP
-through shared memory instead of computing them twice is the next step there."""
+BWD_NEXT_STEPS = """One step behind these numbers (issue 16): each warpgroup writes its dQ part
+to shared memory in register order (16-byte stores; the row-major tile put 8
+rows on the same banks) and that part leaves, as a bulk reduce-add after a
+warpgroup barrier (no CTA-wide one), at the top of the next step, beside the
+issue of that step's S^T and dP^T.  Same-run A/B against the cubins before:
+head dim 128 +4% to +18% at every point, head dim 64 +3% to +7%; the head-dim
+128 kernels stopped spilling, head dim 64's spill 72 bytes (was 84-104).  Tried
+and not kept: holding dQ's registers while S^T/dP^T were issued (570-1050 bytes
+of spills), issuing across the loop's back edge (ptxas serialised the wgmmas),
+three stages at head dim 128 (+0-4% unmasked, -1 to +4% causal).  ncu (H200,
+f16, 16k tokens): the prep and convert kernels take 70 and 54 us per call
+(bandwidth: O, dO and a zeroed fp32 accumulator in, the accumulator out), 15-20%
+of a 512-token backward.  Behind cuDNN and FlashAttention-4 from 2k tokens on
+(0.79-0.93x cuDNN at 4k-16k): each step still runs S/dP -> softmax -> dK/dV ->
+dQ in order within a warpgroup, and both warpgroups meet at a barrier before dQ
+(it needs both halves of dS), so their softmaxes coincide and leave the tensor
+cores idle.  Next: dQ of step t issued in step t+1 after an mbarrier says both
+halves of dS are in (no blocking barrier), so the warpgroups can take turns as
+in the forward; an accumulator the main kernel initialises instead of prep's
+zeroing.  Grouped-query, causal, 8 query heads per k/v head at 8k tokens is
+the lowest point (0.68-0.70x cuDNN, GQA table below): a CTA walks all query
+heads of its k/v head, so 2 x 2 k/v heads x 64 key blocks make 256 CTAs of
+unequal causal length for 132 SMs; splitting a group's query heads over CTAs
+(dK/dV summed in a workspace) would even the tail.  Outside this grid, head dims 136-256 run on a split-head-dim tile (two
+warpgroups share 64 keys, both compute S and dP, dQ by atomics): at 256, 136-171
+TFLOP/s from 1k to 16k tokens against FlashAttention-2's 137-253 (measured
+before this step)."""
 
 
 def load(path):
+    """The run and its results by point: (direction, dtype, head dim, causal, seqlen, batch, heads,
+    group).  Files written before GQA points existed have no group: they are multi-head (group 1),
+    so they still pair with a newer repeat run point for point."""
     data = json.load(open(path))
     cells = defaultdict(dict)
     for r in data["results"]:
         p = r["point"]
-        cells[(r["direction"], p["dtype"], p["head_dim"], p["causal"], p["seqlen"], p["batch"], p["heads"])][r["impl"]] = r
+        cells[(r["direction"], p["dtype"], p["head_dim"], p["causal"], p["seqlen"], p["batch"], p["heads"],
+               p.get("group", 1))][r["impl"]] = r
     return data, cells
+
+
+def shape(key) -> str:
+    """'B x S' of a point, and its query/key-value heads where it is grouped-query, so a GQA
+    point never reads as its multi-head twin."""
+    _, _, _, _, s, b, h, g = key
+    return f"{b} x {s}" + (f", {h}/{h // g} heads" if g > 1 else "")
 
 
 def ratio(got, a="flashgen", b="sdpa-efficient"):
@@ -63,6 +86,13 @@ def ratio(got, a="flashgen", b="sdpa-efficient"):
     if got.get(a, {}).get("ms") and got.get(b, {}).get("ms"):
         return got[b]["ms"] / got[a]["ms"]
     return None
+
+
+def lower(a, b):
+    """The lower of a run's ratio and its repeat run's, of those that exist (a peer without a GQA
+    kernel, as sdpa-efficient, has none at a GQA point); None where neither does."""
+    got = [r for r in (a, b) if r is not None]
+    return min(got) if got else None
 
 
 def span(values) -> str:
@@ -89,16 +119,51 @@ def fa4_sentence(results) -> str:
     return f"fa4 (FlashAttention-4) has no timing in this run{': ' + '; '.join(notes) if notes else ''}."
 
 
-def main(path: str, repeat_path: str, table_path: str) -> None:
+def torch_summary(cells) -> None:
+    """What torch callers get: flashgen through flashgen.torch (forward through the op, backward by
+    autograd, as a training step) over flashgen on CuPy arrays, per direction."""
+    print("\n## Through flashgen.torch\n")
+    for direction in ("fwd", "bwd"):
+        rs = [r for k, v in cells.items() if k[0] == direction
+              for r in [ratio(v, a="flashgen-torch", b="flashgen")] if r is not None]
+        if rs:
+            print(f"- {direction}: flashgen-torch / flashgen {min(rs):.2f} to {max(rs):.2f}, "
+                  f"median {statistics.median(rs):.2f}")
+
+
+def gqa_section(path: str) -> None:
+    """Grouped-query points (``flashgen bench --group``) from a run of their own."""
+    data, cells = load(path)
+    impls = [i for i in ("flashgen", "flashgen-torch", "fa4", "sdpa-cudnn")
+             if any(i in v for v in cells.values())]
+    print(f"\n## Grouped-query attention ({path})\n")
+    print("Query heads / k/v heads as in the shape; k and v are read in place (no repeat).\n")
+    for direction in ("fwd", "bwd"):
+        keys = [k for k in cells if k[0] == direction]
+        print(f"- {direction}: flashgen / cudnn {span(ratio(cells[k], b='sdpa-cudnn') for k in keys)}, "
+              f"flashgen / fa4 {span(ratio(cells[k], b='fa4') for k in keys)}")
+    print("\n| dir | dtype | hdim | causal | B x S, heads | " + " | ".join(impls) +
+          " | flashgen / cudnn | flashgen / fa4 |")
+    print("|---" * (7 + len(impls)) + "|")
+    for key in sorted(cells):
+        d, dtype, hd, causal = key[:4]
+        got = cells[key]
+        vals = " | ".join(f"{got[i]['tflops']:.0f}" if got.get(i, {}).get("tflops") else "-" for i in impls)
+        print(f"| {d} | {dtype} | {hd} | {'yes' if causal else 'no'} | {shape(key)} | {vals} | "
+              f"{fmt(ratio(got, b='sdpa-cudnn'))} | {fmt(ratio(got, b='fa4'))} |")
+
+
+def main(path: str, repeat_path: str, table_path: str, gqa_path: str = "") -> None:
     data, cells = load(path)
     repeat_data, repeat = load(repeat_path)
     table = json.load(open(table_path))
     ratios = {k: ratio(v) for k, v in cells.items()}
     repeat_ratios = {k: ratio(repeat[k]) for k in cells if k in repeat}
     drift = [abs(cells[k][i]["ms"] / repeat[k][i]["ms"] - 1) for k in cells if k in repeat
-             for i in ("flashgen", "sdpa-efficient")]
-    below = sorted((min(ratios[k], repeat_ratios.get(k, ratios[k])), k) for k in cells
-                   if k[0] == "bwd" and ratios[k] < 1)
+             for i in ("flashgen", "sdpa-efficient")
+             if cells[k].get(i, {}).get("ms") and repeat[k].get(i, {}).get("ms")]
+    below = sorted((lower(ratios[k], repeat_ratios.get(k)), k) for k in cells
+                   if k[0] == "bwd" and ratios[k] is not None and ratios[k] < 1)
     vs_flash = {k: ratio(v, b="sdpa-flash") for k, v in cells.items()}
     vs_cudnn = {k: ratio(v, b="sdpa-cudnn") for k, v in cells.items()}
     vs_fa4 = {k: ratio(v, b="fa4") for k, v in cells.items()}
@@ -111,8 +176,10 @@ Device: **{data['device']}**.  One run, every implementation side by side:
 flashgen build --arch sm90a --out build/kernels
 FLASHGEN_KERNEL_PATH=build/kernels FLASHGEN_TUNING=flashgen/tuning/nvidia_h200_sm90.json \\
     flashgen bench --json docs/bench_h200.json --plot docs/bench_h200.png
+flashgen bench --group 4 --group 8 --seqlen 2048 --seqlen 8192 \\
+    --impl flashgen --impl flashgen-torch --impl fa4 --impl sdpa-cudnn --json docs/bench_h200_gqa.json
 python tools/bench_report.py docs/bench_h200.json docs/bench_h200_repeat.json \\
-    flashgen/tuning/nvidia_h200_sm90.json > BENCHMARKS.md
+    flashgen/tuning/nvidia_h200_sm90.json docs/bench_h200_gqa.json > BENCHMARKS.md
 ```
 
 (The table named is the one `flashgen tune` wrote on this GPU and the wheel
@@ -145,27 +212,28 @@ cuDNN and FlashAttention-4 are the bars for the Hopper families.
     for direction, family, next_steps in (("fwd", "sm90_fwd", FWD_NEXT_STEPS), ("bwd", "sm90_bwd", BWD_NEXT_STEPS)):
         keys = [k for k in cells if k[0] == direction]
         name = "Forward" if direction == "fwd" else "Backward"
-        behind = sorted((min(vs_flash[k], ratio(repeat.get(k, {}), b="sdpa-flash") or vs_flash[k]), k)
-                        for k in keys if vs_flash[k] < 1)
+        behind = sorted((lower(vs_flash[k], ratio(repeat.get(k, {}), b="sdpa-flash")), k)
+                        for k in keys if vs_flash[k] is not None and vs_flash[k] < 1)
         print(f"## {name} ({family}) against FlashAttention-2, cuDNN and FlashAttention-4\n")
         print(f"flashgen / flash over the {len(keys)} {name.lower()} points: {span(vs_flash[k] for k in keys)}; "
               f"flashgen / cudnn: {span(vs_cudnn[k] for k in keys)}; flashgen / fa4: {span(vs_fa4[k] for k in keys)}.")
         if behind:
             print(f"{name} points behind FlashAttention-2 in this run or the repeat run (lower ratio of the two):")
             for r, k in behind:
-                print(f"- {k[1]} head dim {k[2]}{' causal' if k[3] else ''} {k[5]} x {k[4]}: {r:.3f}")
+                print(f"- {k[1]} head dim {k[2]}{' causal' if k[3] else ''} {shape(k)}: {r:.3f}")
         else:
             print(f"No {name.lower()} point is behind FlashAttention-2 in either run.")
         print("\n" + next_steps + "\n")
-    worst = {d: min(min(ratios[k], repeat_ratios.get(k, ratios[k])) for k in cells if k[0] == d) for d in ("fwd", "bwd")}
+    worst = {d: min((lower(ratios[k], repeat_ratios.get(k)) for k in cells if k[0] == d and ratios[k] is not None),
+                    default=None) for d in ("fwd", "bwd")}
     print(f"""## Against sdpa-efficient (the example-41 kernels)
 
-Lowest flashgen / efficient ratio of the two runs: forward {worst['fwd']:.2f}, backward {worst['bwd']:.2f}.
+Lowest flashgen / efficient ratio of the two runs: forward {fmt(worst['fwd'])}, backward {fmt(worst['bwd'])}.
 {len(clearly)} points are below 0.995 in both runs (slower by more than the run-to-run drift).
 """)
     for r, key in clearly:
-        d, dtype, hd, causal, s, b, h = key
-        print(f"- {d} {dtype} head dim {hd}{' causal' if causal else ''} {b} x {s}: {ratios[key]:.3f} "
+        d, dtype, hd, causal = key[:4]
+        print(f"- {d} {dtype} head dim {hd}{' causal' if causal else ''} {shape(key)}: {ratios[key]:.3f} "
               f"(repeat run {repeat_ratios.get(key, float('nan')):.3f})")
     for direction in ("fwd", "bwd"):
         print(f"\n## {'Forward' if direction == 'fwd' else 'Backward'}\n")
@@ -173,13 +241,16 @@ Lowest flashgen / efficient ratio of the two runs: forward {worst['fwd']:.2f}, b
               " | flashgen / efficient | flashgen / flash | flashgen / cudnn | flashgen / fa4 | noise |")
         print("|---" * (9 + len(IMPLS)) + "|")
         for key in sorted(k for k in cells if k[0] == direction):
-            _, dtype, hd, causal, s, b, h = key
+            _, dtype, hd, causal = key[:4]
             got = cells[key]
             vals = " | ".join(f"{got[i]['tflops']:.0f}" if got.get(i, {}).get("tflops") else "-" for i in IMPLS)
             spreads = [got[i]["spread"] for i in ("flashgen", "sdpa-efficient") if got.get(i, {}).get("spread")]
-            print(f"| {dtype} | {hd} | {'yes' if causal else 'no'} | {b} x {s} | {vals} | {fmt(ratios[key])} | "
+            print(f"| {dtype} | {hd} | {'yes' if causal else 'no'} | {shape(key)} | {vals} | {fmt(ratios[key])} | "
                   f"{fmt(vs_flash[key])} | {fmt(vs_cudnn[key])} | {fmt(vs_fa4[key])} | "
                   f"{f'{max(spreads):.0%}' if spreads else '-'} |")
+    torch_summary(cells)
+    if gqa_path:
+        gqa_section(gqa_path)
     print("\n## Per-call host overhead and import time\n")
     print("A tiny problem (1 x 128 x 1 x 64, f16), wall time per call over 500 back-to-back calls, median of")
     print("9 rounds with the implementations interleaved; flashgen's calls repeat one signature and take the")
@@ -210,4 +281,4 @@ buckets beat the priority order by more than 1% and are in
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
