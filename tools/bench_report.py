@@ -51,11 +51,14 @@ dQ in order within a warpgroup, and both warpgroups meet at a barrier before dQ
 cores idle.  Next: dQ of step t issued in step t+1 after an mbarrier says both
 halves of dS are in (no blocking barrier), so the warpgroups can take turns as
 in the forward; an accumulator the main kernel initialises instead of prep's
-zeroing.  Grouped-query, causal, 8 query heads per k/v head at 8k tokens is
-the lowest point (0.68-0.70x cuDNN, GQA table below): a CTA walks all query
-heads of its k/v head, so 2 x 2 k/v heads x 64 key blocks make 256 CTAs of
-unequal causal length for 132 SMs; splitting a group's query heads over CTAs
-(dK/dV summed in a workspace) would even the tail.  Outside this grid, head dims 136-256 run on a split-head-dim tile (two
+zeroing.  Grouped-query, causal, was the lowest in the GQA table below
+(0.67-1.11x cuDNN, 8 query heads per k/v head at 8k the worst): a CTA walks
+all query heads of its k/v head, and with key blocks innermost in the grid a
+late pair's longest CTA started near the end.  Since that run, grouped-query
+band calls take the grid key block by key block (longest first across pairs):
++6% to +32% at those points in a same-run A/B, GQA causal backward / cuDNN
+0.93-1.27 (median 0.97) in a run with cuDNN alone; multi-head calls keep the
+old order (key-block-major lost 3-12% there: L2 sharing of Q and dO).  Outside this grid, head dims 136-256 run on a split-head-dim tile (two
 warpgroups share 64 keys, both compute S and dP, dQ by atomics): at 256, 136-171
 TFLOP/s from 1k to 16k tokens against FlashAttention-2's 137-253 (measured
 before this step)."""
