@@ -22,7 +22,7 @@
 //   dQ   = dS K                              (dS^T through shared memory), added into an
 //                                            fp32 accumulator by a TMA bulk reduce-add that
 //                                            leaves at the top of the next step, beside
-//                                            that step's S^T / dP^T (kSdpUnderDqOut)
+//                                            that step's S^T / dP^T, issued first
 // Transposing S rather than dQ keeps every per-row softmax quantity a column
 // broadcast (one smem read per column) and dK/dV in registers for the whole
 // CTA.  The dQ product is split between the warpgroups by query rows when a
@@ -141,10 +141,6 @@ struct BwdKernel {
   static constexpr int kDqCols = kDqSplitRows ? kHeadDim : kHeadDim / kWarpGroups;
   static_assert(kDqSplitRows || (kBlockM == 64 && kDqCols % kBoxCols == 0),
                 "dQ needs 64 query rows per warpgroup or whole swizzle atoms of head-dim columns per warpgroup");
-  // Which goes first at the top of a step: the issue of its S^T and dP^T, so they run while
-  // the last step's dQ leaves (+2-3% at 64-query steps, H200), or that dQ's bulk add (+3-7%
-  // at 128-query steps, whose S^T and dP^T hold 128 registers per thread through it).
-  static constexpr bool kSdpUnderDqOut = kBlockM == 64;
   // dQ leaves through a tile in shared memory (add_dq_tile) where the tile fits beside the rest;
   // the split head dim adds its parts with atomics instead.
   static constexpr bool kDqTile = !kSplitCols;
@@ -357,13 +353,10 @@ struct BwdKernel {
       int const head = head_of(t);
       int const m_block = m_block_of(t);
       int const query0 = m_block * kBlockM;
-      if constexpr (kSdpUnderDqOut) {
-        issue_sdp(t);
-        previous_dq_out(t);
-      } else {
-        previous_dq_out(t);
-        issue_sdp(t);
-      }
+      // The GEMMs go first and run while the last step's dQ leaves.  (With lse, delta and dS
+      // in generic memory accesses, 128-query steps had done better the other way round.)
+      issue_sdp(t);
+      previous_dq_out(t);
       warpgroup_wait<1>();  // S^T
       warpgroup_fence_operand(tSrS);
 
@@ -377,6 +370,15 @@ struct BwdKernel {
         return (key >= seq.num_keys) |
                (kBand & ((key > query0 + col + seq.band_hi) | (key < query0 + col + seq.band_lo)));
       };
+      // Register r's column value of lse or delta.  A thread's columns come in adjacent pairs
+      // (col0 is even) shared by registers 4g .. 4g + 3: one 8-byte load per pair, at r = 4g.
+      float2 pair;
+      auto column_value = [&](float const* row, int r) {
+        if (r % 4 == 0) {
+          pair = load_shared_f32x2(row + (r / 4) * 8 + col0);
+        }
+        return r % 2 ? pair.y : pair.x;
+      };
       float const* lse_log2 = s.lse_log2[stage];
       float const* delta = s.delta[stage];
       // The mask is applied in a loop of its own: tested per element inside the exp2 loop,
@@ -384,8 +386,7 @@ struct BwdKernel {
       if constexpr (!kSoftcap) {
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {  // P^T in place of S^T
-          int const col = (r / 4) * 8 + col0 + r % 2;
-          tSrS(r) = exp2_approx(fmaf(tSrS(r), p.scale_log2, -lse_log2[col]));
+          tSrS(r) = exp2_approx(fmaf(tSrS(r), p.scale_log2, -column_value(lse_log2, r)));
         }
         if (masked) {
           CUTE_UNROLL
@@ -397,16 +398,15 @@ struct BwdKernel {
         warpgroup_fence_operand(tPrDp);
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {
-          int const col = (r / 4) * 8 + col0 + r % 2;
           tVrP(r) = static_cast<Element>(tSrS(r));
-          tKrDs(r) = static_cast<Element>(tSrS(r) * (tPrDp(r) - delta[col]));
+          tKrDs(r) = static_cast<Element>(tSrS(r) * (tPrDp(r) - column_value(delta, r)));
         }
       } else {
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {  // P^T into its A operand, tanh's slope 1 - t^2 into dS^T's
           int const col = (r / 4) * 8 + col0 + r % 2;
           float const t = tanh_approx(tSrS(r) * p.softcap_in);
-          float const prob = exp2_approx(fmaf(t * p.softcap_out, p.scale_log2, -lse_log2[col]));
+          float const prob = exp2_approx(fmaf(t * p.softcap_out, p.scale_log2, -column_value(lse_log2, r)));
           tVrP(r) = static_cast<Element>(masked && hidden(r, col) ? 0.f : prob);
           tKrDs(r) = static_cast<Element>(1.f - t * t);
         }
@@ -414,22 +414,29 @@ struct BwdKernel {
         warpgroup_fence_operand(tPrDp);
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {  // d(softcap_out * t) / dS = scale (1 - t^2); scale comes at the end
-          int const col = (r / 4) * 8 + col0 + r % 2;
-          tKrDs(r) = static_cast<Element>(static_cast<float>(tVrP(r)) * (tPrDp(r) - delta[col]) *
+          tKrDs(r) = static_cast<Element>(static_cast<float>(tVrP(r)) * (tPrDp(r) - column_value(delta, r)) *
                                           static_cast<float>(tKrDs(r)));
         }
       }
-      // dS^T -> dS in shared memory (a query pair is adjacent there), for the dQ product (with a
-      // split head dim both warpgroups hold all of dS^T: the first writes it).
+      // dS^T -> dS in shared memory, for the dQ product (with a split head dim both warpgroups
+      // hold all of dS^T: the first writes it).  The registers are 8 x 8 tiles (8 keys, 8
+      // adjacent queries) in the order stmatrix takes them, and a key's 8 queries are one
+      // 16-byte chunk of sDs: one stmatrix stores registers r .. r + 7, the tiles of keys +0
+      // and +8 for queries r / 4 * 8 and 8 more, lane l addressing row l % 8 of tile l / 8.
       if (!kSplitCols || wg == 0) {
+        int const tile = lane / 8;
+        int const key = key_row - lane / 4 + (tile % 2) * 8 + lane % 8;
         CUTE_UNROLL
-        for (int r = 0; r < size(tKrDs); r += 2) {
-          int const col = (r / 4) * 8 + col0;
-          int const key = key_row + ((r / 2) % 2) * 8;
-          cutlass::Array<Element, 2> pair;
-          pair[0] = tKrDs(r);
-          pair[1] = tKrDs(r + 1);
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(&sDs(col, key, buf)) = pair;
+        for (int r = 0; r < size(tKrDs); r += 8) {
+          uint32_t pairs[4];
+          CUTE_UNROLL
+          for (int j = 0; j < 4; ++j) {
+            cutlass::Array<Element, 2> pair;
+            pair[0] = tKrDs(r + 2 * j);
+            pair[1] = tKrDs(r + 2 * j + 1);
+            pairs[j] = reinterpret_cast<uint32_t const&>(pair);
+          }
+          store_matrix_x4(&sDs((r / 4 + tile / 2) * 8, key, buf), pairs);
         }
       }
       cutlass::arch::fence_view_async_shared();
@@ -621,8 +628,7 @@ struct BwdKernel {
 
   // grid (ceil(N / kBlockN), k/v heads, batch or sequences), kThreads threads, kSharedBytes dynamic shared memory
   static __device__ void run(BwdParams const& p, char* smem_raw) {
-    SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                                         ~uintptr_t(1023));
+    SharedStorage& s = shared_storage<SharedStorage>(smem_raw);
     // Key blocks in order (the deterministic dQ order).  Grouped-query band calls take the grid
     // key block by key block across all (k/v head, sequence) pairs, so every pair's long first
     // blocks start first and the short last ones fill the tail: a CTA walks all query heads of

@@ -158,6 +158,38 @@ struct TurnTaking {
   }
 };
 
+// The kernel's SharedStorage at the first 1024-byte boundary of dynamic shared memory (the
+// 128-byte swizzles want it).  The offset is added to the __shared__ array's pointer rather
+// than rounding its address as an integer: through an integer the compiler loses that the
+// storage is shared memory, and every plain access to it (lse, delta, the dS and dQ tiles)
+// became a generic LD/ST, slower than LDS/STS and queued with the global-memory traffic.
+template <class Storage>
+__device__ __forceinline__ Storage& shared_storage(char* smem_raw) {
+  uint32_t const misalignment = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) % 1024;
+  return *reinterpret_cast<Storage*>(smem_raw + (1024 - misalignment) % 1024);
+}
+
+// Four 8 x 8 tiles of 16-bit values into shared memory (stmatrix): this thread holds the pair
+// (row lane / 4, columns 2 * (lane % 4) and + 1) of tile j in values[j], and addresses row
+// lane % 8 of tile lane / 8 (16 contiguous bytes) at `smem` -- an address cute computed, whose
+// swizzled pointers are integers to the compiler, hence the explicit shared state space.
+__device__ __forceinline__ void store_matrix_x4(void* smem, uint32_t const (&values)[4]) {
+  asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(smem))),
+               "r"(values[0]), "r"(values[1]), "r"(values[2]), "r"(values[3])
+               : "memory");
+}
+
+// Two adjacent floats from shared memory in one 8-byte load (the compiler split the same load
+// written in C++ into two 4-byte ones).
+__device__ __forceinline__ float2 load_shared_f32x2(float const* smem) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];"
+               : "=f"(v.x), "=f"(v.y)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))));
+  return v;
+}
+
 // One bulk reduce-add of `bytes` (a multiple of 16) of fp32 from shared into global memory: the
 // TMA unit does the adds.  It joins the issuing thread's bulk group (bulk_wait_read/_all).
 __device__ __forceinline__ void bulk_reduce_add(float* gmem, float const* smem, int bytes) {

@@ -452,8 +452,7 @@ struct FwdKernel {
 
   // grid (min(tiles, SMs), 1, 1): see Schedule (a CTA left without a work unit exits at once)
   static __device__ void run(FwdParams const& p, char* smem_raw) {
-    SharedStorage& s = *reinterpret_cast<SharedStorage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                                         ~uintptr_t(1023));
+    SharedStorage& s = shared_storage<SharedStorage>(smem_raw);
     int const warp = threadIdx.x / 32;
     if (threadIdx.x == 0) {
       using Barrier = cutlass::arch::ClusterBarrier;
