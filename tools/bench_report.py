@@ -32,36 +32,33 @@ Behind cuDNN: short sequences (512-2k, where cuDNN's forward is at its best) and
 unmasked head dim 128.  Next: O through shared memory with a TMA store, and the
 short causal points."""
 
-BWD_NEXT_STEPS = """One step behind these numbers (issue 16): each warpgroup writes its dQ part
-to shared memory in register order (16-byte stores; the row-major tile put 8
-rows on the same banks) and that part leaves, as a bulk reduce-add after a
-warpgroup barrier (no CTA-wide one), at the top of the next step, beside the
-issue of that step's S^T and dP^T.  Same-run A/B against the cubins before:
-head dim 128 +4% to +18% at every point, head dim 64 +3% to +7%; the head-dim
-128 kernels stopped spilling, head dim 64's spill 72 bytes (was 84-104).  Tried
-and not kept: holding dQ's registers while S^T/dP^T were issued (570-1050 bytes
-of spills), issuing across the loop's back edge (ptxas serialised the wgmmas),
-three stages at head dim 128 (+0-4% unmasked, -1 to +4% causal).  ncu (H200,
-f16, 16k tokens): the prep and convert kernels take 70 and 54 us per call
-(bandwidth: O, dO and a zeroed fp32 accumulator in, the accumulator out), 15-20%
-of a 512-token backward.  Behind cuDNN and FlashAttention-4 from 2k tokens on
-(0.79-0.93x cuDNN at 4k-16k): each step still runs S/dP -> softmax -> dK/dV ->
-dQ in order within a warpgroup, and both warpgroups meet at a barrier before dQ
-(it needs both halves of dS), so their softmaxes coincide and leave the tensor
-cores idle.  Next: dQ of step t issued in step t+1 after an mbarrier says both
-halves of dS are in (no blocking barrier), so the warpgroups can take turns as
-in the forward; an accumulator the main kernel initialises instead of prep's
-zeroing.  Grouped-query, causal, was the lowest in the GQA table below
-(0.67-1.11x cuDNN, 8 query heads per k/v head at 8k the worst): a CTA walks
-all query heads of its k/v head, and with key blocks innermost in the grid a
-late pair's longest CTA started near the end.  Since that run, grouped-query
-band calls take the grid key block by key block (longest first across pairs):
-+6% to +32% at those points in a same-run A/B, GQA causal backward / cuDNN
-0.93-1.27 (median 0.97) in a run with cuDNN alone; multi-head calls keep the
-old order (key-block-major lost 3-12% there: L2 sharing of Q and dO).  Outside this grid, head dims 136-256 run on a split-head-dim tile (two
+BWD_NEXT_STEPS = """The step behind these numbers (issue 16): ncu on the head-dim-64 backward
+showed the consumers queued at the LSU.  lse, delta and the dS and dQ tiles were
+read and written with generic loads and stores: the kernel found its shared
+storage by rounding an address as an integer, and cute's swizzled pointers are
+integers too.  Now the storage pointer stays a shared-memory pointer, lse and
+delta come as 8-byte shared loads (one per column pair), dS goes out by
+stmatrix (four 8x8 tiles per instruction), and a step's S^T/dP^T are issued
+before the last dQ's bulk add at every tile (the other order had won at 128-query
+steps only while the accesses were generic).  Same-run A/B against the cubins
+before (bf16): head dim 64 +13% to +35%, head dim 128 +4% to +14%; no head-dim-64 or
+128 kernel spills.  Tried and not kept: half of the exponentials as a cubic on
+the FMA pipe (-5% to +1%).  Earlier steps: dQ parts written in register order
+and added at the top of the next step (+3% to +18%), grouped-query band calls
+ordered key block by key block (+6% to +32% at causal GQA points).  Still
+behind: cuDNN at unmasked head dim 128 from 2k tokens (0.96-0.99x in one run or
+the other), FlashAttention-4 from 4k-8k tokens (0.82-0.98x, worst unmasked head
+dim 128 at 16k).  Each step still runs S/dP -> softmax -> dK/dV -> dQ in order
+within a warpgroup and both warpgroups meet at a barrier before dQ (it needs both
+halves of dS), so their softmaxes coincide and leave the tensor cores idle.
+Next: dQ of step t issued in step t+1 after an mbarrier says both halves of dS
+are in, so the warpgroups can take turns as in the forward.  The prep and convert
+kernels take about 70 and 54 us per call at 16k tokens (bandwidth: O, dO and a
+zeroed fp32 accumulator in, the accumulator out), 10-15% of a 512-token backward.
+Outside this grid, head dims 136-256 run on a split-head-dim tile (two
 warpgroups share 64 keys, both compute S and dP, dQ by atomics): at 256, 136-171
 TFLOP/s from 1k to 16k tokens against FlashAttention-2's 137-253 (measured
-before this step)."""
+before these steps)."""
 
 
 def load(path):
