@@ -54,7 +54,8 @@ halves of dS), so their softmaxes coincide and leave the tensor cores idle.
 Next: dQ of step t issued in step t+1 after an mbarrier says both halves of dS
 are in, so the warpgroups can take turns as in the forward.  The prep and convert
 kernels take about 70 and 54 us per call at 16k tokens (bandwidth: O, dO and a
-zeroed fp32 accumulator in, the accumulator out), 10-15% of a 512-token backward.
+zeroed fp32 accumulator in, the accumulator out), 18-26% of a 512-token backward
+now (475-677 us in this run).
 Outside this grid, head dims 136-256 run on a split-head-dim tile (two
 warpgroups share 64 keys, both compute S and dP, dQ by atomics): at 256, 136-171
 TFLOP/s from 1k to 16k tokens against FlashAttention-2's 137-253 (measured
