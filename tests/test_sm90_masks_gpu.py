@@ -95,6 +95,18 @@ def test_softcap_matches_float64_reference(dtype, K, causal, softcap):
 
 
 @needs_sm90
+@pytest.mark.parametrize("scale", [0.3, -0.3, 0.0, -0.7])
+@pytest.mark.parametrize("options", [{}, {"causal": "bottom_right"}, {"softcap": 8.0, "window": (100, 20)}],
+                         ids=["full", "causal", "softcap-window"])
+def test_scale_of_either_sign(scale, options):
+    """A negative scale makes the largest product the smallest score, so the running max is taken
+    on the scaled scores (the forward once took it on the products: NaN); zero gives uniform weights."""
+    rng = np.random.default_rng([int(abs(scale) * 10), len(options)])
+    check(rng, "f16", B=2, M=300, N=700, H=2, K=64, scale=scale, **options)
+    check(rng, "bf16", B=1, M=129, N=1000, H=2, K=128, scale=scale, **options)
+
+
+@needs_sm90
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_window_and_softcap_with_grouped_query_attention(group):
     check(np.random.default_rng(group), "bf16", B=2, M=300, N=1000, H=8, K=128, Hk=8 // group,

@@ -9,7 +9,7 @@ space: dtype, batch, heads, M, N (1 to 1000), head dims (multiples of 4 up to
 512, K != Kv), layouts (contiguous, heads-major, padded slices, element offsets
 that leave only 4-element alignment), causal kinds, bias (full or broadcast),
 dropout (checked through the mask recovered with an identity V), varlen
-batches with empty sequences, the softmax scale, and on the sm90 path sliding
+batches with empty sequences, the softmax scale (of either sign), and on the sm90 path sliding
 windows and soft-capping.  Outputs come from poisoned memory, so an unwritten
 element fails.
 
@@ -72,6 +72,8 @@ def draw(seed: int, case: int) -> dict:
         side = lambda: None if r.random() < 0.25 else int(pick([0, 1, int(r.integers(0, 300))]))  # noqa: E731
         p["window"] = (side(), side()) if r.random() < 0.7 else None
         p["softcap"] = float(r.uniform(1, 50)) if r.random() < 0.4 else 0.0
+    if p["scale"] is not None and r.random() < 0.3:  # drawn after the rest, which stays what it was
+        p["scale"] = -p["scale"]  # the largest product becomes the smallest score
     return p
 
 

@@ -72,7 +72,7 @@ struct FwdParams {
   int band_lo;            // kBand: key j is visible to query i iff i + band_lo <= j <= i + band_hi
   int band_hi;
   int band_from_end;      // packed: each sequence's band sits on its own bottom-right diagonal (sequence())
-  float scale_log2;       // softmax scale * log2(e)
+  float scale_log2;       // softmax scale * log2(e), of either sign (a negative one negates the scores, softmax)
   float softcap_in;       // scale / softcap (0: no soft-capping): scores become
   float softcap_out;      //   softcap_out * tanh(softcap_in * q.k), softcap_out = softcap / scale
 };
@@ -303,11 +303,18 @@ struct FwdKernel {
     };
     // Block t's scores in tSrS become exp2(scaled score - running max) in place (soft-capped and
     // masked first); the row sums follow, and `correction` is what O must be scaled by.
+    float const scale_log2 = fabsf(p.scale_log2);  // a negative scale's sign goes into the scores (softmax)
     auto softmax = [&](int t, float (&correction)[2]) {
       if (p.softcap_in != 0.f) {
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {
           tSrS(r) = p.softcap_out * tanh_approx(tSrS(r) * p.softcap_in);
+        }
+      }
+      if (p.scale_log2 < 0.f) {  // the largest product is then the smallest score: scale by |scale| and negate
+        CUTE_UNROLL
+        for (int r = 0; r < size(tSrS); ++r) {
+          tSrS(r) = -tSrS(r);
         }
       }
       int const key0 = (blocks.begin + t) * kBlockN;
@@ -335,15 +342,15 @@ struct FwdKernel {
         }
         m = quad_max(m);
         // a row that has seen no key yet keeps max -inf: subtract 0 so exp2 gives 0, not NaN
-        scaled_max[h] = m == -INFINITY ? 0.f : m * p.scale_log2;
-        correction[h] = exp2_approx(row_max[h] * p.scale_log2 - scaled_max[h]);
+        scaled_max[h] = m == -INFINITY ? 0.f : m * scale_log2;
+        correction[h] = exp2_approx(row_max[h] * scale_log2 - scaled_max[h]);
         row_max[h] = m;
         row_sum[h] *= correction[h];
       }
       CUTE_UNROLL
       for (int r = 0; r < size(tSrS); ++r) {
         int const h = (r / 2) % 2;
-        tSrS(r) = exp2_approx(fmaf(tSrS(r), p.scale_log2, -scaled_max[h]));
+        tSrS(r) = exp2_approx(fmaf(tSrS(r), scale_log2, -scaled_max[h]));
         row_sum[h] += tSrS(r);
       }
     };
@@ -442,7 +449,7 @@ struct FwdKernel {
           *reinterpret_cast<cutlass::Array<Element, 2>*>(out_row + col) = pair;
         }
         if (lane % 4 == 0) {
-          lse[row] = sum > 0.f ? (row_max[h] * p.scale_log2 + __log2f(sum)) * 0.69314718055994531f : -INFINITY;
+          lse[row] = sum > 0.f ? (row_max[h] * fabsf(p.scale_log2) + __log2f(sum)) * 0.69314718055994531f : -INFINITY;
         }
       } else if (row < p.lse_rows && lane % 4 == 0) {
         lse[row] = INFINITY;
