@@ -44,7 +44,8 @@ def attention_forward(q, k, v, *, attn_bias=None, causal=None, scale=None, dropo
     .. i + d + right (None: no limit on that side), d = N - M with
     causal="bottom_right", else 0; with a causal mask as well, right is 0.
     ``softcap > 0``: scores become softcap * tanh(scale * q.k / softcap).
-    Both run on flashgen's sm90 kernels only (9.0 GPUs; else UnsupportedError).
+    Both run on flashgen's own kernels only: forward on sm90_fwd (9.0 GPUs) or sm80_fwd
+    (8.0 and later), backward on sm90_bwd (9.0 GPUs); else UnsupportedError.
     """
     cupy = cupy_module()
     registry = registry or default_registry()

@@ -12,6 +12,7 @@ That is what keeps the per-call host cost near CuPy's own launch cost
 """
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
@@ -24,6 +25,9 @@ from flashgen.runtime import tensormap
 # elements (of at most 4 bytes): the pointer modulo 64 bytes is all a plan may depend on.
 _ALIGNMENT_BYTES = 64
 _MAX_PLANS = 512  # many distinct shapes (e.g. varying sequence lengths) evict the oldest plans
+
+# Which families a call may go to (runtime/families: forced_families) is part of its plan's key.
+FAMILIES_VARIABLE = "FLASHGEN_FAMILIES"
 
 _plans: Dict[tuple, "LaunchPlan"] = {}
 _lock = threading.Lock()
@@ -163,7 +167,8 @@ def find(signature_of: Callable, direction: str, arrays, options: tuple):
     parts = signature_of(arrays)
     if parts is None:
         return None, None
-    key = (direction, parts, options, tuple(map(type, options)))  # 1 and True hash alike, validate apart
+    # 1 and True hash alike, validate apart; the families allowed decide which one made the plan
+    key = (direction, parts, options, tuple(map(type, options)), os.environ.get(FAMILIES_VARIABLE, ""))
     try:
         return key, lookup(key)
     except TypeError:

@@ -1,6 +1,7 @@
-// Pieces both Hopper kernels (sm90_fwd.h, sm90_bwd.h) use: fast math on
-// accumulator rows, band-mask block ranges, one warpgroup-wide wgmma GEMM, a
-// tile's TMA loads, bulk reduce-adds.
+// Pieces both Hopper kernels (sm90_fwd.h, sm90_bwd.h) use: one warpgroup-wide
+// wgmma GEMM, a tile's TMA loads, bulk reduce-adds.  The arch-neutral pieces (fast
+// math on accumulator rows, sequences of packed batches, band-mask block ranges)
+// are in attention_common.h, shared with the Ampere forward.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
@@ -9,82 +10,10 @@
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/atom/mma_atom.hpp>
 
+#include "flashgen/attention_common.h"
+
 namespace flashgen {
 namespace sm90 {
-
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ float tanh_approx(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// Band masks (the kBand instances of both families): key j is visible to query i iff
-// i + band_lo <= j <= i + band_hi.  A causal mask is the band (-kUnbounded, diagonal
-// offset); a sliding window bounds both sides.  The runtime clamps both to +-kUnbounded
-// (and keeps packed batches under 2^28 tokens, so a sequence's shift below stays clear).
-constexpr int kUnbounded = 1 << 30;
-
-__device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((b - 1 - a) / b); }
-
-// One sequence of a call.  A fixed-length batch: sequence b is batch b of the tensors, whole.
-// A packed (varlen) batch, seqstart_q/k != nullptr: sequence b is rows seqstart[b] ..
-// seqstart[b + 1] - 1 of batch 0, and with band_from_end its band sits on its own
-// bottom-right diagonal (shifted by its num_keys - num_queries).  Rows and keys below are
-// the sequence's own (0 .. num_queries - 1); q0 and k0 place them in the tensors.
-struct Sequence {
-  int index;        // b: lse's first index, the launch grid's z
-  int batch;        // the tensors' batch index
-  int q0;           // first query row, first key row in the tensors
-  int k0;
-  int num_queries;
-  int num_keys;
-  int band_lo;      // key j is visible to query i iff i + band_lo <= j <= i + band_hi (kBand instances)
-  int band_hi;
-};
-
-template <class Params>
-__device__ __forceinline__ Sequence sequence(Params const& p, int b) {
-  if (p.seqstart_q == nullptr) {
-    return {b, b, 0, 0, p.num_queries, p.num_keys, p.band_lo, p.band_hi};
-  }
-  int const q0 = p.seqstart_q[b];
-  int const k0 = p.seqstart_k[b];
-  int const num_queries = p.seqstart_q[b + 1] - q0;
-  int const num_keys = p.seqstart_k[b + 1] - k0;
-  int const shift = p.band_from_end ? num_keys - num_queries : 0;  // |shift| < 2^28: see kUnbounded
-  return {b, 0, q0, k0, num_queries, num_keys, p.band_lo + shift, p.band_hi + shift};
-}
-
-struct BlockRange {
-  int begin;
-  int end;  // may be <= begin: no block
-};
-
-// The blocks of kCols columns (keys) that the kRows rows (queries) of row block `block`
-// meet under a band, within [0, ceil(cols / kCols)).  With rows and columns swapped
-// (band_lo <-> -band_hi), the query blocks a key block meets.
-template <int kRows, int kCols>
-__device__ __forceinline__ BlockRange band_blocks(int block, int cols, int band_lo, int band_hi) {
-  int const begin = max(0, floor_div(block * kRows + band_lo, kCols));
-  int const end = min((cols + kCols - 1) / kCols, floor_div((block + 1) * kRows - 1 + band_hi, kCols) + 1);
-  return {begin, end};
-}
-
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
-}
-
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffff, x, 1);
-  return x + __shfl_xor_sync(0xffffffff, x, 2);
-}
 
 // The wgmma instructions of one warpgroup-wide GEMM over the K modes of a and b, accumulating
 // into c (or overwriting it when kZeroInit), as one commit group, not waited for.  The caller

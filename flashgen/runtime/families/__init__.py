@@ -7,15 +7,23 @@ launch plan whose ``replay`` serves the same signature next time.  A family's
 runtime lives in ``flashgen/runtime/families/<family>.py`` as one ``RUNTIME``
 object, a :class:`RuntimeFamily`: adding a family adds that module and its spec to
 the spec's list; nothing here or in ``api.py`` names a family.
+
+``FLASHGEN_FAMILIES`` (comma-separated family names; unset or empty: all) limits the
+families asked, for testing and benchmarking one family where an earlier one would
+serve the call (``FLASHGEN_FAMILIES=sm80_fwd,sm90_bwd`` on an H100 runs the Ampere
+forward).  It is read on every dispatch, and it is part of a launch plan's key
+(``plans.find``): a plan replays only under the setting it was made with.
 """
 from __future__ import annotations
 
 import importlib
+import os
 from typing import ClassVar, Dict, List, Optional, Sequence, Tuple, Type
 
 from flashgen.errors import UnsupportedError
 from flashgen.runtime import tuning
 from flashgen.runtime.device import device_info
+from flashgen.runtime.plans import FAMILIES_VARIABLE
 from flashgen.runtime.registry import KernelBinary, Registry
 from flashgen.runtime.select import Request, Selector
 from flashgen.runtime.validate import Call, Problem
@@ -113,9 +121,27 @@ def runtime(family: str) -> RuntimeFamily:
     return found
 
 
+def forced_families() -> Optional[Tuple[str, ...]]:
+    """The families ``FLASHGEN_FAMILIES`` allows, or None when it is unset or empty (all).
+    A name no family has is a ValueError listing the known ones: a typo must not silently
+    dispatch as usual."""
+    setting = os.environ.get(FAMILIES_VARIABLE, "")
+    names = tuple(dict.fromkeys(n.strip() for n in setting.split(",") if n.strip()))
+    if not names:
+        return None
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+        raise ValueError(f"{FAMILIES_VARIABLE}={setting!r} names no family {', '.join(map(repr, unknown))}; "
+                         f"known: {', '.join(FAMILIES)}")
+    return names
+
+
 def serving(direction: str) -> List[RuntimeFamily]:
-    """The runtime families of ``direction`` ("fwd" or "bwd"), in the spec's dispatch order."""
-    return [runtime(name) for name, cls in FAMILIES.items() if cls.DIRECTION == direction]
+    """The runtime families of ``direction`` ("fwd" or "bwd"), in the spec's dispatch order
+    (those ``FLASHGEN_FAMILIES`` allows)."""
+    allowed = forced_families()
+    return [runtime(name) for name, cls in FAMILIES.items()
+            if cls.DIRECTION == direction and (allowed is None or name in allowed)]
 
 
 def replay(plan, memory, arrays: Sequence, seed, offset, stream):
@@ -131,6 +157,9 @@ def dispatch(call: Call):
         if why is None:
             return family.run(call)
         refusals.append(f"  {family.name}: {why}")
+    allowed = forced_families()
+    if allowed is not None:
+        refusals.append(f"  ({FAMILIES_VARIABLE} allows only {', '.join(allowed)})")
     raise UnsupportedError("no kernel family serves this call:\n" + "\n".join(refusals))
 
 

@@ -29,7 +29,8 @@ POINTERS = ("query_ptr", "key_ptr", "value_ptr", "output_ptr", "output_accum_ptr
 def unfit_example41(call: Call) -> Optional[str]:
     """What neither example-41 family has (both directions refuse the same calls)."""
     if call.p.window is not None or call.p.softcap:
-        return "no sliding window or soft-capping (flashgen's sm90 kernels only: a 9.0 GPU, f16/bf16, equal head dims)"
+        return ("no sliding window or soft-capping (flashgen's own kernels only, f16/bf16 with equal head dims: "
+                "sm90_fwd/sm90_bwd on a 9.0 GPU, the sm80_fwd forward from 8.0 on)")
     return None
 
 

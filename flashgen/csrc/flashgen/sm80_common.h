@@ -1,0 +1,125 @@
+// The parts of the Ampere forward (sm80_fwd.h) that are not attention: whole tiles moved
+// between global and swizzled shared memory in 16-byte chunks, and views of mma.sync
+// accumulators (rows and columns; reused as the A operand of the next MMA).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
+
+namespace flashgen {
+namespace sm80 {
+
+// Row-major tiles of kHeadDim columns between global memory and a shared-memory layout
+// SmemLayout (8-row swizzle period, 64-column atoms), moved by kThreads threads in 16-byte
+// chunks.  A pass covers kRowsPerPass rows, a multiple of the swizzle period, and a
+// thread's chunks in the next pass (or, when a row has more chunks than kThreads / 8
+// threads take, its next chunk in the row, a whole number of atoms on) lie a constant
+// distance further in shared memory: one address per tile rather than one per chunk,
+// which the ring's refills would otherwise keep in registers.
+template <class Element, int kHeadDim, int kThreads, class SmemLayout>
+struct TileLoader {
+  static constexpr int kChunk = 16 / int(sizeof(Element));
+  static constexpr int kThreadsPerRow = cute::min(kHeadDim / kChunk, kThreads / 8);
+  static constexpr int kChunksPerThread = kHeadDim / kChunk / kThreadsPerRow;  // in one row
+  static constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
+  static_assert(kThreads % kThreadsPerRow == 0 && kRowsPerPass % 8 == 0, "whole swizzle periods per pass");
+  static_assert(kChunksPerThread == 1 || kThreadsPerRow * kChunk % 64 == 0, "whole atoms between a thread's chunks");
+  static constexpr int kPassStride = SmemLayout{}(kRowsPerPass, 0) - SmemLayout{}(0, 0);
+  static constexpr int kChunkStride = SmemLayout{}(0, kThreadsPerRow * kChunk) - SmemLayout{}(0, 0);
+  using Chunk = cute::uint128_t;
+
+  // This thread's first chunk in the tile: (row, column) and its shared-memory offset.
+  static __device__ int first_row() { return threadIdx.x / kThreadsPerRow; }
+  static __device__ int first_column() { return threadIdx.x % kThreadsPerRow * kChunk; }
+  static __device__ int smem_offset() { return SmemLayout{}(first_row(), first_column()); }
+
+  // cp.async kRows rows of `src` (row stride in elements) into `smem` (a tile of SmemLayout),
+  // not waited for.  Rows from `rows_valid` and columns from `cols_valid` on are zero-filled:
+  // with a source size of 0 nothing is read, so those addresses may lie past the tensor.
+  template <int kRows>
+  static __device__ void load(Element* smem, Element const* src, int stride, int rows_valid, int cols_valid) {
+    static_assert(kRows % kRowsPerPass == 0, "whole passes");
+    int const row = first_row();
+    int const col = first_column();
+    Element* to = smem + smem_offset();
+    Element const* from = src + row * (long long)stride + col;
+    long long const pass_stride = kRowsPerPass * (long long)stride;
+    CUTE_UNROLL
+    for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
+      CUTE_UNROLL
+      for (int c = 0; c < kChunksPerThread; ++c) {
+        int const offset = c * kThreadsPerRow * kChunk;
+        bool const ok = col + offset < cols_valid && row + pass * kRowsPerPass < rows_valid;
+        cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<Chunk>::copy(
+            *reinterpret_cast<Chunk const*>(ok ? from + offset : src),
+            *reinterpret_cast<Chunk*>(to + pass * kPassStride + c * kChunkStride), ok);
+      }
+      from += pass_stride;
+    }
+  }
+
+  // The first `rows_valid` rows and `cols_valid` columns of `smem` (kRows rows of SmemLayout) to `dst`.
+  template <int kRows>
+  static __device__ void store(Element const* smem, Element* dst, int stride, int rows_valid, int cols_valid) {
+    int const row = first_row();
+    int const col = first_column();
+    Element const* from = smem + smem_offset();
+    Element* to = dst + row * (long long)stride + col;
+    long long const pass_stride = kRowsPerPass * (long long)stride;
+    CUTE_UNROLL
+    for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
+      CUTE_UNROLL
+      for (int c = 0; c < kChunksPerThread; ++c) {
+        int const offset = c * kThreadsPerRow * kChunk;
+        if (col + offset < cols_valid && row + pass * kRowsPerPass < rows_valid) {
+          *reinterpret_cast<Chunk*>(to + offset) =
+              *reinterpret_cast<Chunk const*>(from + pass * kPassStride + c * kChunkStride);
+        }
+      }
+      to += pass_stride;
+    }
+  }
+};
+
+// An mma.sync accumulator ((2 columns, 2 row halves), MMA_M, MMA_N) -- the register layout of
+// CuTe's SM80 16x8 C fragments -- as (rows, columns): row r of the view is one row of the tile
+// (held by this thread's quad), column c one of its columns.
+template <class Layout>
+__host__ __device__ constexpr auto rows_cols_layout(Layout const& acc) {
+  using namespace cute;
+  static_assert(decltype(rank(acc))::value == 3, "((2, 2), MMA_M, MMA_N)");
+  return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)), make_layout(get<0, 0>(acc), get<2>(acc)));
+}
+
+template <class Engine, class Layout>
+__host__ __device__ auto rows_cols(cute::Tensor<Engine, Layout> const& acc) {
+  return cute::make_tensor(acc.data(), rows_cols_layout(acc.layout()));
+}
+
+// The accumulator of a tile of S (rows x keys) as the A operand of O += P V: one 16x16 A
+// fragment is the accumulators of two neighbouring 16x8 MMAs, so ((2, 2), MMA_M, MMA_N)
+// becomes (((2, 2), 2), MMA_M, MMA_N / 2) over the same registers.
+template <class Layout>
+__host__ __device__ constexpr auto accumulator_as_a(Layout const& acc) {
+  using namespace cute;
+  static_assert(decltype(size<2>(acc))::value % 2 == 0, "pairs of 8-column MMAs");
+  auto const pairs = logical_divide(get<2>(acc), Int<2>{});  // (2, MMA_N / 2)
+  return make_layout(make_layout(get<0>(acc), get<0>(pairs)), get<1>(acc), get<1>(pairs));
+}
+
+// A register fragment converted element by element (packed cvt instructions where they exist).
+template <class To, class Engine, class Layout>
+__device__ auto convert(cute::Tensor<Engine, Layout> const& from) {
+  using From = typename Engine::value_type;
+  constexpr int kSize = decltype(cute::size(from))::value;
+  auto to = cute::make_tensor<To>(from.layout());
+  cutlass::NumericArrayConverter<To, From, kSize> converter;
+  *reinterpret_cast<cutlass::Array<To, kSize>*>(to.data()) =
+      converter(*reinterpret_cast<cutlass::Array<From, kSize> const*>(from.data()));
+  return to;
+}
+
+}  // namespace sm80
+}  // namespace flashgen

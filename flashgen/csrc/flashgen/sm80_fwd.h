@@ -1,0 +1,388 @@
+// flashgen's Ampere-class attention forward: mma.sync, ldmatrix and cp.async only, so the
+// same source runs on sm_80 .. sm_89 and, compiled as plain sm_90 code, on Hopper.
+//
+// One CTA of four warps computes kBlockM queries of one (sequence, head); each warp owns
+// kBlockM / 4 of the rows (one or two 16-row MMA tiles), so a row's softmax never leaves
+// its warp and a key or value fragment read from shared memory serves both row tiles.
+// Q is copied into shared memory once and read back with ldmatrix for every key block:
+// held in registers it would cost 64 of them at head dim 128, which the S and O
+// accumulators need.
+//
+// K and V tiles (kBlockN keys each) stream through one ring of kStages shared-memory
+// slots in the order K0, V0, K1, V1, ...: tile t + kStages is issued (cp.async, one
+// commit group per tile) as soon as the barrier after tile t's last reader has passed, so
+// K tiles load under the previous blocks' P V and V tiles under this block's S = Q K^T
+// and softmax.  Ring slots hold single tiles rather than K/V pairs so that
+// an odd count (three: 80 KB at head dim 128) fits two CTAs into an A100's or H100's
+// shared memory: a CTA of four warps waits at two barriers per block, and the other CTA's
+// warps keep the tensor cores busy meanwhile.
+//
+// Per key block (last block first, so the blocks that need a mask come before the rest):
+// S is scaled into the log2 domain (soft-capped first when asked), masked where the block
+// crosses num_keys or the band's edges, and the running row max and sum are updated; the
+// exponentials, converted to 16 bits in place, are already the A operand of O += P V (the
+// accumulator's register layout of a 16x8 MMA pair is the operand layout of one 16x16).
+// At the end O is divided by the row sums, staged through the Q buffer and written with
+// 16-byte stores; the lse goes out like the example-41 forward's (natural log of the
+// scaled scores, [sequence, head, rows padded to 32], +inf in the padding) so the mem-eff
+// backward can consume it.
+//
+// Rows and keys past the ends, and head-dim columns past head_dim (a head dim below the
+// tier, a multiple of 8), are zero-filled by cp.async and never stored; rows that see no
+// key get output 0 and lse -inf.  Packed (varlen) batches run one grid z-slice per
+// sequence (attention_common.h: Sequence).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm80.hpp>
+#include <cute/atom/copy_atom.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+#include "flashgen/attention_common.h"
+#include "flashgen/sm80_common.h"
+
+namespace flashgen {
+namespace sm80 {
+
+// What the runtime passes by value.  Strides are in elements; the inputs' pointers and
+// strides are multiples of 8 elements (16-byte cp.async chunks), and so is head_dim.
+struct FwdParams {
+  void const* q_ptr;
+  void const* k_ptr;
+  void const* v_ptr;
+  void* out_ptr;
+  float* lse_ptr;
+  int const* seqstart_q;   // packed (varlen) batches: [sequences + 1] row offsets into batch 0; else nullptr
+  int const* seqstart_k;
+  long long q_stride_b;
+  long long k_stride_b;
+  long long v_stride_b;
+  long long out_stride_b;
+  int q_stride_m;
+  int q_stride_h;
+  int k_stride_m;
+  int k_stride_h;          // of a k/v head: query head h reads k/v head h / head_group
+  int v_stride_m;
+  int v_stride_h;
+  int out_stride_m;
+  int out_stride_h;
+  int lse_stride_b;        // floats
+  int lse_stride_h;
+  int lse_rows;            // rows in [num_queries, lse_rows) get +inf (padding, as example 41 writes it)
+  int num_queries;         // fixed-length batches (packed: the longest sequence's; each its own from seqstart)
+  int num_keys;
+  int num_heads;           // query heads
+  int num_sequences;       // batch, or packed sequences
+  int head_dim;            // <= kHeadDim: columns past it are zero-filled, never stored
+  int head_group;          // query heads per key/value head (1: MHA; H: MQA)
+  int band_lo;             // key j is visible to query i iff i + band_lo <= j <= i + band_hi
+  int band_hi;             //   (+-kUnbounded: no limit on that side)
+  int band_from_end;       // packed: each sequence's band sits on its own bottom-right diagonal (sequence())
+  float scale_log2;        // softmax scale * log2(e)
+  float softcap_in;        // scale / softcap (0: no soft-capping): scores become
+  float softcap_out;       //   softcap_out * tanh(softcap_in * q.k), softcap_out = softcap / scale
+};
+
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+struct FwdKernel {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;  // ring slots, each one K or one V tile
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kMinBlocksPerSm = 1;  // occupancy follows from shared memory; registers stay uncapped
+
+  static_assert(sizeof(Element) == 2, "f16 or bf16");
+  static_assert(kBlockM == 16 * kWarps || kBlockM == 32 * kWarps, "one or two 16-row MMA tiles per warp");
+  static_assert(kBlockN % 16 == 0 && kHeadDim % 64 == 0, "ldmatrix x4 covers 16 x 16; swizzle atoms are 64 wide");
+  static_assert(kStages >= 2, "the ring holds at least the K and the V tile of one block");
+
+  // Shared memory: 8 x 64-element atoms (128-byte rows) with the 16-byte chunks of each row
+  // XOR-ed by the row index, so the 8 rows an ldmatrix (or the 8 chunks a row's cp.asyncs)
+  // touch fall in 8 different bank groups.
+  using SmemAtom = decltype(cute::composition(
+      cute::Swizzle<3, 3, 3>{}, cute::Layout<cute::Shape<cute::_8, cute::_64>, cute::Stride<cute::_64, cute::_1>>{}));
+  using SmemLayoutQ = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutTile = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  // A V tile seen as the B operand of O = P V: (head dim, keys), read with transposing ldmatrix.
+  using SmemLayoutTileT = decltype(cute::composition(
+      SmemLayoutTile{},
+      cute::Layout<cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>, cute::Stride<cute::Int<kBlockN>, cute::_1>>{}));
+  static constexpr int kTileElements = kBlockN * kHeadDim;
+
+  using MmaOp = std::conditional_t<std::is_same<Element, cutlass::half_t>::value, cute::SM80_16x8x16_F32F16F16F32_TN,
+                                   cute::SM80_16x8x16_F32BF16BF16F32_TN>;
+  // Warps stacked along M; a 16-wide N tile so that one ldmatrix x4 fills the B operand of two MMAs.
+  using TiledMma = decltype(cute::make_tiled_mma(MmaOp{}, cute::Layout<cute::Shape<cute::Int<kWarps>, cute::_1, cute::_1>>{},
+                                                 cute::Tile<cute::Int<16 * kWarps>, cute::_16, cute::_16>{}));
+  using LoadOperand = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
+  using LoadOperandT = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
+  using StoreAccumulator = cute::Copy_Atom<cute::UniversalCopy<uint32_t>, Element>;  // a column pair per store
+
+  struct SharedStorage {
+    alignas(128) Element q[kBlockM * kHeadDim];  // Q, then the output tile on its way out
+    alignas(128) Element ring[kStages * kTileElements];
+  };
+  static constexpr int kSharedBytes = int(sizeof(SharedStorage));
+
+  // Q and the output share SmemLayoutQ; K and V tiles SmemLayoutTile (the same atoms, so the same pass stride).
+  using LoaderQ = TileLoader<Element, kHeadDim, kThreads, SmemLayoutQ>;
+  using LoaderKV = TileLoader<Element, kHeadDim, kThreads, SmemLayoutTile>;
+
+  // Key blocks this query block visits: those the band reaches (all without one); none
+  // when the block holds no query of its sequence (a packed batch's grid is sized for its
+  // longest sequence).
+  static __device__ BlockRange key_blocks(Sequence const& seq, int m_block) {
+    if (m_block * kBlockM >= seq.num_queries) {
+      return {0, 0};
+    }
+    return band_blocks<kBlockM, kBlockN>(m_block, seq.num_keys, seq.band_lo, seq.band_hi);
+  }
+
+  // grid (ceil(M / kBlockM), heads, batch or sequences), kThreads threads, kSharedBytes of
+  // dynamic shared memory.  Query blocks run last-first: under a causal mask the long ones
+  // start in the first wave and the short ones fill the tail.
+  static __device__ void run(FwdParams const& p, char* smem_raw) {
+    using namespace cute;
+    SharedStorage& s = *reinterpret_cast<SharedStorage*>(smem_raw);
+    int const m_block = gridDim.x - 1 - blockIdx.x;
+    int const head = blockIdx.y;
+    Sequence const seq = sequence(p, blockIdx.z);
+    BlockRange const blocks = key_blocks(seq, m_block);
+
+    TiledMma mma;
+    Tensor tOrO = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_N) fp32
+    constexpr int kRows = 2 * size<1>(tOrO);  // accumulator rows per thread: two per 16-row tile
+    float row_max[kRows];  // log2 domain: scores * scale * log2(e)
+    float row_sum[kRows];  // this thread's columns only; the quad's sum is taken at the end
+    clear(tOrO);
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      row_max[r] = -INFINITY;
+      row_sum[r] = 0.f;
+    }
+    if (blocks.end > blocks.begin) {
+      mainloop(p, s, seq, m_block, head, blocks, tOrO, row_max, row_sum);
+    }
+    epilogue(p, s, seq, m_block, head, tOrO, row_max, row_sum);
+  }
+
+  template <class AccO, int kRows>
+  static __device__ void mainloop(FwdParams const& p, SharedStorage& s, Sequence const& seq, int m_block, int head,
+                                  BlockRange blocks, AccO& tOrO, float (&row_max)[kRows], float (&row_sum)[kRows]) {
+    using namespace cute;
+    int const tid = threadIdx.x;
+    int const head_kv = head / p.head_group;
+    int const num_blocks = blocks.end - blocks.begin;
+    int const row0 = m_block * kBlockM;  // the tile's first query, within its sequence
+    Element const* q = static_cast<Element const*>(p.q_ptr) + seq.batch * p.q_stride_b +
+                       (seq.q0 + row0) * (long long)p.q_stride_m + head * (long long)p.q_stride_h;
+    Element const* k = static_cast<Element const*>(p.k_ptr) + seq.batch * p.k_stride_b +
+                       seq.k0 * (long long)p.k_stride_m + head_kv * (long long)p.k_stride_h;
+    Element const* v = static_cast<Element const*>(p.v_ptr) + seq.batch * p.v_stride_b +
+                       seq.k0 * (long long)p.v_stride_m + head_kv * (long long)p.v_stride_h;
+    // Ring tile t: the K (t even) or V (t odd) tile of the (t / 2)-th block visited, last block first.
+    auto block_of = [&](int t) { return blocks.end - 1 - t / 2; };
+    auto issue = [&](int t) {  // one commit group per tile, empty past the last, so the waits count alike
+      if (t < 2 * num_blocks) {
+        bool const is_v = t % 2;
+        int const key0 = block_of(t) * kBlockN;
+        int const stride = is_v ? p.v_stride_m : p.k_stride_m;
+        LoaderKV::template load<kBlockN>(s.ring + (t % kStages) * kTileElements,
+                                         (is_v ? v : k) + key0 * (long long)stride, stride, seq.num_keys - key0,
+                                         p.head_dim);
+      }
+      cp_async_fence();
+    };
+
+    Tensor sQ = make_tensor(make_smem_ptr(s.q), SmemLayoutQ{});
+    LoaderQ::template load<kBlockM>(s.q, q, p.q_stride_m, seq.num_queries - row0, p.head_dim);
+    cp_async_fence();
+    CUTE_UNROLL
+    for (int t = 0; t < kStages - 1; ++t) {
+      issue(t);
+    }
+
+    // Operand fragments and the ldmatrix views that fill them.
+    TiledMma mma;
+    auto thr = mma.get_thread_slice(tid);
+    auto copy_a = make_tiled_copy_A(LoadOperand{}, mma);
+    auto copy_b = make_tiled_copy_B(LoadOperand{}, mma);
+    auto copy_bt = make_tiled_copy_B(LoadOperandT{}, mma);
+    auto load_a = copy_a.get_thread_slice(tid);
+    auto load_b = copy_b.get_thread_slice(tid);
+    auto load_bt = copy_bt.get_thread_slice(tid);
+    auto tile_k = [&](int slot) { return make_tensor(make_smem_ptr(s.ring + slot * kTileElements), SmemLayoutTile{}); };
+    auto tile_vt = [&](int slot) {
+      return make_tensor(make_smem_ptr(s.ring + slot * kTileElements), SmemLayoutTileT{});
+    };
+    Tensor tSrQ = thr.partition_fragment_A(sQ);           // (MMA, MMA_M, MMA_K)
+    Tensor tSrK = thr.partition_fragment_B(tile_k(0));    // (MMA, MMA_N, MMA_K)
+    Tensor tOrVt = thr.partition_fragment_B(tile_vt(0));  // (MMA, MMA_N = head dim, MMA_K = keys)
+    Tensor tSsQ = load_a.partition_S(sQ);
+    Tensor tSrQ_view = load_a.retile_D(tSrQ);
+    Tensor tSrK_view = load_b.retile_D(tSrK);
+    Tensor tOrVt_view = load_bt.retile_D(tOrVt);
+    Tensor tSrS = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    // each accumulator element's (row, key) within the tile: where the mask applies
+    Tensor tScS = rows_cols(thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{})));
+    Tensor S = make_tensor(tSrS.data(), rows_cols_layout(tSrS.layout()));
+    Tensor O = make_tensor(tOrO.data(), rows_cols_layout(tOrO.layout()));
+    static_assert(decltype(size<0>(S))::value == kRows, "accumulator rows");
+
+    bool const softcap = p.softcap_in != 0.f;
+    float const softcap_out_log2 = p.softcap_out * p.scale_log2;
+
+    for (int i = 0; i < num_blocks; ++i) {
+      int const n_block = blocks.end - 1 - i;
+      // K_i landed (and Q with the first); every warp is done with V_{i-1}'s slot: refill it.
+      cp_async_wait<kStages - 2>();
+      __syncthreads();
+      issue(2 * i + kStages - 1);
+
+      // S = Q K^T, the next k-slice's fragments loaded while this one's MMAs run
+      clear(tSrS);
+      {
+        Tensor tSsK = load_b.partition_S(tile_k((2 * i) % kStages));
+        copy(copy_a, tSsQ(_, _, 0), tSrQ_view(_, _, 0));
+        copy(copy_b, tSsK(_, _, 0), tSrK_view(_, _, 0));
+        CUTE_UNROLL
+        for (int kk = 0; kk < size<2>(tSrQ); ++kk) {
+          if (kk + 1 < size<2>(tSrQ)) {
+            copy(copy_a, tSsQ(_, _, kk + 1), tSrQ_view(_, _, kk + 1));
+            copy(copy_b, tSsK(_, _, kk + 1), tSrK_view(_, _, kk + 1));
+          }
+          gemm(mma, tSrQ(_, _, kk), tSrK(_, _, kk), tSrS);
+        }
+      }
+
+      // scores into the log2 domain (soft-capped first), then the mask where the block needs it.
+      // Scaling before the max (rather than folding the scale into the exponent's FMA, one
+      // multiply less) keeps a negative scale exact, and measured 12 bytes of spills less at
+      // head dim 128 on sm_80.
+      if (softcap) {
+        CUTE_UNROLL
+        for (int e = 0; e < size(tSrS); ++e) {
+          tSrS(e) = softcap_out_log2 * tanh_approx(tSrS(e) * p.softcap_in);
+        }
+      } else {
+        CUTE_UNROLL
+        for (int e = 0; e < size(tSrS); ++e) {
+          tSrS(e) *= p.scale_log2;
+        }
+      }
+      int const key0 = n_block * kBlockN;
+      if (key0 + kBlockN > seq.num_keys || key0 + kBlockN - 1 > row0 + seq.band_hi ||
+          key0 < row0 + kBlockM - 1 + seq.band_lo) {
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(S); ++r) {
+          int const row = row0 + get<0>(tScS(r, 0));
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(S); ++c) {
+            int const key = key0 + get<1>(tScS(0, c));
+            if (key >= seq.num_keys || key > row + seq.band_hi || key < row + seq.band_lo) {
+              S(r, c) = -INFINITY;
+            }
+          }
+        }
+      }
+
+      // online softmax: new row max, rescale what was summed so far, exponentiate in place
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(S); ++r) {
+        float m = row_max[r];
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) {
+          m = fmaxf(m, S(r, c));
+        }
+        m = quad_max(m);
+        float const base = m == -INFINITY ? 0.f : m;  // a row with no key yet: exp2(-inf - 0) = 0, not NaN
+        float const correction = exp2_approx(row_max[r] - base);
+        row_max[r] = m;
+        float sum = row_sum[r] * correction;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) {
+          S(r, c) = exp2_approx(S(r, c) - base);
+          sum += S(r, c);
+        }
+        row_sum[r] = sum;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(O); ++c) {
+          O(r, c) *= correction;
+        }
+      }
+      Tensor rP = convert<Element>(tSrS);
+      Tensor tOrP = make_tensor(rP.data(), accumulator_as_a(rP.layout()));
+
+      // V_i landed; every warp is done with K_i's slot: refill it.
+      cp_async_wait<kStages - 2>();
+      __syncthreads();
+      issue(2 * i + kStages);
+
+      // O += P V
+      {
+        Tensor tOsVt = load_bt.partition_S(tile_vt((2 * i + 1) % kStages));
+        copy(copy_bt, tOsVt(_, _, 0), tOrVt_view(_, _, 0));
+        CUTE_UNROLL
+        for (int kk = 0; kk < size<2>(tOrP); ++kk) {
+          if (kk + 1 < size<2>(tOrP)) {
+            copy(copy_bt, tOsVt(_, _, kk + 1), tOrVt_view(_, _, kk + 1));
+          }
+          gemm(mma, tOrP(_, _, kk), tOrVt(_, _, kk), tOrO);
+        }
+      }
+    }
+  }
+
+  // Divide O by the row sums, write lse (and its padding), stage O through the Q buffer and
+  // store it with 16-byte writes.  Every warp is past its last read of Q by now (the loop's
+  // last barrier follows its last S).
+  template <class AccO, int kRows>
+  static __device__ void epilogue(FwdParams const& p, SharedStorage& s, Sequence const& seq, int m_block, int head,
+                                  AccO& tOrO, float const (&row_max)[kRows], float const (&row_sum)[kRows]) {
+    using namespace cute;
+    int const tid = threadIdx.x;
+    int const row0 = m_block * kBlockM;
+    TiledMma mma;
+    auto thr = mma.get_thread_slice(tid);
+    Tensor O = make_tensor(tOrO.data(), rows_cols_layout(tOrO.layout()));
+    Tensor tOcO = rows_cols(thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{})));
+    float* lse = p.lse_ptr + seq.index * (long long)p.lse_stride_b + head * (long long)p.lse_stride_h;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float const sum = quad_sum(row_sum[r]);
+      float const inv = sum > 0.f ? 1.f / sum : 0.f;  // no visible key: output 0
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(O); ++c) {
+        O(r, c) *= inv;
+      }
+      int const row = row0 + get<0>(tOcO(r, 0));
+      if (tid % 4 == 0) {
+        if (row < seq.num_queries) {
+          lse[row] = sum > 0.f ? (row_max[r] + __log2f(sum)) * 0.69314718055994531f : -INFINITY;
+        } else if (row < p.lse_rows) {
+          lse[row] = INFINITY;
+        }
+      }
+    }
+
+    Tensor sO = make_tensor(make_smem_ptr(s.q), SmemLayoutQ{});
+    Tensor rO = convert<Element>(tOrO);
+    auto copy_c = make_tiled_copy_C(StoreAccumulator{}, mma);
+    auto store_c = copy_c.get_thread_slice(tid);
+    copy(copy_c, store_c.retile_S(rO), store_c.partition_D(sO));
+    __syncthreads();
+    Element* out = static_cast<Element*>(p.out_ptr) + seq.batch * p.out_stride_b +
+                   (seq.q0 + row0) * (long long)p.out_stride_m + head * (long long)p.out_stride_h;
+    LoaderQ::template store<kBlockM>(s.q, out, p.out_stride_m, seq.num_queries - row0, p.head_dim);
+  }
+};
+
+}  // namespace sm80
+}  // namespace flashgen

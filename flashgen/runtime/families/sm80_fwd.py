@@ -1,0 +1,109 @@
+"""Running ``sm80_fwd`` (spec/sm80_fwd.py): flashgen's Ampere-class forward, on 8.0 GPUs and later.
+
+It takes the calls flashgen's Hopper forward takes (f16/bf16, equal q/v head dims, band
+masks, soft-capping, grouped-query k/v read in place, packed batches), through the same
+``Params`` fields, on any GPU from compute capability 8.0 on; on a 9.0 GPU ``sm90_fwd``
+comes first in the dispatch order.  Its inputs only need 8-element (16-byte) alignment,
+which selection checks per kernel.  Bias and dropout are the example-41 family's: a call
+with either is refused with the reason, and the next family is asked.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from flashgen.errors import UnsupportedError
+from flashgen.runtime import plans
+from flashgen.runtime.arrays import alignment, cupy_module, elem_strides
+from flashgen.runtime.device import device_info
+from flashgen.runtime.families import RuntimeFamily, planned_forward_outputs, selector, visible_lse
+from flashgen.runtime.families.sm90_common import PACKED_ROWS_LIMIT, UNBOUNDED, band_fields, zero_unpacked_rows
+from flashgen.runtime.launch import fill, handle, launch, on_device, params_buffer
+from flashgen.runtime.limits import check_int32, lse_rows
+from flashgen.runtime.registry import KernelBinary
+from flashgen.runtime.select import Request
+from flashgen.runtime.validate import Call
+from flashgen.spec.sm80_fwd import Sm80Fwd
+
+POINTERS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "lse_ptr")  # per-call pointers, in the order replay passes them
+MIN_CC = 80  # mma.sync on bf16, ldmatrix, cp.async
+
+
+class Sm80FwdRuntime(RuntimeFamily):
+    spec = Sm80Fwd
+
+    def unfit(self, call: Call) -> Optional[str]:
+        """What the call needs that no kernel of the family has, or None."""
+        p = call.p
+        if call.bias is not None:
+            return "no attn_bias (the example-41 families take it)"
+        if p.dropout_p > 0:
+            return "no dropout (the example-41 families draw it)"
+        if p.dtype == "f32":
+            return "float16 or bfloat16 only; the call is float32"
+        if p.K != p.Kv:
+            return f"equal q/v head dims only; the call has {p.K} and {p.Kv}"
+        limit = UNBOUNDED if p.seqstart_q is None else PACKED_ROWS_LIMIT  # sm90_common.band()'s range
+        if max(call.q.shape[1], call.k.shape[1]) >= limit:
+            return f"fewer than {limit} rows per call (the band arithmetic's range)"
+        info = device_info(p.device)
+        if info.cc < MIN_CC:
+            return f"a GPU of compute capability 8.0 or newer; GPU {p.device} is {info.name} (sm_{info.cc})"
+        return None
+
+    def request(self, call: Call) -> Request:
+        p = call.p
+        return Request(self.name, p.dtype, p.K, p.Kv, alignment((call.q, call.k, call.v), (p.K, p.Kv)), False, False,
+                       device_info(p.device), band=p.mask != 0 or p.window is not None, softcap=p.softcap > 0)
+
+    def refusal(self, call: Call) -> Optional[str]:
+        """``unfit``, or none of the kernels accepts the call (a head dim over the largest tier,
+        inputs aligned to fewer than 8 elements, too little shared memory): the next family is asked."""
+        why = self.unfit(call)
+        if why is not None:
+            return why
+        req = self.request(call)
+        if self.kernel(call, req) is not None:
+            return None
+        try:
+            verdicts = dict.fromkeys(why for _, _, why in selector(call.registry).explain(req))
+        except UnsupportedError as e:  # nothing of this family built for the GPU
+            return str(e)
+        return "none of its kernels accepts the call: " + "; ".join(verdicts)
+
+    def launch(self, call: Call, binary: KernelBinary):
+        """(out, lse) of the forward on ``binary`` (on the call's device, api.py makes it current)."""
+        cupy, p, q, k, v = cupy_module(), call.p, call.q, call.k, call.v
+        kc = binary.constants
+        rows = lse_rows(p.M)
+        out = cupy.empty((q.shape[0], q.shape[1], p.H, p.Kv), dtype=q.dtype)
+        lse = cupy.empty((p.batches, p.H, rows), dtype=cupy.float32)
+        qs, ks, vs = elem_strides(q), elem_strides(k), elem_strides(v)
+        strides = dict(q_stride_m=qs[1], q_stride_h=qs[2], k_stride_m=ks[1], k_stride_h=ks[2], v_stride_m=vs[1],
+                       v_stride_h=vs[2], out_stride_m=p.H * p.Kv, out_stride_h=p.Kv, lse_stride_b=p.H * rows,
+                       lse_stride_h=rows)
+        check_int32(**strides)
+        params = params_buffer(Sm80Fwd)
+        fill(params, q_ptr=q.data.ptr, k_ptr=k.data.ptr, v_ptr=v.data.ptr, out_ptr=out.data.ptr, lse_ptr=lse.data.ptr,
+             q_stride_b=qs[0], k_stride_b=ks[0], v_stride_b=vs[0], out_stride_b=out.shape[1] * p.H * p.Kv,
+             lse_rows=rows, num_queries=p.M, num_keys=p.N, num_heads=p.H, num_sequences=p.batches, head_dim=p.K,
+             head_group=p.H // k.shape[2], **strides, **band_fields(p))
+        grid = (-(-p.M // kc["block_m"]), p.H, p.batches)
+        block = (kc["threads_per_block"], 1, 1)
+        launch(call.registry, binary, p.device, grid, block, params, call.stream)
+        zero_unpacked_rows(p, out)
+        if call.plan_key is not None and p.seqstart_q is None:
+            plans.remember(call.plan_key, plans.LaunchPlan.from_params(
+                handle(call.registry, binary, p.device), p.device, grid, block, kc["shared_memory_bytes"], params,
+                POINTERS, False, {"out": out.shape, "lse": lse.shape, "M": p.M}, family=self.name))
+        return out, visible_lse(lse, p.M)
+
+    def replay(self, plan, memory, arrays, seed, offset, stream):
+        q, k, v = arrays
+        ptr = memory.ptr
+        with on_device(cupy_module(), plan.device):
+            out, lse = planned_forward_outputs(memory, plan.sizes, q)
+            plan.launch((ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse)), 0, 0, memory.stream(stream, plan.device))
+        return out, visible_lse(lse, plan.sizes["M"])
+
+
+RUNTIME = Sm80FwdRuntime()

@@ -1,0 +1,144 @@
+"""``sm80_fwd``: flashgen's own Ampere-class forward (``flashgen/csrc/flashgen/sm80_fwd.h``).
+
+Template: ``flashgen::sm80::FwdKernel<Element, kHeadDim, kBlockM, kBlockN, kStages>`` --
+four warps with mma.sync, ldmatrix and cp.async: each warp owns kBlockM / 4 query rows,
+and K and V tiles of kBlockN keys stream through a ring of ``kStages`` single-tile
+shared-memory slots.  Launch: block (threads_per_block, 1, 1), grid
+(ceil(M / block_m), heads, batch or sequences), dynamic shared memory
+``shared_memory_bytes``.  The code uses Ampere instructions only, so it is built for
+plain targets from sm80 on (sm80 SASS runs on 8.0 to 8.9; a plain sm90 build lets an
+H100/H200 run it), not for the arch-specific sm90a, whose wgmma family (sm90_fwd)
+serves every call this one could there.
+
+Inputs are read by 16-byte cp.async: pointers, strides and the head dim must be multiples
+of 8 elements; a head dim below the tier's reads zeros past its own (the kernel never
+stores those columns).  Masks, soft-capping, grouped-query k/v heads and packed (varlen)
+batches are run-time options through the same ``Params`` fields as ``sm90_fwd``
+(``band_lo``/``band_hi``/``band_from_end``, ``softcap_in``/``softcap_out``,
+``head_group``, ``seqstart_q/k``), and the lse is written like the example-41 forward's:
+[B or S, H, rows padded to 32], +inf in the padding, natural log of the scaled scores.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flashgen.spec.core import DTYPES, Constant, Field, KernelSpec, Rule, normalize_target, target_cc
+
+KB = 1024
+# Shared memory a CTA may use so that two fit an A100 SM (164 KB) or an H100 SM (228 KB)
+# and one fits the 99 KB an sm86/sm89 block may opt into.
+CTA_SHARED_BUDGET = 80 * KB
+MAX_RING_SLOTS = 4
+
+
+def ring_slots(max_k: int, block_m: int, block_n: int) -> int:
+    """The ring's slots: as many K/V tiles as fit beside the Q tile in ``CTA_SHARED_BUDGET``,
+    at most ``MAX_RING_SLOTS`` (a load then has two blocks' work to land in; deeper rings are
+    unmeasured) and at least 2 (one K and one V tile)."""
+    tile = 2 * block_n * max_k
+    return max(2, min(MAX_RING_SLOTS, (CTA_SHARED_BUDGET - 2 * block_m * max_k) // tile))
+
+
+@dataclass(frozen=True)
+class Sm80Fwd(KernelSpec):
+    arch: str
+    dtype: str
+    max_k: int    # head-dim tier; smaller head dims (multiples of 8) read zeros past theirs
+    block_m: int  # query rows per CTA: 32 per warp (two 16-row MMA tiles); the template also takes 64
+    block_n: int  # keys per K/V tile
+    stages: int   # ring slots, each one K or one V tile
+
+    FAMILY = "sm80_fwd"
+    DIRECTION = "fwd"
+    TEMPLATE = "sm80_fwd.cu.j2"
+    HEADER = "flashgen/sm80_fwd.h"
+    KERNEL = "flashgen::sm80::FwdKernel"
+    AXES = {
+        "arch": ("sm80",),
+        "dtype": ("f16", "bf16"),
+        "max_k": (64, 128),
+        "block_m": (128,),
+        "block_n": (64, 128),
+        "stages": (2, 3, 4),
+    }
+    TUNED_AXES = ("block_m", "block_n", "stages")
+    # One tile per head-dim tier keeps the family's share of the default sm80 build near a
+    # minute on two cores (the whole set has a 6-minute budget).  The template also takes
+    # 64 query rows (one 16-row MMA tile per warp) and head dims up to 256 (a multiple of 64).
+    RULES = (
+        Rule("128-key tiles leave too few registers: S is 128 accumulators a thread, which spills at head dim "
+             "64 and, beside O's 128, cannot fit at head dim 128",
+             lambda k: k.block_n == 128),
+        Rule("one ring depth per tile: as many K/V slots as fit beside Q in 80 KB (two CTAs on an A100 or "
+             "H100 SM, one within sm86/sm89's 99 KB), 2 to 4",
+             lambda k: k.stages != ring_slots(k.max_k, k.block_m, k.block_n)),
+    )
+
+    def runs_on(self, target: str) -> bool:
+        """Plain targets from sm80 on (sm80 SASS covers 8.0-8.9, a plain sm90 build Hopper); not
+        sm90a, where sm90_fwd serves every call this family could."""
+        return not normalize_target(target).endswith("a") and 80 <= target_cc(target) < 130
+
+    @property
+    def name(self) -> str:
+        return "_".join([self.FAMILY, self.dtype, f"k{self.max_k}", f"q{self.block_m}x{self.block_n}",
+                         f"s{self.stages}", self.arch])
+
+    @property
+    def priority(self) -> tuple:
+        # the smallest head-dim tier that fits, then the larger tile (tuning tables pick per bucket)
+        return (tuple(DTYPES).index(self.dtype), self.max_k, -self.block_m, -self.block_n, -self.stages)
+
+    @property
+    def cpp_type(self) -> str:
+        return f"{self.KERNEL}<{DTYPES[self.dtype]}, {self.max_k}, {self.block_m}, {self.block_n}, {self.stages}>"
+
+    # `flashgen::sm80::FwdParams`
+    ABI = (
+        Field("q_ptr", "ptr"),
+        Field("k_ptr", "ptr"),
+        Field("v_ptr", "ptr"),
+        Field("out_ptr", "ptr"),
+        Field("lse_ptr", "ptr"),
+        Field("seqstart_q", "ptr"),
+        Field("seqstart_k", "ptr"),
+        Field("q_stride_b", "i64"),
+        Field("k_stride_b", "i64"),
+        Field("v_stride_b", "i64"),
+        Field("out_stride_b", "i64"),
+        Field("q_stride_m", "i32"),
+        Field("q_stride_h", "i32"),
+        Field("k_stride_m", "i32"),
+        Field("k_stride_h", "i32"),
+        Field("v_stride_m", "i32"),
+        Field("v_stride_h", "i32"),
+        Field("out_stride_m", "i32"),
+        Field("out_stride_h", "i32"),
+        Field("lse_stride_b", "i32"),
+        Field("lse_stride_h", "i32"),
+        Field("lse_rows", "i32"),
+        Field("num_queries", "i32"),
+        Field("num_keys", "i32"),
+        Field("num_heads", "i32"),
+        Field("num_sequences", "i32"),
+        Field("head_dim", "i32"),
+        Field("head_group", "i32"),
+        Field("band_lo", "i32"),
+        Field("band_hi", "i32"),
+        Field("band_from_end", "i32"),
+        Field("scale_log2", "f32"),
+        Field("softcap_in", "f32"),
+        Field("softcap_out", "f32"),
+    )
+
+    CONSTANTS = (
+        Constant("threads_per_block", "Kernel::kThreads"),
+        Constant("min_blocks_per_sm", "Kernel::kMinBlocksPerSm"),
+        Constant("shared_memory_bytes", "Kernel::kSharedBytes"),
+        Constant("block_m", "Kernel::kBlockM"),
+        Constant("block_n", "Kernel::kBlockN"),
+        Constant("max_k", "Kernel::kHeadDim"),
+        Constant("stages", "Kernel::kStages"),
+        Constant("alignment", "16 / sizeof(Kernel::Element)"),
+        Constant("params_bytes", "sizeof(flashgen::sm80::FwdParams)"),
+    )
