@@ -153,10 +153,10 @@ def _adopt(memory, outputs):
 
 
 def explain(q, k, v, *, backward=False, attn_bias=None, dropout_p=0.0, causal=None, window=None, softcap=0.0,
-            cu_seqlens_q=None, cu_seqlens_k=None, registry: Optional[Registry] = None):
+            scale=None, cu_seqlens_q=None, cu_seqlens_k=None, registry: Optional[Registry] = None):
     """Every candidate kernel for this call, family by family in the order tried, with why it was
     rejected or chosen (on a 9.0 GPU flashgen's sm90_fwd / sm90_bwd kernels come first)."""
-    options = dict(attn_bias=attn_bias, causal=causal, dropout_p=dropout_p, seed=0 if dropout_p else None,
+    options = dict(attn_bias=attn_bias, causal=causal, scale=scale, dropout_p=dropout_p, seed=0 if dropout_p else None,
                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window, softcap=softcap,
                    registry=registry)
     call = forward_call(q, k, v, options, attention_forward)

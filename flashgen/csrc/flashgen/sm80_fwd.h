@@ -97,6 +97,7 @@ struct FwdKernel {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kMinBlocksPerSm = 1;  // occupancy follows from shared memory; registers stay uncapped
+  static constexpr float kMaxSlack = 8.f;    // log2 units a row max may rise before O is rescaled (see mainloop)
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
   static_assert(kBlockM == 16 * kWarps || kBlockM == 32 * kWarps, "one or two 16-row MMA tiles per warp");
@@ -237,7 +238,9 @@ struct FwdKernel {
     static_assert(decltype(size<0>(S))::value == kRows, "accumulator rows");
 
     bool const softcap = p.softcap_in != 0.f;
-    float const softcap_out_log2 = p.softcap_out * p.scale_log2;
+    float const multiplier = softcap ? p.softcap_out * p.scale_log2 : p.scale_log2;
+    bool const fold = multiplier > 0.f;
+    float const exponent_scale = fold ? multiplier : 1.f;  // what the exponent's FMA multiplies the scores by
 
     for (int i = 0; i < num_blocks; ++i) {
       int const n_block = blocks.end - 1 - i;
@@ -262,19 +265,20 @@ struct FwdKernel {
         }
       }
 
-      // scores into the log2 domain (soft-capped first), then the mask where the block needs it.
-      // Scaling before the max (rather than folding the scale into the exponent's FMA, one
-      // multiply less) keeps a negative scale exact, and measured 12 bytes of spills less at
-      // head dim 128 on sm_80.
+      // Scores reach the log2 domain through `multiplier` (scale_log2, or softcap_out *
+      // scale_log2 on tanh's output): folded into the exponent's FMA when positive, so the
+      // max is taken on the unscaled scores; a negative one (a negative scale) would turn the
+      // max into the min, so those scores are scaled first and the FMA multiplies by 1.
       if (softcap) {
         CUTE_UNROLL
         for (int e = 0; e < size(tSrS); ++e) {
-          tSrS(e) = softcap_out_log2 * tanh_approx(tSrS(e) * p.softcap_in);
+          tSrS(e) = tanh_approx(tSrS(e) * p.softcap_in);
         }
-      } else {
+      }
+      if (!fold) {
         CUTE_UNROLL
         for (int e = 0; e < size(tSrS); ++e) {
-          tSrS(e) *= p.scale_log2;
+          tSrS(e) *= multiplier;
         }
       }
       int const key0 = n_block * kBlockN;
@@ -293,29 +297,46 @@ struct FwdKernel {
         }
       }
 
-      // online softmax: new row max, rescale what was summed so far, exponentiate in place
+      // online softmax.  A row's running max moves only when its new max passes it by more
+      // than kMaxSlack (log2 units), and then for the whole warp at once: until then P =
+      // exp2(S - stale max) stays below 2^kMaxSlack, which fp32 sums and f16/bf16 hold at
+      // full relative precision, and O and the row sums keep their scale.  After the first
+      // blocks the max rarely moves that far, so the O rescale (kHeadDim / 2 multiplies a
+      // row) is skipped for most blocks.
+      float block_max[kRows];
+      bool move = false;
       CUTE_UNROLL
       for (int r = 0; r < size<0>(S); ++r) {
-        float m = row_max[r];
+        float m = -INFINITY;
         CUTE_UNROLL
         for (int c = 0; c < size<1>(S); ++c) {
           m = fmaxf(m, S(r, c));
         }
-        m = quad_max(m);
-        float const base = m == -INFINITY ? 0.f : m;  // a row with no key yet: exp2(-inf - 0) = 0, not NaN
-        float const correction = exp2_approx(row_max[r] - base);
-        row_max[r] = m;
-        float sum = row_sum[r] * correction;
+        block_max[r] = fmaxf(row_max[r], quad_max(m) * exponent_scale);
+        move |= block_max[r] > row_max[r] + kMaxSlack;  // a row's first key moves it (-inf + slack is -inf)
+      }
+      if (__any_sync(0xffffffff, move)) {
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(S); ++r) {
+          float const correction = exp2_approx(row_max[r] - (block_max[r] == -INFINITY ? 0.f : block_max[r]));
+          row_max[r] = block_max[r];
+          row_sum[r] *= correction;
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(O); ++c) {
+            O(r, c) *= correction;
+          }
+        }
+      }
+      CUTE_UNROLL
+      for (int r = 0; r < size<0>(S); ++r) {
+        float const base = row_max[r] == -INFINITY ? 0.f : row_max[r];  // no key yet: exp2(-inf - 0) = 0, not NaN
+        float sum = row_sum[r];
         CUTE_UNROLL
         for (int c = 0; c < size<1>(S); ++c) {
-          S(r, c) = exp2_approx(S(r, c) - base);
+          S(r, c) = exp2_approx(fmaf(S(r, c), exponent_scale, -base));
           sum += S(r, c);
         }
         row_sum[r] = sum;
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(O); ++c) {
-          O(r, c) *= correction;
-        }
       }
       Tensor rP = convert<Element>(tSrS);
       Tensor tOrP = make_tensor(rP.data(), accumulator_as_a(rP.layout()));
