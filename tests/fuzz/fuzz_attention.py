@@ -17,8 +17,7 @@ that leave only 4-element alignment), causal kinds, bias (full or broadcast),
 dropout (checked through the mask recovered with an identity V), varlen
 batches with empty sequences, the softmax scale (of either sign), and on flashgen's own
 kernels' path (sm90, and the sm80 forward) sliding windows and soft-capping.  Outputs come
-from poisoned memory, so an unwritten
-element fails.
+from poisoned memory, so an unwritten element fails.
 
 A gradient passes if it matches the exact float64 gradient, or the exact
 gradient of the kernel's own rounded output: every flash-style backward takes
