@@ -26,6 +26,8 @@ def family_for(direction: str, registry, device) -> str:
     from flashgen.runtime.families import serving
 
     found = serving(direction)
+    if not found:
+        raise UnsupportedError(f"no {direction} family to tune: FLASHGEN_FAMILIES allows none of them")
     for family in found:
         try:
             registry.for_device(family.name, device)

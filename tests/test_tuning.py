@@ -224,3 +224,18 @@ def test_tune_times_the_family_the_runtime_dispatches_to():
     assert [family_for(d, everything, H100) for d in ("fwd", "bwd")] == ["sm90_fwd", "sm90_bwd"]
     example41 = registry("mem_eff_fwd", "mem_eff_bwd")
     assert [family_for(d, example41, RTX3090) for d in ("fwd", "bwd")] == ["mem_eff_fwd", "mem_eff_bwd"]
+
+
+def test_tune_refuses_a_direction_that_flashgen_families_leaves_empty(monkeypatch):
+    """FLASHGEN_FAMILIES naming only forward families leaves the backward nothing to time: an
+    UnsupportedError that names the variable, not an IndexError."""
+    from types import SimpleNamespace
+
+    from flashgen.errors import UnsupportedError
+    from flashgen.tune import family_for
+
+    monkeypatch.setenv("FLASHGEN_FAMILIES", "sm80_fwd,mem_eff_fwd")
+    everything = SimpleNamespace(for_device=lambda family, device: ["a kernel"])
+    assert family_for("fwd", everything, H100) == "sm80_fwd"
+    with pytest.raises(UnsupportedError, match="no bwd family to tune: FLASHGEN_FAMILIES"):
+        family_for("bwd", everything, H100)
