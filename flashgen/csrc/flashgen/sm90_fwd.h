@@ -29,6 +29,7 @@
 // the stores keep out of the results.
 #pragma once
 
+#include <cfloat>  // FLT_MIN
 #include <cuda.h>  // CUtensorMap
 
 #include <cute/tensor.hpp>
@@ -149,6 +150,11 @@ struct FwdKernel {
 
   // Key blocks this query block visits: all, or those the band reaches; none past the
   // sequence's queries (a packed batch's grid is sized for its longest sequence).
+  // What the running max and the exponent multiply the products q.k by: |scale| * log2(e), the
+  // sign of a negative scale going into the scores instead (softmax), and a zero scale kept
+  // off zero so that masked scores (-inf) stay -inf rather than 0 * -inf = NaN.
+  static __device__ float score_scale(FwdParams const& p) { return fmaxf(fabsf(p.scale_log2), FLT_MIN); }
+
   static __device__ BlockRange key_blocks(Sequence const& seq, int m_block) {
     if (m_block * kBlockM >= seq.num_queries) {
       return {0, 0};
@@ -303,7 +309,7 @@ struct FwdKernel {
     };
     // Block t's scores in tSrS become exp2(scaled score - running max) in place (soft-capped and
     // masked first); the row sums follow, and `correction` is what O must be scaled by.
-    float const scale_log2 = fabsf(p.scale_log2);  // a negative scale's sign goes into the scores (softmax)
+    float const scale_log2 = score_scale(p);
     auto softmax = [&](int t, float (&correction)[2]) {
       if (p.softcap_in != 0.f) {
         CUTE_UNROLL
@@ -449,7 +455,7 @@ struct FwdKernel {
           *reinterpret_cast<cutlass::Array<Element, 2>*>(out_row + col) = pair;
         }
         if (lane % 4 == 0) {
-          lse[row] = sum > 0.f ? (row_max[h] * fabsf(p.scale_log2) + __log2f(sum)) * 0.69314718055994531f : -INFINITY;
+          lse[row] = sum > 0.f ? (row_max[h] * score_scale(p) + __log2f(sum)) * 0.69314718055994531f : -INFINITY;
         }
       } else if (row < p.lse_rows && lane % 4 == 0) {
         lse[row] = INFINITY;

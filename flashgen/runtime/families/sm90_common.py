@@ -47,10 +47,11 @@ def band(p: Problem) -> Tuple[int, int, int]:
 def band_fields(p: Problem) -> dict:
     """The Params fields of the band mask, soft-capping and packed batches, as both kernels read them.
 
-    Soft-capping makes scores softcap * tanh(scale * q.k / softcap); packed batches pass the
-    device offsets (nullptr for fixed length)."""
+    Soft-capping makes scores softcap * tanh(scale * q.k / softcap) (a zero scale makes every
+    score 0 with or without it, so it is left off there); packed batches pass the device
+    offsets (nullptr for fixed length)."""
     lo, hi, from_end = band(p)
-    softcap = {"softcap_in": p.scale / p.softcap, "softcap_out": p.softcap / p.scale} if p.softcap else {}
+    softcap = {"softcap_in": p.scale / p.softcap, "softcap_out": p.softcap / p.scale} if p.softcap and p.scale else {}
     return {"band_lo": lo, "band_hi": hi, "band_from_end": from_end, "scale_log2": p.scale * LOG2_E,
             "seqstart_q": p.seqstart_q.data.ptr if p.seqstart_q is not None else 0,
             "seqstart_k": p.seqstart_k.data.ptr if p.seqstart_k is not None else 0, **softcap}
