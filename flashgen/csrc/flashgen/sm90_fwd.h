@@ -148,13 +148,13 @@ struct FwdKernel {
   static constexpr int kSharedBytes = int(sizeof(SharedStorage)) + 1024;
   static_assert(kSharedBytes <= 227 * 1024, "the Q tile and K/V rings exceed the shared memory of a Hopper block");
 
-  // Key blocks this query block visits: all, or those the band reaches; none past the
-  // sequence's queries (a packed batch's grid is sized for its longest sequence).
   // What the running max and the exponent multiply the products q.k by: |scale| * log2(e), the
   // sign of a negative scale going into the scores instead (softmax), and a zero scale kept
   // off zero so that masked scores (-inf) stay -inf rather than 0 * -inf = NaN.
   static __device__ float score_scale(FwdParams const& p) { return fmaxf(fabsf(p.scale_log2), FLT_MIN); }
 
+  // Key blocks this query block visits: all, or those the band reaches; none past the
+  // sequence's queries (a packed batch's grid is sized for its longest sequence).
   static __device__ BlockRange key_blocks(Sequence const& seq, int m_block) {
     if (m_block * kBlockM >= seq.num_queries) {
       return {0, 0};
