@@ -11,7 +11,7 @@ import pytest
 from flashgen import generator
 from flashgen.errors import UnsupportedError
 from flashgen.runtime import families, plans, validate
-from flashgen.runtime.families import sm80_fwd
+from flashgen.runtime.families import sm80_fwd, sm90_common
 from flashgen.runtime.registry import Registry
 from flashgen.runtime.select import Request, Selector
 from flashgen.spec import FAMILIES
@@ -154,6 +154,7 @@ def test_refuses_what_only_example41_has_with_the_reason(monkeypatch, registry):
 
 def test_refuses_calls_none_of_its_kernels_takes(monkeypatch, registry):
     monkeypatch.setattr(sm80_fwd, "device_info", lambda index: RTX3090)
+    monkeypatch.setattr(sm90_common, "device_info", lambda index: RTX3090)  # the request (OwnKernelFamily)
     runtime = sm80_fwd.RUNTIME
     assert runtime.refusal(call_of(registry=registry, causal="top_left", window=(8, None), softcap=2.0)) is None
     req = runtime.request(call_of(registry=registry, window=(8, None), softcap=2.0))

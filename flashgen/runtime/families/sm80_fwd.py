@@ -11,16 +11,14 @@ from __future__ import annotations
 
 from typing import Optional
 
-from flashgen.errors import UnsupportedError
 from flashgen.runtime import plans
-from flashgen.runtime.arrays import alignment, cupy_module, elem_strides
+from flashgen.runtime.arrays import cupy_module, elem_strides
 from flashgen.runtime.device import device_info
-from flashgen.runtime.families import RuntimeFamily, planned_forward_outputs, selector, visible_lse
-from flashgen.runtime.families.sm90_common import PACKED_ROWS_LIMIT, UNBOUNDED, band_fields, zero_unpacked_rows
-from flashgen.runtime.launch import fill, handle, launch, on_device, params_buffer
+from flashgen.runtime.families import visible_lse
+from flashgen.runtime.families.sm90_common import OwnKernelFamily, band_fields, replay_forward, zero_unpacked_rows
+from flashgen.runtime.launch import fill, handle, launch, params_buffer
 from flashgen.runtime.limits import check_int32, lse_rows
 from flashgen.runtime.registry import KernelBinary
-from flashgen.runtime.select import Request
 from flashgen.runtime.validate import Call
 from flashgen.spec.sm80_fwd import Sm80Fwd
 
@@ -28,47 +26,17 @@ POINTERS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "lse_ptr")  # per-call pointer
 MIN_CC = 80  # mma.sync on bf16, ldmatrix, cp.async
 
 
-class Sm80FwdRuntime(RuntimeFamily):
+class Sm80FwdRuntime(OwnKernelFamily):
     spec = Sm80Fwd
 
     def unfit(self, call: Call) -> Optional[str]:
-        """What the call needs that no kernel of the family has, or None."""
-        p = call.p
-        if call.bias is not None:
-            return "no attn_bias (the example-41 families take it)"
-        if p.dropout_p > 0:
-            return "no dropout (the example-41 families draw it)"
-        if p.dtype == "f32":
-            return "float16 or bfloat16 only; the call is float32"
-        if p.K != p.Kv:
-            return f"equal q/v head dims only; the call has {p.K} and {p.Kv}"
-        limit = UNBOUNDED if p.seqstart_q is None else PACKED_ROWS_LIMIT  # sm90_common.band()'s range
-        if max(call.q.shape[1], call.k.shape[1]) >= limit:
-            return f"fewer than {limit} rows per call (the band arithmetic's range)"
-        info = device_info(p.device)
-        if info.cc < MIN_CC:
-            return f"a GPU of compute capability 8.0 or newer; GPU {p.device} is {info.name} (sm_{info.cc})"
-        return None
-
-    def request(self, call: Call) -> Request:
-        p = call.p
-        return Request(self.name, p.dtype, p.K, p.Kv, alignment((call.q, call.k, call.v), (p.K, p.Kv)), False, False,
-                       device_info(p.device), band=p.mask != 0 or p.window is not None, softcap=p.softcap > 0)
-
-    def refusal(self, call: Call) -> Optional[str]:
-        """``unfit``, or none of the kernels accepts the call (a head dim over the largest tier,
-        inputs aligned to fewer than 8 elements, too little shared memory): the next family is asked."""
-        why = self.unfit(call)
+        why = super().unfit(call)
         if why is not None:
             return why
-        req = self.request(call)
-        if self.kernel(call, req) is not None:
-            return None
-        try:
-            verdicts = dict.fromkeys(why for _, _, why in selector(call.registry).explain(req))
-        except UnsupportedError as e:  # nothing of this family built for the GPU
-            return str(e)
-        return "none of its kernels accepts the call: " + "; ".join(verdicts)
+        info = device_info(call.p.device)
+        if info.cc < MIN_CC:
+            return f"a GPU of compute capability 8.0 or newer; GPU {call.p.device} is {info.name} (sm_{info.cc})"
+        return None
 
     def launch(self, call: Call, binary: KernelBinary):
         """(out, lse) of the forward on ``binary`` (on the call's device, api.py makes it current)."""
@@ -98,12 +66,7 @@ class Sm80FwdRuntime(RuntimeFamily):
         return out, visible_lse(lse, p.M)
 
     def replay(self, plan, memory, arrays, seed, offset, stream):
-        q, k, v = arrays
-        ptr = memory.ptr
-        with on_device(cupy_module(), plan.device):
-            out, lse = planned_forward_outputs(memory, plan.sizes, q)
-            plan.launch((ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse)), 0, 0, memory.stream(stream, plan.device))
-        return out, visible_lse(lse, plan.sizes["M"])
+        return replay_forward(plan, memory, arrays, stream)
 
 
 RUNTIME = Sm80FwdRuntime()

@@ -1,4 +1,7 @@
-"""What flashgen's two Hopper families share at run time: who they serve, band, softcap, tensor maps.
+"""What flashgen's own families share at run time: who they serve, band, softcap, tensor maps.
+
+``OwnKernelFamily`` holds what sm90_fwd, sm90_bwd and the Ampere sm80_fwd all refuse and how
+they request and refuse; ``HopperFamily`` adds the 9.0 GPU and TMA.
 
 ``sm90_fwd`` and ``sm90_bwd`` (``flashgen/csrc/flashgen/sm90_*.h``) take the
 same run-time options (band mask, soft-capping, packed batches) through the
@@ -15,9 +18,10 @@ import numpy as np
 
 from flashgen.errors import UnsupportedError
 from flashgen.runtime import tensormap
-from flashgen.runtime.arrays import alignment
+from flashgen.runtime.arrays import alignment, cupy_module
 from flashgen.runtime.device import device_info
-from flashgen.runtime.families import RuntimeFamily, selector
+from flashgen.runtime.families import RuntimeFamily, planned_forward_outputs, selector, visible_lse
+from flashgen.runtime.launch import on_device
 from flashgen.runtime.select import Request
 from flashgen.runtime.validate import MASKS, Call, Problem
 
@@ -77,15 +81,17 @@ def encode_maps(params: np.ndarray, maps: Sequence[str], arrays: Sequence, box_r
                               constants["swizzle_bytes"])
 
 
-class HopperFamily(RuntimeFamily):
-    """A family of flashgen's sm90a kernels: what they cannot take, and their request."""
+class OwnKernelFamily(RuntimeFamily):
+    """A family of flashgen's own kernels (sm90_fwd, sm90_bwd, sm80_fwd): the options they share
+    (band masks, soft-capping, packed batches through the same Params fields), what none of them
+    takes, their request, and their refusal.  A subclass adds its GPU in ``unfit``."""
 
-    def tma_arrays(self, call: Call) -> Sequence[Tuple[str, object]]:
-        """(name, array) of every input the kernels read through a tensor map or at its alignment."""
+    def aligned_arrays(self, call: Call) -> Sequence[Tuple[str, object]]:
+        """(name, array) of every input whose alignment the kernels' loads need."""
         return (("q", call.q), ("k", call.k), ("v", call.v))
 
     def unfit(self, call: Call) -> Optional[str]:
-        """What the call needs that these kernels do not have, or None."""
+        """What the call needs that none of flashgen's own kernels has, or None."""
         p = call.p
         if call.bias is not None:
             return "no attn_bias (the example-41 families take it)"
@@ -98,22 +104,17 @@ class HopperFamily(RuntimeFamily):
         limit = UNBOUNDED if p.seqstart_q is None else PACKED_ROWS_LIMIT  # band()'s range
         if max(call.q.shape[1], call.k.shape[1]) >= limit:
             return f"fewer than {limit} rows per call (the band arithmetic's range)"
-        info = device_info(p.device)
-        if info.cc != 90:
-            return f"a compute-capability 9.0 GPU (H100, H200); GPU {p.device} is {info.name} (sm_{info.cc})"
-        for name, x in self.tma_arrays(call):
-            why = tensormap.bmhk_problem(x)
-            if why:
-                return f"TMA cannot read {name}: {why}"
         return None
 
     def request(self, call: Call) -> Request:
         p = call.p
-        arrays = [x for _, x in self.tma_arrays(call)]
+        arrays = [x for _, x in self.aligned_arrays(call)]
         return Request(self.name, p.dtype, p.K, p.Kv, alignment(arrays, (p.K, p.Kv)), False, False,
                        device_info(p.device), band=p.mask != 0 or p.window is not None, softcap=p.softcap > 0)
 
     def refusal(self, call: Call) -> Optional[str]:
+        """``unfit``, or none of the kernels accepts the call (a head dim over the largest tier,
+        misaligned inputs, too little shared memory): the next family is asked."""
         why = self.unfit(call)
         if why is not None:
             return why
@@ -125,3 +126,32 @@ class HopperFamily(RuntimeFamily):
         except UnsupportedError as e:  # nothing of this family built for the GPU
             return str(e)
         return "none of its kernels accepts the call: " + "; ".join(verdicts)
+
+
+class HopperFamily(OwnKernelFamily):
+    """A family of flashgen's sm90a kernels: a 9.0 GPU, and inputs TMA can read (every one of
+    ``aligned_arrays``: those read through a tensor map, or at its alignment)."""
+
+    def unfit(self, call: Call) -> Optional[str]:
+        why = super().unfit(call)
+        if why is not None:
+            return why
+        info = device_info(call.p.device)
+        if info.cc != 90:
+            return f"a compute-capability 9.0 GPU (H100, H200); GPU {call.p.device} is {info.name} (sm_{info.cc})"
+        for name, x in self.aligned_arrays(call):
+            why = tensormap.bmhk_problem(x)
+            if why:
+                return f"TMA cannot read {name}: {why}"
+        return None
+
+
+def replay_forward(plan, memory, arrays, stream):
+    """(out, lse) of a planned sm90_fwd or sm80_fwd call: outputs allocated through ``memory``,
+    then one launch with the pointers of q, k, v (tensor maps' or Params'), out and lse."""
+    q, k, v = arrays
+    ptr = memory.ptr
+    with on_device(cupy_module(), plan.device):
+        out, lse = planned_forward_outputs(memory, plan.sizes, q)
+        plan.launch((ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse)), 0, 0, memory.stream(stream, plan.device))
+    return out, visible_lse(lse, plan.sizes["M"])

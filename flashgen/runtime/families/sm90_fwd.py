@@ -4,9 +4,9 @@ from __future__ import annotations
 from flashgen.runtime import plans
 from flashgen.runtime.arrays import cupy_module
 from flashgen.runtime.device import device_info
-from flashgen.runtime.families import planned_forward_outputs, visible_lse
-from flashgen.runtime.families.sm90_common import HopperFamily, band_fields, encode_maps, zero_unpacked_rows
-from flashgen.runtime.launch import fill, handle, launch, on_device, params_buffer
+from flashgen.runtime.families import visible_lse
+from flashgen.runtime.families.sm90_common import HopperFamily, band_fields, encode_maps, replay_forward, zero_unpacked_rows
+from flashgen.runtime.launch import fill, handle, launch, params_buffer
 from flashgen.runtime.limits import check_int32, lse_rows
 from flashgen.runtime.registry import KernelBinary
 from flashgen.runtime.validate import Call
@@ -48,12 +48,7 @@ class Sm90FwdRuntime(HopperFamily):
         return out, visible_lse(lse, p.M)
 
     def replay(self, plan, memory, arrays, seed, offset, stream):
-        q, k, v = arrays
-        ptr = memory.ptr
-        with on_device(cupy_module(), plan.device):
-            out, lse = planned_forward_outputs(memory, plan.sizes, q)
-            plan.launch((ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse)), 0, 0, memory.stream(stream, plan.device))
-        return out, visible_lse(lse, plan.sizes["M"])
+        return replay_forward(plan, memory, arrays, stream)
 
 
 RUNTIME = Sm90FwdRuntime()
