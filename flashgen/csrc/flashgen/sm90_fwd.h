@@ -29,7 +29,6 @@
 // the stores keep out of the results.
 #pragma once
 
-#include <cfloat>  // FLT_MIN
 #include <cuda.h>  // CUtensorMap
 
 #include <cute/tensor.hpp>
@@ -73,7 +72,7 @@ struct FwdParams {
   int band_lo;            // kBand: key j is visible to query i iff i + band_lo <= j <= i + band_hi
   int band_hi;
   int band_from_end;      // packed: each sequence's band sits on its own bottom-right diagonal (sequence())
-  float scale_log2;       // softmax scale * log2(e), of either sign (a negative one negates the scores, softmax)
+  float scale_log2;       // softmax scale * log2(e)
   float softcap_in;       // scale / softcap (0: no soft-capping): scores become
   float softcap_out;      //   softcap_out * tanh(softcap_in * q.k), softcap_out = softcap / scale
 };
@@ -147,11 +146,6 @@ struct FwdKernel {
   // layouts need 1024, so the kernel rounds its base up inside this slack.
   static constexpr int kSharedBytes = int(sizeof(SharedStorage)) + 1024;
   static_assert(kSharedBytes <= 227 * 1024, "the Q tile and K/V rings exceed the shared memory of a Hopper block");
-
-  // What the running max and the exponent multiply the products q.k by: |scale| * log2(e), the
-  // sign of a negative scale going into the scores instead (softmax), and a zero scale kept
-  // off zero so that masked scores (-inf) stay -inf rather than 0 * -inf = NaN.
-  static __device__ float score_scale(FwdParams const& p) { return fmaxf(fabsf(p.scale_log2), FLT_MIN); }
 
   // Key blocks this query block visits: all, or those the band reaches; none past the
   // sequence's queries (a packed batch's grid is sized for its longest sequence).
@@ -309,18 +303,11 @@ struct FwdKernel {
     };
     // Block t's scores in tSrS become exp2(scaled score - running max) in place (soft-capped and
     // masked first); the row sums follow, and `correction` is what O must be scaled by.
-    float const scale_log2 = score_scale(p);
     auto softmax = [&](int t, float (&correction)[2]) {
       if (p.softcap_in != 0.f) {
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {
           tSrS(r) = p.softcap_out * tanh_approx(tSrS(r) * p.softcap_in);
-        }
-      }
-      if (p.scale_log2 < 0.f) {  // the largest product is then the smallest score: scale by |scale| and negate
-        CUTE_UNROLL
-        for (int r = 0; r < size(tSrS); ++r) {
-          tSrS(r) = -tSrS(r);
         }
       }
       int const key0 = (blocks.begin + t) * kBlockN;
@@ -348,15 +335,15 @@ struct FwdKernel {
         }
         m = quad_max(m);
         // a row that has seen no key yet keeps max -inf: subtract 0 so exp2 gives 0, not NaN
-        scaled_max[h] = m == -INFINITY ? 0.f : m * scale_log2;
-        correction[h] = exp2_approx(row_max[h] * scale_log2 - scaled_max[h]);
+        scaled_max[h] = m == -INFINITY ? 0.f : m * p.scale_log2;
+        correction[h] = exp2_approx(row_max[h] * p.scale_log2 - scaled_max[h]);
         row_max[h] = m;
         row_sum[h] *= correction[h];
       }
       CUTE_UNROLL
       for (int r = 0; r < size(tSrS); ++r) {
         int const h = (r / 2) % 2;
-        tSrS(r) = exp2_approx(fmaf(tSrS(r), scale_log2, -scaled_max[h]));
+        tSrS(r) = exp2_approx(fmaf(tSrS(r), p.scale_log2, -scaled_max[h]));
         row_sum[h] += tSrS(r);
       }
     };
@@ -455,7 +442,7 @@ struct FwdKernel {
           *reinterpret_cast<cutlass::Array<Element, 2>*>(out_row + col) = pair;
         }
         if (lane % 4 == 0) {
-          lse[row] = sum > 0.f ? (row_max[h] * score_scale(p) + __log2f(sum)) * 0.69314718055994531f : -INFINITY;
+          lse[row] = sum > 0.f ? (row_max[h] * p.scale_log2 + __log2f(sum)) * 0.69314718055994531f : -INFINITY;
         }
       } else if (row < p.lse_rows && lane % 4 == 0) {
         lse[row] = INFINITY;

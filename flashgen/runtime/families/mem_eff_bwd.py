@@ -61,6 +61,8 @@ class MemEffBwdRuntime(RuntimeFamily):
     spec = MemEffBwd
 
     def unfit(self, call: Call) -> Optional[str]:
+        if call.p.scale == 0 and call.p.mask:
+            return "no zero scale with a causal mask (the kernel's masked scores become 0 * -inf = NaN)"
         return unfit_example41(call)
 
     def request(self, call: Call) -> Request:
