@@ -108,12 +108,17 @@ class Timed:
     first_call_s: Optional[float] = None  # wall time of the first warm-up call, synchronized on both sides
 
 
-def time_interleaved(entries: List[Timed], torch, rounds: int = 10, repeats: int = 30, warmup: int = 3) -> None:
+def time_interleaved(entries: List[Timed], torch, rounds: int = 10, repeats: int = 30, warmup: int = 3,
+                     queued: bool = False) -> None:
     """Time every entry in ``rounds`` rounds, each visiting the entries in a new random order, so
     clock ramps, thermal drift and the after-effects of the previous implementation (a hot
     cuDNN kernel lowers the clocks for the next one) fall on every implementation alike.  Each
     call is timed alone between CUDA events (host work before the launch counts, as it does
-    for a user).  Entries that arrive with an error are not run.
+    for a user).  With ``queued`` a round's calls are issued back to back, as a training loop
+    issues them, each between its own pair of events, and the host waits once per round: a
+    call's time is then the GPU's, as long as the host issues faster than the GPU runs (one
+    untimed call opens each round, so the first timed one has work queued ahead of it too).
+    Entries that arrive with an error are not run.
 
     The first warm-up call is timed on the host clock on its own (``first_call_s``): for a peer
     that compiles its kernels on first use that is the compile, which the warm-up keeps out of
@@ -140,17 +145,35 @@ def time_interleaved(entries: List[Timed], torch, rounds: int = 10, repeats: int
     for r in range(rounds):
         order.shuffle(live)
         for e in live:
-            times = []
             with e.context():
-                for i in range(per_round):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    e.fn(r * per_round + i)
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end))
+                times = _queued_round(e, torch, r, per_round) if queued else _lone_calls(e, torch, r, per_round)
             e.times += times
             e.round_medians.append(statistics.median(times))
+
+
+def _lone_calls(e: Timed, torch, r: int, calls: int) -> List[float]:
+    """Milliseconds of each call of round ``r``, the host waiting for each before the next."""
+    times = []
+    for i in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        e.fn(r * calls + i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def _queued_round(e: Timed, torch, r: int, calls: int) -> List[float]:
+    """Milliseconds of each call of round ``r`` issued back to back after one untimed call."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+    e.fn(r * calls + calls - 1)
+    for i, (start, end) in enumerate(events):
+        start.record()
+        e.fn(r * calls + i)
+        end.record()
+    events[-1][1].synchronize()
+    return [start.elapsed_time(end) for start, end in events]
 
 
 def error_note(ex: Exception) -> str:
@@ -183,7 +206,8 @@ def _gqa_note(p: Point, note: str) -> str:
     return f"at GQA {p.heads_label} heads: {note}" if p.group > 1 else note
 
 
-def bench_point(p: Point, impls: List[str], torch, repeats: int = 30, all_instances: bool = False) -> List[Result]:
+def bench_point(p: Point, impls: List[str], torch, repeats: int = 30, all_instances: bool = False,
+                queued: bool = False) -> List[Result]:
     import cupy
 
     from flashgen.runtime import api
@@ -223,7 +247,7 @@ def bench_point(p: Point, impls: List[str], torch, repeats: int = 30, all_instan
     if "flex" in impls:
         entries += _flex_entries(p, t_sets, torch)
     not_set_up = {id(e) for e in entries if e.error}  # e.g. an import: not about this point's shape
-    time_interleaved(entries, torch, repeats=repeats)
+    time_interleaved(entries, torch, repeats=repeats, queued=queued)
     for e in entries:
         if e.error and id(e) not in not_set_up:
             e.error = _gqa_note(p, e.error)
@@ -387,10 +411,35 @@ def adapter_overhead_cases(q, torch) -> Dict[str, Callable[[], object]]:
         warnings.warn(f"flashgen.torch call overhead not measured: {error_note(ex)}", stacklevel=2)
         return {}
     grad = torch.ones_like(out)
+    noop = _noop_op(torch)
+    noop_out = noop(tq_bmhk, tq_bmhk, tq_bmhk)
     return {
         "flashgen.torch forward": lambda: attention(tq_bmhk, tq_bmhk, tq_bmhk),
         "flashgen.torch backward (autograd.grad)": lambda: torch.autograd.grad(out, tq_bmhk, grad, retain_graph=True),
+        "no-op torch op forward": lambda: noop(tq_bmhk, tq_bmhk, tq_bmhk),
+        "no-op torch op backward (autograd.grad)": lambda: torch.autograd.grad(noop_out, tq_bmhk, grad,
+                                                                               retain_graph=True),
     }
+
+
+def _noop_op(torch) -> Callable:
+    """An autograd op shaped like flashgen.torch's (q, k, v, bias and the options in; out and a
+    non-differentiable lse out; dq, dk, dv back) that launches nothing and allocates nothing:
+    what torch's autograd costs any Python op.  The adapter's own overhead is its call minus this."""
+
+    class NoOp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, bias, options):
+            ctx.save_for_backward(q, k, v)
+            lse = q.view_as(q)
+            ctx.mark_non_differentiable(lse)
+            return q.view_as(q), lse
+
+        @staticmethod
+        def backward(ctx, grad_out, grad_lse):
+            return grad_out, grad_out, grad_out, None, None
+
+    return lambda q, k, v: NoOp.apply(q, k, v, None, (0, None, 0.0))[0]
 
 
 def import_times_ms() -> Dict[str, float]:

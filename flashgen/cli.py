@@ -385,9 +385,12 @@ def _bench_notes(results) -> List[str]:
               "policy) that can serve each point, as flashgen[<tile>] (multi-head points only).")
 @click.option("--repeats", type=int, default=30, show_default=True,
               help="Timed calls per implementation and direction, in 10 interleaved rounds.")
+@click.option("--timing", type=click.Choice(["call", "queued"]), default="call", show_default=True,
+              help="call: each call timed alone, its host work before the launch included; queued: calls issued "
+                   "back to back as a training loop issues them, so host work hides behind the GPU's.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def bench(dtypes, head_dims, seqlens, tokens, hidden, groups, impls, all_instances, repeats, json_path,
+def bench(dtypes, head_dims, seqlens, tokens, hidden, groups, impls, all_instances, repeats, timing, json_path,
           plot_path) -> None:
     """Forward and backward TFLOP/s of flashgen (directly and through its PyTorch adapter), FlashAttention-4 and
     torch's SDPA backends, side by side."""
@@ -408,7 +411,7 @@ def bench(dtypes, head_dims, seqlens, tokens, hidden, groups, impls, all_instanc
     click.echo(f"{torch.cuda.get_device_name()}: {len(grid)} points x {len(impls)} implementations", err=True)
     results = []
     for n, point in enumerate(grid, 1):
-        rows = b.bench_point(point, list(impls), torch, repeats, all_instances)
+        rows = b.bench_point(point, list(impls), torch, repeats, all_instances, queued=timing == "queued")
         results += rows
         summary = "  ".join(f"{r.impl}/{r.direction} {r.tflops:.0f}"
                             + (f" (first call {r.compile_s:.1f} s)" if r.compile_s is not None else "")
@@ -425,8 +428,9 @@ def bench(dtypes, head_dims, seqlens, tokens, hidden, groups, impls, all_instanc
     for name, ms in imports.items():
         click.echo(f"{name}: {ms:.1f} ms")
     if json_path:
-        json_path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "overhead_us": overhead,
-                                         "import_ms": imports, "command": " ".join(["flashgen"] + sys.argv[1:]),
+        json_path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "timing": timing,
+                                         "overhead_us": overhead, "import_ms": imports,
+                                         "command": " ".join(["flashgen"] + sys.argv[1:]),
                                          "results": [r.as_dict() for r in results]}, indent=1))
     if plot_path:
         b.plot(results, plot_path)

@@ -150,6 +150,29 @@ def test_time_interleaved_keeps_the_first_call_out_of_the_timings():
     assert len(entry.times) == 10 and max(entry.times) < 25  # ms
 
 
+def test_time_interleaved_queued_waits_once_per_round_and_opens_each_round_untimed():
+    """Queued timing: one host wait per round (not per call), one untimed call ahead of each
+    round's timed ones, and as many timings as the per-call mode takes."""
+    waits, calls = [], []
+
+    class Event(_FakeEvent):
+        def synchronize(self):
+            waits.append(len(calls))
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event, synchronize=lambda: None))
+    entry = bench.Timed("b", "fwd", calls.append)
+    bench.time_interleaved([entry], fake, rounds=5, repeats=20, queued=True)
+    timed_rounds = [calls[3 + r * 5:3 + (r + 1) * 5] for r in range(5)]  # after 3 warm-up calls: 1 + 4 per round
+    assert len(calls) == 3 + 5 * 5 and len(entry.times) == 20 and len(entry.round_medians) == 5
+    assert waits == [3 + 5 * (r + 1) for r in range(5)]  # the host waits after a round's last call only
+    assert [c[1:] for c in timed_rounds] == [[4 * r + i for i in range(4)] for r in range(5)]  # input sets in order
+
+    per_call_waits = len(waits)
+    waits.clear()
+    bench.time_interleaved([bench.Timed("b", "fwd", calls.append)], fake, rounds=5, repeats=20)
+    assert len(waits) == 20 > per_call_waits  # the per-call mode waits after every timed call
+
+
 # fa4: FlashAttention-4 through a fake flash_attn.cute.interface (the real one needs a GPU).
 
 def _fa4(monkeypatch, module):
@@ -242,12 +265,17 @@ def test_adapter_overhead_cases_pair_forward_and_autograd_backward(monkeypatch):
     _adapter(monkeypatch, attention)
     q = torch.randn(1, 128, 1, 64)
     cases = bench.adapter_overhead_cases(q, torch)
-    assert list(cases) == ["flashgen.torch forward", "flashgen.torch backward (autograd.grad)"]
+    assert list(cases) == ["flashgen.torch forward", "flashgen.torch backward (autograd.grad)",
+                           "no-op torch op forward", "no-op torch op backward (autograd.grad)"]
     for _ in range(2):  # the backward is repeatable: one retained graph
         (grad,) = cases["flashgen.torch backward (autograd.grad)"]()
         assert grad.shape == q.shape
     cases["flashgen.torch forward"]()
     assert len(forwards) == 2 and all(t.requires_grad and t.data_ptr() == q.data_ptr() for t in forwards)
+    # the no-op op is a real autograd op of the adapter's shape: q feeds q, k and v, so dq = 3 * dO
+    out = cases["no-op torch op forward"]()
+    (grad,) = cases["no-op torch op backward (autograd.grad)"]()
+    assert out.requires_grad and torch.equal(grad, torch.full_like(q, 3.0)) and len(forwards) == 2
 
 
 def test_adapter_overhead_cases_leave_out_an_adapter_that_cannot_run(monkeypatch):
@@ -263,10 +291,11 @@ def _bench_cli(monkeypatch, tflops, *args, compile_s=None, notes=None):
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True,
                                                                   get_device_name=lambda: "Fake GPU"))
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
-    seen = []
+    seen, timings = [], []
 
-    def bench_point(p, impls, torch, repeats, all_instances):
+    def bench_point(p, impls, torch, repeats, all_instances, queued):
         seen.append(impls)
+        timings.append(queued)
         return [bench.Result(i, d, p, 1.0, tflops.get(i), (notes or {}).get(i, ""), spread=0.01,
                              compile_s=(compile_s or {}).get((i, d))) for i in impls for d in ("fwd", "bwd")]
 
@@ -276,6 +305,7 @@ def _bench_cli(monkeypatch, tflops, *args, compile_s=None, notes=None):
     result = CliRunner().invoke(main, ["bench", "--dtype", "f16", "--head-dim", "64", "--seqlen", "512", *args],
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
+    assert len(set(timings)) == 1 and timings[0] == ("queued" in args)  # --timing reaches every point
     return seen[0], result.output
 
 
@@ -569,6 +599,15 @@ def test_bench_table_json_and_progress_show_the_group(monkeypatch, tmp_path):
     points = [r["point"] for r in json.loads(path.read_text())["results"]]
     assert [p["group"] for p in points] == [1, 1, 4, 4, 1, 1, 4, 4]
     assert all(p["heads"] == 32 for p in points)
+    assert json.loads(path.read_text())["timing"] == "call"
+
+
+def test_bench_queued_timing_reaches_the_points_and_the_json(monkeypatch, tmp_path):
+    import json
+
+    path = tmp_path / "run.json"
+    _bench_cli(monkeypatch, {"flashgen": 400}, "--impl", "flashgen", "--timing", "queued", "--json", str(path))
+    assert json.loads(path.read_text())["timing"] == "queued"
 
 
 @pytest.mark.parametrize("group, message", [

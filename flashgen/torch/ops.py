@@ -14,6 +14,7 @@ Options travel as plain ints and floats (an operator schema has no None in a tup
 """
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Tuple
 
 import torch
@@ -37,6 +38,7 @@ def _lse_strides(heads: int, rows: int) -> Tuple[int, int, int]:
     return heads * padded, padded, 1
 
 
+@functools.lru_cache(maxsize=64)  # a training loop repeats a few option sets: build each dict once
 def _runtime_options(causal: int, scale: Optional[float], dropout_p: float, seed: int, offset: int,
                      window_left: int, window_right: int, softcap: float) -> dict:
     window = None
@@ -77,20 +79,32 @@ def forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], c
     return _contiguous(out), _with_lse_layout(lse, q.shape[2], rows)
 
 
-def backward_impl(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                  attn_bias: Optional[Tensor], bias_requires_grad: bool, cu_seqlens_q: Optional[Tensor],
-                  cu_seqlens_k: Optional[Tensor], causal: int, scale: Optional[float], dropout_p: float,
-                  seed: int, offset: int, window_left: int, window_right: int, softcap: float,
-                  deterministic: bool) -> List[Tensor]:
-    """[dq, dk, dv, dbias] (dbias [B, H, M, N], or an empty tensor when not asked for)."""
+def _grads(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, attn_bias: Optional[Tensor],
+           bias_requires_grad: bool, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], causal: int,
+           scale: Optional[float], dropout_p: float, seed: int, offset: int, window_left: int, window_right: int,
+           softcap: float, deterministic: bool) -> tuple:
+    """(dq, dk, dv, dbias [B, H, M, N] or None when not asked for): the eager backward's, which
+    allocates nothing it does not return."""
     options = _runtime_options(causal, scale, dropout_p, seed, offset, window_left, window_right, softcap)
     # autograd may hand a gradient with any strides; the kernels need a contiguous head dim
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
     grads = api.attention_backward(grad_out, q, k, v, out, lse, attn_bias=attn_bias,
                                    bias_requires_grad=bias_requires_grad, cu_seqlens_q=cu_seqlens_q,
                                    cu_seqlens_k=cu_seqlens_k, deterministic=deterministic, **options)
-    dbias = _contiguous(grads[3]) if bias_requires_grad else q.new_empty((0,))
-    return [_contiguous(g) for g in grads[:3]] + [dbias]
+    return _contiguous(grads[0]), _contiguous(grads[1]), _contiguous(grads[2]), (
+        _contiguous(grads[3]) if bias_requires_grad else None)
+
+
+def backward_impl(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                  attn_bias: Optional[Tensor], bias_requires_grad: bool, cu_seqlens_q: Optional[Tensor],
+                  cu_seqlens_k: Optional[Tensor], causal: int, scale: Optional[float], dropout_p: float,
+                  seed: int, offset: int, window_left: int, window_right: int, softcap: float,
+                  deterministic: bool) -> List[Tensor]:
+    """[dq, dk, dv, dbias] (an empty dbias when not asked for: an operator returns tensors)."""
+    dq, dk, dv, dbias = _grads(grad_out, q, k, v, out, lse, attn_bias, bias_requires_grad, cu_seqlens_q,
+                               cu_seqlens_k, causal, scale, dropout_p, seed, offset, window_left, window_right,
+                               softcap, deterministic)
+    return [dq, dk, dv, q.new_empty((0,)) if dbias is None else dbias]
 
 
 attention_forward = torch.library.custom_op("flashgen::attention_forward", mutates_args=(),
@@ -152,11 +166,14 @@ class EagerAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, attn_bias, options):
         output = forward_impl(q, k, v, attn_bias, *options)
         _setup_context(ctx, (q, k, v, attn_bias) + options, output)
+        ctx.set_materialize_grads(False)  # no zero-filled gradient for lse (a launch per backward)
         return output
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        return _gradients(ctx, grad_out, backward_impl) + (None,)
+        if grad_out is None:  # only lse (not differentiable) reached the loss
+            return None, None, None, None, None
+        return _gradients(ctx, grad_out, _grads) + (None,)
 
 
 def forward(q, k, v, attn_bias, *options) -> Tuple[Tensor, Tensor]:
