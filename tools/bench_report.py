@@ -132,6 +132,31 @@ def torch_summary(cells) -> None:
                   f"median {statistics.median(rs):.2f}")
 
 
+def adapter_section(paths) -> None:
+    """flashgen-torch / flashgen from runs of the two alone, each named with its timing mode, and
+    the adapter's own host cost per call: its call minus torch's autograd floor (a no-op op of
+    the same shape, bench.py: _noop_op) beside the CuPy path's."""
+    print("\n## flashgen.torch against flashgen on CuPy arrays\n")
+    print("`flashgen bench --impl flashgen --impl flashgen-torch --timing T`, the default grid; `queued` issues")
+    print("each implementation's calls back to back as a training loop does (each call between its own")
+    print("events), `call` times each call alone with its host work before the launch.\n")
+    for path in paths:
+        data, cells = load(path)
+        for direction in ("fwd", "bwd"):
+            rs = [r for k, v in cells.items() if k[0] == direction
+                  for r in [ratio(v, a="flashgen-torch", b="flashgen")] if r is not None]
+            print(f"- {path} ({data.get('timing', 'call')}), {direction}: {span(rs)}, median {statistics.median(rs):.3f}")
+    data = json.load(open(paths[0]))["overhead_us"]
+    floor = {d: data.get(f"no-op torch op {d}") for d in ("forward", "backward (autograd.grad)")}
+    if all(floor.values()):
+        print(f"\nHost cost per call ({paths[0]}), what the adapter adds over torch's autograd floor:\n")
+        for d, cupy in (("forward", "flashgen.attention_forward"), ("backward (autograd.grad)",
+                                                                     "flashgen.attention_backward")):
+            own = data[f"flashgen.torch {d}"] - floor[d]
+            print(f"- {d}: flashgen.torch {data[f'flashgen.torch {d}']:.1f} us - no-op op {floor[d]:.1f} us = "
+                  f"{own:.1f} us, {own / data[cupy]:.2f}x the CuPy path's {data[cupy]:.1f} us")
+
+
 def gqa_section(path: str) -> None:
     """Grouped-query points (``flashgen bench --group``) from a run of their own."""
     data, cells = load(path)
@@ -154,7 +179,7 @@ def gqa_section(path: str) -> None:
               f"{fmt(ratio(got, b='sdpa-cudnn'))} | {fmt(ratio(got, b='fa4'))} |")
 
 
-def main(path: str, repeat_path: str, table_path: str, gqa_path: str = "") -> None:
+def main(path: str, repeat_path: str, table_path: str, gqa_path: str = "", *adapter_paths: str) -> None:
     data, cells = load(path)
     repeat_data, repeat = load(repeat_path)
     table = json.load(open(table_path))
@@ -179,8 +204,10 @@ FLASHGEN_KERNEL_PATH=build/kernels FLASHGEN_TUNING=flashgen/tuning/nvidia_h200_s
     flashgen bench --json docs/bench_h200.json --plot docs/bench_h200.png
 flashgen bench --group 4 --group 8 --seqlen 2048 --seqlen 8192 \\
     --impl flashgen --impl flashgen-torch --impl fa4 --impl sdpa-cudnn --json docs/bench_h200_gqa.json
+flashgen bench --impl flashgen --impl flashgen-torch --timing queued --json docs/bench_h200_torch_queued.json
 python tools/bench_report.py docs/bench_h200.json docs/bench_h200_repeat.json \\
-    flashgen/tuning/nvidia_h200_sm90.json docs/bench_h200_gqa.json > BENCHMARKS.md
+    flashgen/tuning/nvidia_h200_sm90.json docs/bench_h200_gqa.json docs/bench_h200_torch_queued.json \\
+    docs/bench_h200_torch_queued_repeat.json docs/bench_h200_torch_call.json > BENCHMARKS.md
 ```
 
 (The table named is the one `flashgen tune` wrote on this GPU and the wheel
@@ -250,6 +277,8 @@ Lowest flashgen / efficient ratio of the two runs: forward {fmt(worst['fwd'])}, 
                   f"{fmt(vs_flash[key])} | {fmt(vs_cudnn[key])} | {fmt(vs_fa4[key])} | "
                   f"{f'{max(spreads):.0%}' if spreads else '-'} |")
     torch_summary(cells)
+    if adapter_paths:
+        adapter_section(adapter_paths)
     if gqa_path:
         gqa_section(gqa_path)
     print("\n## Per-call host overhead and import time\n")
@@ -282,4 +311,4 @@ buckets beat the priority order by more than 1% and are in
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:])
