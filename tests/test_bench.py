@@ -720,3 +720,27 @@ def test_tune_resumes_a_table_written_before_points_had_a_group(monkeypatch, tmp
     out.write_text(json.dumps(data))
     tune.tune(points, 3, lambda line: None, "flashgen tune", out)
     assert len(measured) == 2 * len(points)  # nothing measured again
+
+
+def test_bench_report_adapter_section_ratios_per_timing_and_own_host_cost(tmp_path, capsys):
+    """The adapter runs: flashgen-torch / flashgen per direction and run, named with the run's
+    timing, and the adapter's host cost net of the no-op op, against the CuPy path's."""
+    import json
+
+    point = {"dtype": "bf16", "head_dim": 128, "causal": False, "batch": 8, "heads": 16, "seqlen": 2048}
+    paths = []
+    for name, timing, torch_ms in (("queued.json", "queued", (1.0, 2.04)), ("call.json", "call", (1.25, 2.5))):
+        results = [{"impl": impl, "direction": d, "point": point, "tflops": 1.0, "ms": ms, "note": "", "spread": 0.0}
+                   for d, cupy_ms, torch_d in (("fwd", 1.0, torch_ms[0]), ("bwd", 2.0, torch_ms[1]))
+                   for impl, ms in (("flashgen", cupy_ms), ("flashgen-torch", torch_d))]
+        overhead = {"flashgen.attention_forward": 20.0, "flashgen.attention_backward": 30.0,
+                    "flashgen.torch forward": 40.0, "flashgen.torch backward (autograd.grad)": 120.0,
+                    "no-op torch op forward": 10.0, "no-op torch op backward (autograd.grad)": 75.0}
+        (tmp_path / name).write_text(json.dumps({"timing": timing, "overhead_us": overhead, "results": results}))
+        paths.append(str(tmp_path / name))
+    _bench_report().adapter_section(paths)
+    out = capsys.readouterr().out
+    assert f"- {paths[0]} (queued), bwd: 0.98 to 0.98, median 0.980" in out
+    assert f"- {paths[1]} (call), fwd: 0.80 to 0.80, median 0.800" in out
+    assert "- forward: flashgen.torch 40.0 us - no-op op 10.0 us = 30.0 us, 1.50x the CuPy path's 20.0 us" in out
+    assert "= 45.0 us, 1.50x the CuPy path's 30.0 us" in out
