@@ -101,10 +101,13 @@ def mask_matrix(M, N, causal, window=None):
 
 
 def reference(q, k, v, *, bias=None, causal=None, scale=None, keep=None, p=0.0, grad_out=None, window=None,
-              softcap=0.0, out_for_delta=None):
+              softcap=0.0, out_for_delta=None, summand_sizes=False):
     """float64 attention and, with grad_out, its gradients.  keep: dropout mask [B, H, M, N];
     softcap: scores become softcap * tanh(scores / softcap); out_for_delta: the gradients a
-    flash-style backward computes from this (rounded) output, delta = rowsum(grad_out * out)."""
+    flash-style backward computes from this (rounded) output, delta = rowsum(grad_out * out).
+    summand_sizes: dq and dk (and ds) hold the sizes of their sums' terms instead,
+    scale * P (|dP| + |delta|) |K| and likewise, what their rounding error is proportional to
+    where dP - delta cancels (``rel_err_to_summands``)."""
     q, k, v = f64(q), f64(k), f64(v)
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = cupy.einsum("bmhk,bnhk->bhmn", q, k) * scale
@@ -131,6 +134,8 @@ def reference(q, k, v, *, bias=None, causal=None, scale=None, keep=None, p=0.0, 
     else:
         delta = cupy.einsum("bmhk,bmhk->bhm", do, f64(out_for_delta))[..., None]
     ds = prob * (dp - delta)
+    if summand_sizes:
+        ds, slope, scale, q, k = prob * (abs(dp) + abs(delta)), abs(slope), abs(scale), abs(q), abs(k)
     dq = cupy.einsum("bhmn,bnhk->bmhk", ds * slope, k) * scale
     dk = cupy.einsum("bhmn,bmhk->bnhk", ds * slope, q) * scale
     return out, lse, (dq, dk, dv, ds)
@@ -177,6 +182,16 @@ def rel_err(x, ref, zero_scale=1.0):
     assert not bool(cupy.isnan(x).any()), "NaN in output: an element was not written"
     denom = float(cupy.linalg.norm(ref.ravel())) or math.sqrt(max(ref.size, 1)) * zero_scale
     return float(cupy.linalg.norm((x - ref).ravel())) / denom
+
+
+def rel_err_to_summands(x, ref, sizes):
+    """||x - ref|| / ||sizes||: the error of a sum against the size of its terms.  dq and dk are
+    sums of scale * P (dP - delta) K; where dP and delta nearly cancel (two keys and one query,
+    say), their rounding in f16/bf16 inputs leaves an error that is small next to the terms but
+    not next to the sum.  ``sizes`` from ``reference(..., summand_sizes=True)``."""
+    x = f64(x)
+    assert not bool(cupy.isnan(x).any()), "NaN in output: an element was not written"
+    return float(cupy.linalg.norm((x - ref).ravel())) / (float(cupy.linalg.norm(sizes.ravel())) or 1.0)
 
 
 def make_input(rng, shape, dtype, layout):

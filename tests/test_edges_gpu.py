@@ -94,3 +94,27 @@ def test_nan_in_a_query_row_stays_in_that_row():
     assert bad_rows == [5]
     healthy, _ = flashgen.attention_forward(*(randn(r, (1, 64, 1, 64), "f16") for _ in range(3)))
     assert bool(cupy.isfinite(healthy).all())
+
+
+def test_two_keys_that_cancel_are_measured_against_their_summands():
+    """One query seeing two keys whose dP nearly agree: dP - delta cancels, so dq and dk are tiny
+    next to their terms.  The fuzzer measures such gradients against the terms' size
+    (rel_err_to_summands); the sizes bound the exact gradient elementwise and stay of order one
+    where the gradient vanishes."""
+    from attention_reference import rel_err_to_summands
+
+    r = np.random.default_rng(7)
+    q, k = randn(r, (1, 1, 1, 64), "f16"), randn(r, (1, 2, 1, 64), "f16")
+    v = cupy.concatenate([randn(r, (1, 1, 1, 64), "f16")] * 2, axis=1)  # equal rows: dP equal, dP - delta = 0
+    do = randn(r, (1, 1, 1, 64), "f16")
+    _, _, (dq, dk, _, _) = reference(q, k, v, grad_out=do)
+    _, _, (sq, sk, _, sds) = reference(q, k, v, grad_out=do, summand_sizes=True)
+    assert float(abs(dq).max()) < 1e-12 and float(abs(dk).max()) < 1e-12  # cancelled outright
+    assert float(cupy.linalg.norm(sq)) > 1 and float(cupy.linalg.norm(sk)) > 1e-2 and bool((sds > 0).all())
+    rv = randn(r, (1, 2, 1, 64), "f16")  # generic values: the sizes bound the gradients
+    _, _, (dq, dk, _, ds) = reference(q, k, rv, grad_out=do)
+    _, _, (sq, sk, _, sds) = reference(q, k, rv, grad_out=do, summand_sizes=True)
+    for g, size in ((dq, sq), (dk, sk), (ds, sds)):
+        assert bool((abs(g) <= size * (1 + 1e-12)).all())
+    off = dq + 0.05 * sq  # an error of 5% of the terms' size fails a 1e-2 tolerance
+    assert rel_err_to_summands(off, dq, sq) == pytest.approx(0.05)
