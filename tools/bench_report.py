@@ -1,14 +1,13 @@
 """Write BENCHMARKS.md from `flashgen bench --json` files (and the --plot image) and the tuning table.
 
-    FLASHGEN_TUNING=flashgen/tuning/nvidia_h200_sm90.json \\
-        flashgen bench --json docs/bench_h200.json --plot docs/bench_h200.png      # on the GPU
+    FLASHGEN_TUNING=<table> flashgen bench --json docs/bench_h200.json --plot docs/bench_h200.png  # on the GPU
     flashgen bench --group 4 --group 8 --seqlen 2048 --seqlen 8192 \\
         --impl flashgen --impl flashgen-torch --impl fa4 --impl sdpa-cudnn --json docs/bench_h200_gqa.json
     python tools/bench_report.py docs/bench_h200.json docs/bench_h200_repeat.json \\
-        flashgen/tuning/nvidia_h200_sm90.json docs/bench_h200_gqa.json > BENCHMARKS.md
+        <table> docs/bench_h200_gqa.json [flashgen-torch runs ...] > BENCHMARKS.md
 
 The second JSON (an independent run of the same code) gives the run-to-run
-noise; the tuning table gives what tuning changed.
+noise; the tuning table (the one the runs used) gives what tuning changed.
 """
 import json
 import statistics
@@ -200,18 +199,19 @@ Device: **{data['device']}**.  One run, every implementation side by side:
 
 ```sh
 flashgen build --arch sm90a --out build/kernels
-FLASHGEN_KERNEL_PATH=build/kernels FLASHGEN_TUNING=flashgen/tuning/nvidia_h200_sm90.json \\
+FLASHGEN_KERNEL_PATH=build/kernels FLASHGEN_TUNING={table_path} \\
     flashgen bench --json docs/bench_h200.json --plot docs/bench_h200.png
 flashgen bench --group 4 --group 8 --seqlen 2048 --seqlen 8192 \\
     --impl flashgen --impl flashgen-torch --impl fa4 --impl sdpa-cudnn --json docs/bench_h200_gqa.json
 flashgen bench --impl flashgen --impl flashgen-torch --timing queued --json docs/bench_h200_torch_queued.json
 python tools/bench_report.py docs/bench_h200.json docs/bench_h200_repeat.json \\
-    flashgen/tuning/nvidia_h200_sm90.json docs/bench_h200_gqa.json docs/bench_h200_torch_queued.json \\
+    {table_path} docs/bench_h200_gqa.json docs/bench_h200_torch_queued.json \\
     docs/bench_h200_torch_queued_repeat.json docs/bench_h200_torch_call.json > BENCHMARKS.md
 ```
 
-(The table named is the one `flashgen tune` wrote on this GPU and the wheel
-ships; the runtime picks it up by GPU name without the variable.)
+(The table named is the one these runs used, written by `flashgen tune` on this
+GPU; the runtime picks up the table the wheel ships, flashgen/tuning/, by GPU name
+without the variable.)
 
 TFLOP/s, FlashAttention's convention: forward 4·B·H·M·N·D (halved for causal),
 backward 2.5x that.  Hidden 2048 (32 heads of 64 or 16 of 128), batch x seqlen
@@ -299,7 +299,7 @@ Lowest flashgen / efficient ratio of the two runs: forward {fmt(worst['fwd'])}, 
 `flashgen tune` on the same GPU measured {len(table['measured']['points'])} point/direction pairs
 ({table['measured']['command']}, {table['measured']['repeats']} timed calls each); {len(table['entries'])}
 buckets beat the priority order by more than 1% and are in
-`flashgen/tuning/nvidia_h200_sm90.json`:
+`{table_path}`:
 """)
     for m in table["measured"]["points"]:
         if m["chosen"] == "default":
