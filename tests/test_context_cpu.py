@@ -199,3 +199,12 @@ def test_the_reference_gradients_are_the_derivative():
             x[index] = saved
             numeric[index] = (up - down) / (2 * step)
         np.testing.assert_allclose(g, numeric, rtol=1e-6, atol=1e-8)
+
+
+def test_a_shard_with_no_visible_key():
+    """No block: out 0 and lse -inf (a softmax over nothing), zero gradients."""
+    q = np.ones((1, 4, 2, 3))
+    out, lse = context.partial_forward(q, q, q, (), forward=block_forward)
+    assert (out == 0).all() and np.isneginf(lse).all() and out.shape == (1, 4, 2, 3) and lse.shape == (1, 2, 4)
+    grads = context.partial_backward(q, q, q, q, q, lse, (), backward=block_backward)
+    assert all(g.shape == q.shape and (g == 0).all() for g in grads)

@@ -181,32 +181,41 @@ def merge(out, lse, part_out, part_lse, rows: slice = slice(None)) -> None:
     seen = total > 0
     total = xp.where(seen, total, 1.0)
     lse[:, :, rows] = xp.where(seen, top + xp.log(total), -math.inf)
-    out[:, rows] = out[:, rows] * _per_row(w_have / total) + _wide(part_out) * _per_row(w_new / total)
+    acc = out[:, rows]  # a view: scaled in place, no second copy of the largest array
+    acc *= _per_row(w_have / total)
+    acc += _wide(part_out) * _per_row(w_new / total)
 
 
 def partial_forward(q, k, v, blocks: Sequence[Block], out=None, lse=None, *, scale=None, softcap: float = 0.0,
                     forward: Callable = attention_forward):
     """Attention of q [B, M, H, K] over k, v [B, N, Hk, K/Kv] in ``blocks`` (``plan_blocks``),
-    merged into the float32 accumulators ``out`` [B, M, H, Kv] and ``lse`` [B, H, M] (created as
-    0 and -inf when None); returns them.  Call it once per key shard with the same
+    merged into the float32 accumulators ``out`` [B, M, H, Kv] and ``lse`` [B, H, M] (when None:
+    created, from the first block's result where it covers every row); returns them.  Call it once per key shard with the same
     accumulators, then cast ``out`` to q's dtype: that is attention over every shard.
 
     ``forward(q, k, v, causal=, window=, scale=, softcap=) -> (out, lse)``: the block kernel,
     ``attention_forward`` (grouped-query k/v read in place) unless a caller passes another."""
-    if out is None:
-        B, M, H = q.shape[:3]
-        out, lse = _filled(q, (B, M, H, v.shape[3]), 0.0), _filled(q, (B, H, M), -math.inf)
     for block in blocks:
         part_out, part_lse = forward(q[:, block.rows], k[:, block.cols], v[:, block.cols], causal=block.causal,
                                      window=block.window, scale=scale, softcap=softcap)
+        if out is None and block.rows == slice(0, q.shape[1]):  # the first result over every row: take it
+            xp, lse = _module(part_lse), _wide(part_lse)
+            out, lse = _wide(part_out), xp.where(xp.isfinite(lse), lse, -math.inf)
+            continue
+        if out is None:
+            B, M, H = q.shape[:3]
+            out, lse = _filled(q, (B, M, H, v.shape[3]), 0.0), _filled(q, (B, H, M), -math.inf)
         merge(out, lse, part_out, part_lse, block.rows)
+    if out is None:  # no key of this shard is visible to any query
+        B, M, H = q.shape[:3]
+        out, lse = _filled(q, (B, M, H, v.shape[3]), 0.0), _filled(q, (B, H, M), -math.inf)
     return out, lse
 
 
 def partial_backward(grad_out, q, k, v, out, lse, blocks: Sequence[Block], dq=None, dk=None, dv=None, *, scale=None,
                      softcap: float = 0.0, deterministic: bool = False, backward: Callable = attention_backward):
     """This key shard's share of dq, and its own dk, dv, added into float32 accumulators (created
-    as zeros when None); returns (dq, dk, dv).
+    when None); returns (dq, dk, dv).
 
     ``out`` (q's dtype) and ``lse`` [B, H, M] must be the *final* ones, over every key shard
     (``partial_forward``'s after the last shard): the kernels then compute delta =
@@ -216,17 +225,25 @@ def partial_backward(grad_out, q, k, v, out, lse, blocks: Sequence[Block], dq=No
 
     ``backward(grad_out, q, k, v, out, lse, causal=, window=, scale=, softcap=, deterministic=)``:
     ``attention_backward`` unless a caller passes another."""
-    dq = _filled(q, q.shape, 0.0) if dq is None else dq
-    dk = _filled(k, k.shape, 0.0) if dk is None else dk
-    dv = _filled(v, v.shape, 0.0) if dv is None else dv
     for block in blocks:
         r, c = block.rows, block.cols
         grads = backward(grad_out[:, r], q[:, r], k[:, c], v[:, c], out[:, r], lse[:, :, r], causal=block.causal,
                          window=block.window, scale=scale, softcap=softcap, deterministic=deterministic)
-        dq[:, r] += _wide(grads[0])
-        dk[:, c] += _wide(grads[1])
-        dv[:, c] += _wide(grads[2])
-    return dq, dk, dv
+        dq = _add_rows(dq, r, grads[0], q.shape)
+        dk = _add_rows(dk, c, grads[1], k.shape)
+        dv = _add_rows(dv, c, grads[2], v.shape)
+    return tuple(_filled(x, x.shape, 0.0) if acc is None else acc for acc, x in ((dq, q), (dk, k), (dv, v)))
+
+
+def _add_rows(acc, rows: slice, part, shape):
+    """``acc[:, rows] += part``; with no accumulator yet, ``part`` itself (widened) when it covers
+    every row, else zeros to add it to."""
+    if acc is None and rows == slice(0, shape[1]):
+        return _wide(part)
+    if acc is None:
+        acc = _filled(part, shape, 0.0)
+    acc[:, rows] += _wide(part)
+    return acc
 
 
 def _module(x):
