@@ -5,7 +5,7 @@ parallelism tests on the CPU (``test_context_cpu.py``, ``test_ring_cpu.py``).
 ``attention_backward`` do, masks included ("top_left", "bottom_right", ``window``, softcap,
 grouped-query k/v), and the backward, like the kernels, takes out and lse as given:
 delta = rowsum(dO * out), P = exp(s - lse).  ``attention`` is the plain whole-sequence
-attention over global positions that a split computation must reproduce.
+attention that a split computation must reproduce; ``global_mask`` its mask over global positions.
 """
 from __future__ import annotations
 
@@ -28,6 +28,20 @@ def visible(M, N, causal=None, window=None):
         keep &= j >= diagonal - left
     if right is not None:
         keep &= j <= diagonal + right
+    return keep
+
+
+def global_mask(q_pos, k_pos, causal, window):
+    """The mask over global positions: key - query in [-left, right], and <= 0 when causal."""
+    d = k_pos[None, :] - q_pos[:, None]
+    keep = np.ones(d.shape, dtype=bool)
+    left, right = window or (None, None)
+    if causal:
+        keep &= d <= 0
+    if left is not None:
+        keep &= d >= -left
+    if right is not None:
+        keep &= d <= right
     return keep
 
 

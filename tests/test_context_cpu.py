@@ -7,24 +7,10 @@ import itertools
 import numpy as np
 import pytest
 
-from context_reference import attention, block_backward, block_forward, visible
+from context_reference import attention, block_backward, block_forward, global_mask, visible
 from flashgen.runtime import context
 
 WINDOWS = [None, (3, None), (5, 2), (None, 4), (0, 0), (40, None), (2, 30)]
-
-
-def global_mask(q_pos, k_pos, causal, window):
-    """The mask over global positions: key - query in [-left, right], and <= 0 when causal."""
-    d = k_pos[None, :] - q_pos[:, None]
-    keep = np.ones(d.shape, dtype=bool)
-    left, right = window or (None, None)
-    if causal:
-        keep &= d <= 0
-    if left is not None:
-        keep &= d >= -left
-    if right is not None:
-        keep &= d <= right
-    return keep
 
 
 def positions(segments):

@@ -20,7 +20,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed without gloo", allow_module_level=True)
 
-from context_reference import block_backward, block_forward  # noqa: E402
+from context_reference import block_backward, block_forward, global_mask  # noqa: E402
 from flashgen.torch import distributed as fd  # noqa: E402
 
 PROCESSES = 4
@@ -55,15 +55,7 @@ def whole_attention(q, k, v, causal=False, window=None, scale=None, softcap=0.0)
     s = torch.einsum("bmhk,bnhk->bhmn", q, k) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    distance = torch.arange(k.shape[1])[None, :] - torch.arange(q.shape[1])[:, None]  # key - query
-    keep = torch.ones_like(distance, dtype=torch.bool)
-    left, right = window or (None, None)
-    if causal:
-        keep &= distance <= 0
-    if left is not None:
-        keep &= distance >= -left
-    if right is not None:
-        keep &= distance <= right
+    keep = torch.from_numpy(global_mask(np.arange(q.shape[1]), np.arange(k.shape[1]), causal, window))
     return torch.einsum("bhmn,bnhk->bmhk", torch.softmax(s.masked_fill(~keep, -torch.inf), -1), v)
 
 

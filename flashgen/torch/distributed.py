@@ -151,7 +151,7 @@ class _RingAttention(torch.autograd.Function):
                 inbox[step % 2][0].add_(dk)
                 inbox[step % 2][1].add_(dv)
                 dk, dv = inbox[step % 2]
-            done = dk, dv
+            done = dk.contiguous(), dv.contiguous()  # sent next (a kernel's own gradient may be strided)
             if step + 1 < ring.world:
                 held = spare[step % 2]
         if ring.world > 1:  # the last hop: each shard's accumulators back to their owner
@@ -162,7 +162,8 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _like(tensors) -> Tuple[torch.Tensor, ...]:
-    return tuple(torch.empty_like(t) for t in tensors)
+    """Receive buffers for ``tensors``: contiguous, as the transfers need them."""
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors)
 
 
 class _Config(NamedTuple):
