@@ -42,7 +42,7 @@ def constants(k: Sm80Fwd, smem=None) -> dict:
 # === the spec ===================================================================================
 
 def test_dispatch_order_puts_it_between_the_hopper_and_the_example41_forward():
-    assert list(FAMILIES) == ["sm90_fwd", "sm90_bwd", "sm80_fwd", "mem_eff_fwd", "mem_eff_bwd"]
+    assert list(FAMILIES) == ["sm90_fwd", "sm90_bwd", "sm80_fwd", "sm80_bwd", "mem_eff_fwd", "mem_eff_bwd"]
 
 
 def test_default_set_has_one_tile_per_tier_that_fits_sm86():
@@ -184,9 +184,9 @@ def test_families_switch_limits_dispatch_to_the_named_families(monkeypatch):
 
 
 def test_families_switch_refuses_unknown_names(monkeypatch):
-    monkeypatch.setenv("FLASHGEN_FAMILIES", "sm80_fwd,sm80_bwd")
-    with pytest.raises(ValueError, match=r"FLASHGEN_FAMILIES='sm80_fwd,sm80_bwd' names no family 'sm80_bwd'; "
-                                         r"known: sm90_fwd, sm90_bwd, sm80_fwd, mem_eff_fwd, mem_eff_bwd"):
+    monkeypatch.setenv("FLASHGEN_FAMILIES", "sm80_fwd,sm70_bwd")
+    with pytest.raises(ValueError, match=r"FLASHGEN_FAMILIES='sm80_fwd,sm70_bwd' names no family 'sm70_bwd'; "
+                                         r"known: sm90_fwd, sm90_bwd, sm80_fwd, sm80_bwd, mem_eff_fwd, mem_eff_bwd"):
         families.serving("fwd")
 
 

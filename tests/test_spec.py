@@ -10,6 +10,7 @@ from flashgen.spec import FAMILIES, default_kernels, family
 from flashgen.spec.core import normalize_target, target_cc
 from flashgen.spec.mem_eff_bwd import MemEffBwd
 from flashgen.spec.mem_eff_fwd import MemEffFwd
+from flashgen.spec.sm80_bwd import Sm80Bwd
 from flashgen.spec.sm80_fwd import Sm80Fwd
 from flashgen.spec.sm90_bwd import Sm90Bwd
 from flashgen.spec.sm90_fwd import Sm90Fwd
@@ -45,13 +46,14 @@ def test_default_set_sizes_are_what_the_readme_says():
     assert len(MemEffFwd.default_set()) == 40
     assert len(MemEffBwd.default_set()) == 56
     assert len(Sm80Fwd.default_set()) == 4
+    assert len(Sm80Bwd.default_set()) == 6
     sm80 = [k for k in default_kernels() if k.runs_on("sm80")]
-    assert len(sm80) == 68 + 4
+    assert len(sm80) == 68 + 4 + 6
     assert len(Sm90Fwd.default_set()) == 40
     assert len(Sm90Bwd.default_set()) == 24
-    # sm90a: the wgmma families beside example 41; sm80_fwd is not built there (sm90_fwd serves its calls)
+    # sm90a: the wgmma families beside example 41; the sm80 ones are not built there (sm90_* serve their calls)
     assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 40 + 24
-    assert len([k for k in default_kernels() if k.runs_on("sm90")]) == 68 + 4, "plain sm90 cannot build wgmma code"
+    assert len([k for k in default_kernels() if k.runs_on("sm90")]) == 68 + 4 + 6, "plain sm90 cannot build wgmma code"
 
 
 def test_sm90_forward_covers_dtypes_head_dims_and_masks():

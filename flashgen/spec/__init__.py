@@ -7,13 +7,14 @@ from typing import Dict, List, Optional, Sequence, Type
 from flashgen.spec.core import KernelSpec
 from flashgen.spec.mem_eff_bwd import MemEffBwd
 from flashgen.spec.mem_eff_fwd import MemEffFwd
+from flashgen.spec.sm80_bwd import Sm80Bwd
 from flashgen.spec.sm80_fwd import Sm80Fwd
 from flashgen.spec.sm90_bwd import Sm90Bwd
 from flashgen.spec.sm90_fwd import Sm90Fwd
 
 # The one list of families, in dispatch order: the runtime asks a call's families in this
 # order (runtime/families) and runs the first that accepts it, so the fastest come first.
-FAMILIES: Dict[str, Type[KernelSpec]] = {cls.FAMILY: cls for cls in (Sm90Fwd, Sm90Bwd, Sm80Fwd, MemEffFwd, MemEffBwd)}
+FAMILIES: Dict[str, Type[KernelSpec]] = {cls.FAMILY: cls for cls in (Sm90Fwd, Sm90Bwd, Sm80Fwd, Sm80Bwd, MemEffFwd, MemEffBwd)}
 
 
 def family(name: str) -> Type[KernelSpec]:

@@ -1,0 +1,670 @@
+// flashgen's Ampere-class attention backward: mma.sync, ldmatrix and cp.async only, so the
+// same source runs on sm_80 .. sm_89 and, compiled as plain sm_90 code, on Hopper.  It keeps
+// the contract of the Hopper backward (sm90_bwd.h): three kernels per instance, launched in
+// this order on one stream, and the same workspace (lse_log2, delta, a float32 dQ accumulator
+// [rows_padded, kHeadDim] per (batch, head), counters; see workspace_row0):
+//   prep     per query row: delta = rowsum(dO * O), the forward's lse in the log2 domain
+//            (+inf where no key contributes, so P is 0 there), zeroed dQ accumulator rows and
+//            block counters;
+//   main     one CTA of eight warps per kBlockN keys of one (sequence, k/v head): K and V stay
+//            in shared memory while Q, dO, lse_log2 and delta of kBlockM queries stream through
+//            a cp.async double buffer, block after block, for every query head of the k/v
+//            head's group (grouped-query dK and dV are summed in registers, k/v read in place);
+//   convert  dQ = scale * accumulator, in the input dtype and the caller's strides.
+// (prep and convert are this file's own: sm90_bwd.h's are members of its kernel and its dQ
+// accumulator is laid out in wgmma register order, this one's row-major.)
+//
+// In the main kernel warp w owns keys 16 (w % kKeyWarps) .. +15 of the CTA's block and, when
+// the block has 64 keys (kKeyWarps = 4), query half w / kKeyWarps of every query block.
+// Per query block:
+//   S^T  = K Q^T,  dP^T = V dO^T             (16 keys x the warp's queries each)
+//   P^T  = exp2(S^T * scale_log2 - lse_log2),   dS^T = P^T * (dP^T - delta)
+//          (soft-capped: S^T goes through tanh first and dS^T carries tanh's slope 1 - t^2)
+//   dV  += P^T dO,  dK += dS^T Q              (P^T, dS^T straight from the accumulators: the
+//                                             register layout of a 16x8 MMA pair is the A
+//                                             operand of one 16x16; dO^T, Q^T by ldmatrix.trans)
+//   dQ   = dS K                               (dS^T through shared memory; each warp 16 query
+//                                             rows x kDqCols head-dim columns), added into the
+//                                             accumulator with red.global.add (float2 on sm_90)
+// Computing S transposed keeps a warp's dK and dV rows its own, so P never goes through shared
+// memory (FlashAttention-2's layout writes P and dS there and reads them back transposed).
+// With 64-key CTAs each warp's dK and dV are partial sums over its query half; the two halves
+// meet once at the end, through shared memory.  With `deterministic` the key-block CTAs of one
+// (head, query block) add their dQ in key-block order behind a counter, as sm90_bwd's do.
+//
+// Rows and keys past the ends, and head-dim columns past head_dim (a multiple of 8), are
+// zero-filled by cp.async and never stored.  Keys past num_keys and outside the band get P = 0;
+// queries past num_queries have lse_log2 = +inf (prep), so P = 0 there too.  dK and dV of a
+// key block that no query sees are written as zeros.
+#pragma once
+
+#include <cuda/atomic>
+
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm80.hpp>
+#include <cute/atom/copy_atom.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+#include "flashgen/attention_common.h"
+#include "flashgen/sm80_common.h"
+
+namespace flashgen {
+namespace sm80 {
+
+// What the runtime passes by value to all three kernels.  Strides are in elements; the inputs'
+// pointers and strides are multiples of 8 elements (16-byte cp.async chunks), and so is head_dim.
+// Workspace rows are padded per (batch, head) to rows_padded, a multiple of kBlockM.
+struct BwdParams {
+  void const* q_ptr;
+  void const* k_ptr;
+  void const* v_ptr;
+  void const* out_ptr;        // O, for delta
+  void const* dout_ptr;       // dO
+  float const* lse_ptr;       // the forward's lse, natural log, [B or sequences, H, rows]
+  float* lse_log2_ptr;        // workspace [B, H, rows_padded]
+  float* delta_ptr;           // workspace [B, H, rows_padded]
+  float* dq_accum_ptr;        // workspace [B, H, rows_padded, kHeadDim], zeroed by prep
+  int* dq_counter_ptr;        // deterministic order: [B, H, rows_padded / kBlockM], zeroed by prep
+  void* dq_ptr;
+  void* dk_ptr;
+  void* dv_ptr;
+  int const* seqstart_q;      // packed (varlen) batches: [sequences + 1] row offsets into batch 0; else nullptr
+  int const* seqstart_k;
+  long long q_stride_b;
+  long long k_stride_b;
+  long long v_stride_b;
+  long long out_stride_b;
+  long long dout_stride_b;
+  long long dq_stride_b;
+  long long dkv_stride_b;     // dk and dv share their layout [B, N, Hk, D]
+  int q_stride_m;
+  int q_stride_h;
+  int k_stride_m;
+  int k_stride_h;             // of a k/v head: query head h reads k/v head h / head_group
+  int v_stride_m;
+  int v_stride_h;
+  int out_stride_m;
+  int out_stride_h;
+  int dout_stride_m;
+  int dout_stride_h;
+  int dq_stride_m;
+  int dq_stride_h;
+  int dkv_stride_n;
+  int dkv_stride_h;
+  int lse_stride_b;           // floats
+  int lse_stride_h;
+  int num_queries;            // fixed-length batches (packed: the longest sequence's; each its own from seqstart)
+  int num_keys;
+  int num_heads;              // query heads
+  int head_dim;               // <= kHeadDim, a multiple of 8
+  int head_group;             // query heads per k/v head
+  int band_lo;                // key j is visible to query i iff i + band_lo <= j <= i + band_hi
+  int band_hi;                //   (+-kUnbounded: no limit on that side)
+  int band_from_end;          // packed: each sequence's band sits on its own bottom-right diagonal (sequence())
+  int rows_padded;            // workspace rows per (batch, head); see workspace_row0
+  int deterministic;
+  float scale;
+  float scale_log2;           // scale * log2(e)
+  float softcap_in;           // scale / softcap (0: no soft-capping; see FwdParams)
+  float softcap_out;          // softcap / scale
+};
+
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_>
+struct BwdKernel {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;  // queries per step
+  static constexpr int kBlockN = kBlockN_;  // keys per CTA
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kMinBlocksPerSm = 1;  // dK and dV in registers: over 128 of them a thread
+  static constexpr int kAuxThreads = 128;    // prep and convert
+
+  // S^T, dP^T, dK, dV: 16 keys per warp; 64-key CTAs split each query block between two warps.
+  static constexpr int kKeyWarps = kBlockN / 16;
+  static constexpr int kQueryWarps = kWarps / kKeyWarps;
+  static constexpr int kQuerySlice = kBlockM / kQueryWarps;  // queries of one warp per step
+  static constexpr int kKeyThreads = 32 * kKeyWarps;         // the threads of one query slice
+  // A warp takes its slice kQueryChunk queries at a time: at head dim 128, S^T and dP^T of 64
+  // queries (64 accumulators) beside dK and dV (128) spilled on sm_80.
+  static constexpr int kQueryChunk = kHeadDim > 64 && kQuerySlice > 32 ? 32 : kQuerySlice;
+  static constexpr int kChunks = kQuerySlice / kQueryChunk;
+  // dQ: 16 query rows per warp, the head dim split among the warps that share the rows.
+  static constexpr int kDqRowWarps = kBlockM / 16 < kWarps ? kBlockM / 16 : kWarps;
+  static constexpr int kDqColWarps = kWarps / kDqRowWarps;
+  static constexpr int kDqCols = kHeadDim / kDqColWarps;
+
+  static_assert(sizeof(Element) == 2, "f16 or bf16");
+  static_assert(kHeadDim % 64 == 0, "swizzle atoms are 64 columns wide");
+  static_assert(kBlockN == 64 || kBlockN == 128, "16 keys per warp, and at most two query slices");
+  static_assert(kQueryChunk % 16 == 0 && kBlockM % 32 == 0, "a query chunk is whole 16-query MMA steps");
+  static_assert(kDqRowWarps * 16 == kBlockM && kDqCols % 16 == 0, "dQ tiles whole 16 x 16 ldmatrix tiles");
+
+  // Q, dO, K and V: 8 x 64-element atoms (128-byte rows), 16-byte chunks XOR-ed by the row, so
+  // the 8 rows one ldmatrix (plain or transposed) reads fall in 8 different bank groups.
+  using SmemAtom = decltype(cute::composition(
+      cute::Swizzle<3, 3, 3>{}, cute::Layout<cute::Shape<cute::_8, cute::_64>, cute::Stride<cute::_64, cute::_1>>{}));
+  template <int kRows>
+  using RowTile = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kRows>, cute::Int<kHeadDim>>{}));
+  // The same bytes as (head dim, rows): a B operand whose K mode is the rows, read by ldmatrix.trans.
+  template <int kRows>
+  using ColTile = decltype(cute::composition(
+      RowTile<kRows>{},
+      cute::Layout<cute::Shape<cute::Int<kHeadDim>, cute::Int<kRows>>, cute::Stride<cute::Int<kRows>, cute::_1>>{}));
+  using SmemLayoutQ = RowTile<kBlockM>;    // Q and dO: B of S^T and dP^T
+  using SmemLayoutQt = ColTile<kBlockM>;   // Q and dO: B of dK and dV
+  using SmemLayoutKV = RowTile<kBlockN>;   // K and V: A of S^T and dP^T
+  using SmemLayoutKt = ColTile<kBlockN>;   // K: B of dQ
+  // dS^T (keys, queries), queries contiguous as the accumulators hold them (32-bit stores of
+  // query pairs); the atom is as wide as the query block allows (32 or 64 queries).
+  static constexpr int kDsAtomCols = kBlockM < 64 ? kBlockM : 64;
+  using DsAtom = decltype(cute::composition(
+      cute::Swizzle<kDsAtomCols == 64 ? 3 : 2, 3, 3>{},
+      cute::Layout<cute::Shape<cute::_8, cute::Int<kDsAtomCols>>, cute::Stride<cute::Int<kDsAtomCols>, cute::_1>>{}));
+  using SmemLayoutDsT = decltype(cute::tile_to_shape(DsAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{}));
+  // dS as the A operand of dQ = dS K: (queries, keys), read by ldmatrix.trans.
+  using SmemLayoutDs = decltype(cute::composition(
+      SmemLayoutDsT{},
+      cute::Layout<cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>, cute::Stride<cute::Int<kBlockN>, cute::_1>>{}));
+
+  using MmaOp = std::conditional_t<std::is_same<Element, cutlass::half_t>::value, cute::SM80_16x8x16_F32F16F16F32_TN,
+                                   cute::SM80_16x8x16_F32BF16BF16F32_TN>;
+  // Warps stacked along M only (16 rows each), a 16-wide N tile so that one ldmatrix x4 fills
+  // the B operand of two MMAs; the warps that share rows work on sub-tiles of their own.
+  template <int kRowWarps>
+  using TiledMma = decltype(cute::make_tiled_mma(MmaOp{}, cute::Layout<cute::Shape<cute::Int<kRowWarps>, cute::_1, cute::_1>>{},
+                                                 cute::Tile<cute::Int<16 * kRowWarps>, cute::_16, cute::_16>{}));
+  using TiledMmaKeys = TiledMma<kKeyWarps>;  // S^T, dP^T (keys x queries), dK, dV (keys x head dim)
+  using TiledMmaDq = TiledMma<kDqRowWarps>;  // dQ (queries x head-dim columns)
+  using LoadOperand = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
+  using LoadOperandT = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
+  using StoreAccumulator = cute::Copy_Atom<cute::UniversalCopy<uint32_t>, Element>;  // a column pair per store
+
+  static constexpr int kQTile = kBlockM * kHeadDim;
+  struct SharedStorage {
+    alignas(128) Element k[kBlockN * kHeadDim];
+    alignas(128) Element v[kBlockN * kHeadDim];
+    alignas(128) Element qdo[2][2][kQTile];  // [buffer][Q, dO]; at the end, the partial dK / dV sums
+    alignas(128) Element ds[kBlockM * kBlockN];
+    alignas(16) float lse_log2[2][kBlockM];
+    alignas(16) float delta[2][kBlockM];
+  };
+  static constexpr int kSharedBytes = int(sizeof(SharedStorage));
+
+  using LoaderQ = TileLoader<Element, kHeadDim, kThreads, SmemLayoutQ>;
+  using LoaderKV = TileLoader<Element, kHeadDim, kThreads, SmemLayoutKV>;
+
+  // The query blocks a key block meets (all, or those the band reaches); none past a packed
+  // sequence's keys.
+  struct Steps {
+    int m_begin;
+    int m_blocks;  // per query head
+  };
+  static __device__ Steps steps(Sequence const& seq, int n_block) {
+    if (n_block * kBlockN >= seq.num_keys) {
+      return {0, 0};
+    }
+    BlockRange const r = band_blocks<kBlockN, kBlockM>(n_block, seq.num_queries, -seq.band_hi, -seq.band_lo);
+    return {r.begin, max(0, r.end - r.begin)};
+  }
+
+  // The key blocks that meet query block m_block (steps() the other way round): they add into
+  // its dQ, in this order when deterministic.
+  static __device__ BlockRange dq_key_blocks(Sequence const& seq, int m_block) {
+    return band_blocks<kBlockM, kBlockN>(m_block, seq.num_keys, seq.band_lo, seq.band_hi);
+  }
+
+  // The first workspace row of (sequence, head), as sm90_bwd lays it out: packed sequences share
+  // batch 0's rows, each starting on a kBlockM boundary past the blocks of the ones before it.
+  static __device__ long long workspace_row0(BwdParams const& p, Sequence const& seq, int head) {
+    long long const row0 = (long long)(seq.batch * p.num_heads + head) * p.rows_padded;
+    return p.seqstart_q == nullptr ? row0 : row0 + (seq.q0 + seq.index * kBlockM) / kBlockM * kBlockM;
+  }
+
+  // acc += A B over the K mode, both operands from shared memory by ldmatrix; the next k-slice's
+  // fragments load while this one's MMAs run.
+  template <class Mma, class Acc, class CopyA, class SrcA, class RegA, class ViewA, class CopyB, class SrcB,
+            class RegB, class ViewB>
+  static __device__ void gemm_ss(Mma& mma, Acc& acc, CopyA const& copy_a, SrcA const& src_a, RegA& reg_a,
+                                 ViewA& view_a, CopyB const& copy_b, SrcB const& src_b, RegB& reg_b, ViewB& view_b) {
+    using namespace cute;
+    copy(copy_a, src_a(_, _, 0), view_a(_, _, 0));
+    copy(copy_b, src_b(_, _, 0), view_b(_, _, 0));
+    CUTE_UNROLL
+    for (int kk = 0; kk < size<2>(reg_a); ++kk) {
+      if (kk + 1 < size<2>(reg_a)) {
+        copy(copy_a, src_a(_, _, kk + 1), view_a(_, _, kk + 1));
+        copy(copy_b, src_b(_, _, kk + 1), view_b(_, _, kk + 1));
+      }
+      gemm(mma, reg_a(_, _, kk), reg_b(_, _, kk), acc);
+    }
+  }
+
+  // acc += A B with A in registers, B from shared memory.
+  template <class Mma, class Acc, class RegA, class CopyB, class SrcB, class RegB, class ViewB>
+  static __device__ void gemm_rs(Mma& mma, Acc& acc, RegA const& reg_a, CopyB const& copy_b, SrcB const& src_b,
+                                 RegB& reg_b, ViewB& view_b) {
+    using namespace cute;
+    copy(copy_b, src_b(_, _, 0), view_b(_, _, 0));
+    CUTE_UNROLL
+    for (int kk = 0; kk < size<2>(reg_a); ++kk) {
+      if (kk + 1 < size<2>(reg_a)) {
+        copy(copy_b, src_b(_, _, kk + 1), view_b(_, _, kk + 1));
+      }
+      gemm(mma, reg_a(_, _, kk), reg_b(_, _, kk), acc);
+    }
+  }
+
+  // grid (ceil(N / kBlockN), k/v heads, batch or sequences), kThreads threads, kSharedBytes of
+  // dynamic shared memory.  Key blocks run in order along x: the deterministic dQ order waits
+  // only for CTAs launched earlier.
+  static __device__ void run(BwdParams const& p, char* smem_raw) {
+    using namespace cute;
+    SharedStorage& s = *reinterpret_cast<SharedStorage*>(smem_raw);
+    int const n_block = blockIdx.x;
+    int const head_kv = blockIdx.y;
+    Sequence const seq = sequence(p, blockIdx.z);
+    if (n_block * kBlockN >= seq.num_keys) {  // past a packed sequence's keys: no dK / dV rows here
+      return;
+    }
+    TiledMmaKeys mma;
+    Tensor acc_dk = partition_fragment_C(mma, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+    Tensor acc_dv = partition_fragment_C(mma, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+    clear(acc_dk);
+    clear(acc_dv);
+    Steps const st = steps(seq, n_block);
+    if (st.m_blocks > 0) {
+      mainloop(p, s, seq, n_block, head_kv, st, acc_dk, acc_dv);
+    }
+    epilogue(p, s, seq, n_block, head_kv, acc_dk, acc_dv);
+  }
+
+  template <class Acc>
+  static __device__ void mainloop(BwdParams const& p, SharedStorage& s, Sequence const& seq, int n_block,
+                                  int head_kv, Steps st, Acc& acc_dk, Acc& acc_dv) {
+    using namespace cute;
+    int const tid = threadIdx.x;
+    int const key0 = n_block * kBlockN;
+    int const total = p.head_group * st.m_blocks;
+    auto head_of = [&](int t) { return head_kv * p.head_group + t / st.m_blocks; };
+    auto m_block_of = [&](int t) { return st.m_begin + t % st.m_blocks; };
+
+    // K and V once; then step t's Q, dO, lse_log2 and delta into buffer t % 2, one commit group
+    // per step (empty past the last, so the waits count alike).
+    LoaderKV::template load<kBlockN>(
+        s.k,
+        static_cast<Element const*>(p.k_ptr) + seq.batch * p.k_stride_b + (seq.k0 + key0) * (long long)p.k_stride_m +
+            head_kv * (long long)p.k_stride_h,
+        p.k_stride_m, seq.num_keys - key0, p.head_dim);
+    LoaderKV::template load<kBlockN>(
+        s.v,
+        static_cast<Element const*>(p.v_ptr) + seq.batch * p.v_stride_b + (seq.k0 + key0) * (long long)p.v_stride_m +
+            head_kv * (long long)p.v_stride_h,
+        p.v_stride_m, seq.num_keys - key0, p.head_dim);
+    auto issue = [&](int t) {
+      if (t < total) {
+        int const buf = t % 2;
+        int const head = head_of(t);
+        int const query0 = m_block_of(t) * kBlockM;
+        long long const row = seq.q0 + query0;
+        LoaderQ::template load<kBlockM>(
+            s.qdo[buf][0],
+            static_cast<Element const*>(p.q_ptr) + seq.batch * p.q_stride_b + row * p.q_stride_m +
+                head * (long long)p.q_stride_h,
+            p.q_stride_m, seq.num_queries - query0, p.head_dim);
+        LoaderQ::template load<kBlockM>(
+            s.qdo[buf][1],
+            static_cast<Element const*>(p.dout_ptr) + seq.batch * p.dout_stride_b + row * p.dout_stride_m +
+                head * (long long)p.dout_stride_h,
+            p.dout_stride_m, seq.num_queries - query0, p.head_dim);
+        // a whole block of lse_log2 and delta: prep wrote every row of the blocks visited
+        constexpr int kChunks = kBlockM / 4;  // 16-byte chunks of each
+        if (tid < 2 * kChunks) {
+          bool const is_delta = tid >= kChunks;
+          long long const at = workspace_row0(p, seq, head) + query0 + tid % kChunks * 4;
+          cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>::copy(
+              *reinterpret_cast<cute::uint128_t const*>((is_delta ? p.delta_ptr : p.lse_log2_ptr) + at),
+              *reinterpret_cast<cute::uint128_t*>((is_delta ? s.delta[buf] : s.lse_log2[buf]) + tid % kChunks * 4));
+        }
+      }
+      cp_async_fence();
+    };
+    issue(0);  // one group with K and V
+
+    TiledMmaKeys mma;
+    int const mma_tid = tid % kKeyThreads;
+    int const slice = kQueryWarps == 1 ? 0 : tid / kKeyThreads;  // this warp's query slice
+    static_assert(kQueryWarps == 1 || kChunks == 1, "a slice is one chunk or the whole block");
+    auto thr = mma.get_thread_slice(mma_tid);
+    auto copy_a = make_tiled_copy_A(LoadOperand{}, mma);
+    auto copy_b = make_tiled_copy_B(LoadOperand{}, mma);
+    auto copy_bt = make_tiled_copy_B(LoadOperandT{}, mma);
+    auto copy_c = make_tiled_copy_C(StoreAccumulator{}, mma);
+    auto load_a = copy_a.get_thread_slice(mma_tid);
+    auto load_b = copy_b.get_thread_slice(mma_tid);
+    auto load_bt = copy_bt.get_thread_slice(mma_tid);
+    auto store_c = copy_c.get_thread_slice(mma_tid);
+
+    // Query chunk `part` (kQueryChunk queries from part * kQueryChunk) of a Q or dO tile, as
+    // (queries, head dim) and as (head dim, queries), and of dS^T (keys, queries).
+    auto chunk_rows = [&](Element* tile, int part) {
+      return local_tile(make_tensor(make_smem_ptr(tile), SmemLayoutQ{}), Shape<Int<kQueryChunk>, Int<kHeadDim>>{},
+                        make_coord(part, 0));
+    };
+    auto chunk_cols = [&](Element* tile, int part) {
+      return local_tile(make_tensor(make_smem_ptr(tile), SmemLayoutQt{}), Shape<Int<kHeadDim>, Int<kQueryChunk>>{},
+                        make_coord(0, part));
+    };
+    auto chunk_ds = [&](int part) {
+      return local_tile(make_tensor(make_smem_ptr(s.ds), SmemLayoutDsT{}), Shape<Int<kBlockN>, Int<kQueryChunk>>{},
+                        make_coord(0, part));
+    };
+    Tensor sK = make_tensor(make_smem_ptr(s.k), SmemLayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(s.v), SmemLayoutKV{});
+    Tensor tSsK = load_a.partition_S(sK);
+    Tensor tSsV = load_a.partition_S(sV);
+    Tensor tSrK = thr.partition_fragment_A(sK);  // K, then V: (MMA, 1, head dim / 16)
+    Tensor tSrK_view = load_a.retile_D(tSrK);
+    Tensor tSrQ = thr.partition_fragment_B(chunk_rows(s.qdo[0][0], 0));  // Q, then dO
+    Tensor tSrQ_view = load_b.retile_D(tSrQ);
+    Tensor tKrQt = thr.partition_fragment_B(chunk_cols(s.qdo[0][0], 0));  // dO^T, then Q^T: (MMA, head dim / 8, queries / 16)
+    Tensor tKrQt_view = load_bt.retile_D(tKrQt);
+
+    Tensor tSrS = partition_fragment_C(mma, Shape<Int<kBlockN>, Int<kQueryChunk>>{});   // S^T, then P^T
+    Tensor tSrDp = partition_fragment_C(mma, Shape<Int<kBlockN>, Int<kQueryChunk>>{});  // dP^T, then dS^T
+    Tensor S = make_tensor(tSrS.data(), rows_cols_layout(tSrS.layout()));  // (this thread's keys, its queries)
+    Tensor dP = make_tensor(tSrDp.data(), rows_cols_layout(tSrDp.layout()));
+    // each accumulator element's (key, query) within (block, chunk): where the mask applies
+    Tensor tScS = rows_cols(thr.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kQueryChunk>>{})));
+
+    bool const softcap = p.softcap_in != 0.f;
+    for (int t = 0; t < total; ++t) {
+      int const buf = t % 2;
+      int const head = head_of(t);
+      int const m_block = m_block_of(t);
+      // Step t landed (K and V with the first); every warp is done with step t - 1, so its
+      // buffer takes step t + 1 and dS may be overwritten.
+      cp_async_wait<0>();
+      __syncthreads();
+      issue(t + 1);
+
+#pragma unroll 1
+      for (int chunk = 0; chunk < kChunks; ++chunk) {
+        int const part = slice + chunk;  // one of them is 0 (static_assert above)
+        int const query0 = m_block * kBlockM + part * kQueryChunk;  // the chunk's first query
+        clear(tSrS);
+        gemm_ss(mma, tSrS, copy_a, tSsK, tSrK, tSrK_view, copy_b, load_b.partition_S(chunk_rows(s.qdo[buf][0], part)),
+                tSrQ, tSrQ_view);
+        clear(tSrDp);
+        gemm_ss(mma, tSrDp, copy_a, tSsV, tSrK, tSrK_view, copy_b,
+                load_b.partition_S(chunk_rows(s.qdo[buf][1], part)), tSrQ, tSrQ_view);
+
+        // P^T and dS^T in place of S^T and dP^T.  lse_log2 and delta are per query: per column.
+        float const* lse_log2 = s.lse_log2[buf] + part * kQueryChunk;
+        float const* delta = s.delta[buf] + part * kQueryChunk;
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) {
+          int const query = get<1>(tScS(0, c));
+          float const row_lse = lse_log2[query];
+          float const row_delta = delta[query];
+          CUTE_UNROLL
+          for (int r = 0; r < size<0>(S); ++r) {
+            if (softcap) {  // d(softcap_out * t) / dS = scale (1 - t^2); scale comes at the end
+              float const th = tanh_approx(S(r, c) * p.softcap_in);
+              float const prob = exp2_approx(fmaf(th * p.softcap_out, p.scale_log2, -row_lse));
+              S(r, c) = prob;
+              dP(r, c) = prob * (dP(r, c) - row_delta) * (1.f - th * th);
+            } else {
+              float const prob = exp2_approx(fmaf(S(r, c), p.scale_log2, -row_lse));
+              S(r, c) = prob;
+              dP(r, c) = prob * (dP(r, c) - row_delta);
+            }
+          }
+        }
+        // Keys past num_keys or outside the band: P = dS = 0 (a select per element, in a loop of
+        // its own so that the exp2 loop stays free of branches).
+        if (key0 + kBlockN > seq.num_keys || key0 + kBlockN - 1 > query0 + seq.band_hi ||
+            key0 < query0 + kQueryChunk - 1 + seq.band_lo) {
+          CUTE_UNROLL
+          for (int r = 0; r < size<0>(S); ++r) {
+            int const key = key0 + get<0>(tScS(r, 0));
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(S); ++c) {
+              int const query = query0 + get<1>(tScS(0, c));
+              bool const hidden = (key >= seq.num_keys) | (key > query + seq.band_hi) | (key < query + seq.band_lo);
+              S(r, c) = hidden ? 0.f : S(r, c);
+              dP(r, c) = hidden ? 0.f : dP(r, c);
+            }
+          }
+        }
+        Tensor rP = sm80::convert<Element>(tSrS);  // (qualified: convert() is also the last kernel)
+        Tensor rDs = sm80::convert<Element>(tSrDp);
+        copy(copy_c, store_c.retile_S(rDs), store_c.partition_D(chunk_ds(part)));  // dS^T, for dQ
+
+        // dV += P^T dO, dK += dS^T Q: P^T and dS^T as A operands where the accumulators are.
+        gemm_rs(mma, acc_dv, make_tensor(rP.data(), accumulator_as_a(rP.layout())), copy_bt,
+                load_bt.partition_S(chunk_cols(s.qdo[buf][1], part)), tKrQt, tKrQt_view);
+        gemm_rs(mma, acc_dk, make_tensor(rDs.data(), accumulator_as_a(rDs.layout())), copy_bt,
+                load_bt.partition_S(chunk_cols(s.qdo[buf][0], part)), tKrQt, tKrQt_view);
+      }
+
+      __syncthreads();  // all of dS^T is in shared memory
+      add_dq(p, s, seq, head, m_block, n_block);
+    }
+  }
+
+  // dQ = dS K of one step into the accumulator: warp w computes query rows 16 (w % kDqRowWarps)
+  // .. +15, head-dim columns of part w / kDqRowWarps, and adds them with atomics (float pairs on
+  // sm_90, where red.global.add.v2.f32 exists).  When deterministic, after the key blocks before
+  // this one: the query block's counter counts the CTAs that are in.
+  static __device__ void add_dq(BwdParams const& p, SharedStorage& s, Sequence const& seq, int head, int m_block,
+                                int n_block) {
+    using namespace cute;
+    int const tid = threadIdx.x;
+    int const dq_tid = tid % (32 * kDqRowWarps);
+    int const part = tid / (32 * kDqRowWarps);
+    TiledMmaDq mma;
+    auto thr = mma.get_thread_slice(dq_tid);
+    auto copy_a = make_tiled_copy_A(LoadOperandT{}, mma);
+    auto copy_b = make_tiled_copy_B(LoadOperandT{}, mma);
+    auto load_a = copy_a.get_thread_slice(dq_tid);
+    auto load_b = copy_b.get_thread_slice(dq_tid);
+    Tensor sDs = make_tensor(make_smem_ptr(s.ds), SmemLayoutDs{});
+    Tensor sKt = local_tile(make_tensor(make_smem_ptr(s.k), SmemLayoutKt{}), Shape<Int<kDqCols>, Int<kBlockN>>{},
+                            make_coord(part, 0));
+    Tensor tQrDs = thr.partition_fragment_A(sDs);  // (MMA, 1, keys / 16)
+    Tensor tQrDs_view = load_a.retile_D(tQrDs);
+    Tensor tQrKt = thr.partition_fragment_B(sKt);  // (MMA, kDqCols / 8, keys / 16)
+    Tensor tQrKt_view = load_b.retile_D(tQrKt);
+    Tensor acc = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kDqCols>>{});
+    clear(acc);
+    gemm_ss(mma, acc, copy_a, load_a.partition_S(sDs), tQrDs, tQrDs_view, copy_b, load_b.partition_S(sKt), tQrKt,
+            tQrKt_view);
+
+    long long const block_row0 = workspace_row0(p, seq, head) + m_block * kBlockM;
+    cuda::atomic_ref<int, cuda::thread_scope_device> counter(p.dq_counter_ptr[block_row0 / kBlockM]);
+    if (p.deterministic) {
+      if (tid == 0) {
+        int const earlier = n_block - dq_key_blocks(seq, m_block).begin;  // CTAs before this one
+        while (counter.load(cuda::memory_order_acquire) < earlier) {
+        }
+      }
+      __syncthreads();
+    }
+    // (query, column) of each accumulator element; elements 2i and 2i + 1 are neighbouring columns
+    Tensor tQcQ = thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kDqCols>>{}));
+    float* accum = p.dq_accum_ptr + block_row0 * kHeadDim + part * kDqCols;
+    int const rows = seq.num_queries - m_block * kBlockM;
+    int const cols = p.head_dim - part * kDqCols;
+    CUTE_UNROLL
+    for (int e = 0; e < size(acc); e += 2) {
+      int const row = get<0>(tQcQ(e));
+      int const col = get<1>(tQcQ(e));
+      if (row < rows && col < cols) {  // the rest are zeros (zero-filled Q rows and columns)
+        float* to = accum + row * kHeadDim + col;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        atomicAdd(reinterpret_cast<float2*>(to), make_float2(acc(e), acc(e + 1)));
+#else
+        atomicAdd(to, acc(e));
+        atomicAdd(to + 1, acc(e + 1));
+#endif
+      }
+    }
+    if (p.deterministic) {
+      __threadfence();  // this CTA's adds, before the release below
+      __syncthreads();
+      if (tid == 0) {
+        counter.fetch_add(1, cuda::memory_order_release);
+      }
+    }
+  }
+
+  // dK (times scale) and dV to memory.  With two query slices, slice 1's partial sums go through
+  // the Q/dO buffers (a fragment's element e of thread t at e * kKeyThreads + t: conflict-free)
+  // into slice 0, which stores.
+  template <class Acc>
+  static __device__ void epilogue(BwdParams const& p, SharedStorage& s, Sequence const& seq, int n_block,
+                                  int head_kv, Acc& acc_dk, Acc& acc_dv) {
+    using namespace cute;
+    int const tid = threadIdx.x;
+    if constexpr (kQueryWarps > 1) {
+      static_assert(kQueryWarps == 2, "two query slices");
+      static_assert(decltype(size(acc_dk))::value * kKeyThreads * sizeof(float) <= sizeof(s.qdo), "one sum at a time");
+      float* partial = reinterpret_cast<float*>(&s.qdo[0][0][0]) + tid % kKeyThreads;
+      auto gather = [&](Acc& acc) {
+        __syncthreads();  // every warp is past its last read of the buffers (Q, dO or the last sum)
+        if (tid >= kKeyThreads) {
+          CUTE_UNROLL
+          for (int e = 0; e < size(acc); ++e) {
+            partial[e * kKeyThreads] = acc(e);
+          }
+        }
+        __syncthreads();
+        if (tid < kKeyThreads) {
+          CUTE_UNROLL
+          for (int e = 0; e < size(acc); ++e) {
+            acc(e) += partial[e * kKeyThreads];
+          }
+        }
+      };
+      gather(acc_dk);
+      gather(acc_dv);
+      if (tid >= kKeyThreads) {
+        return;
+      }
+    }
+    TiledMmaKeys mma;
+    auto thr = mma.get_thread_slice(tid % kKeyThreads);
+    // (key, column) of each accumulator element; elements 2i and 2i + 1 are neighbouring columns
+    Tensor tDcD = thr.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    int const key0 = n_block * kBlockN;
+    long long const offset = seq.batch * p.dkv_stride_b + (seq.k0 + key0) * (long long)p.dkv_stride_n +
+                             head_kv * (long long)p.dkv_stride_h;
+    auto store = [&](Acc const& acc, void* ptr, float scale) {
+      Element* base = static_cast<Element*>(ptr) + offset;
+      CUTE_UNROLL
+      for (int e = 0; e < size(acc); e += 2) {
+        int const key = get<0>(tDcD(e));
+        int const col = get<1>(tDcD(e));
+        if (key0 + key < seq.num_keys && col < p.head_dim) {
+          cutlass::Array<Element, 2> pair;
+          pair[0] = static_cast<Element>(acc(e) * scale);
+          pair[1] = static_cast<Element>(acc(e + 1) * scale);
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(base + key * (long long)p.dkv_stride_n + col) = pair;
+        }
+      }
+    };
+    store(acc_dk, p.dk_ptr, p.scale);
+    store(acc_dv, p.dv_ptr, 1.f);
+  }
+
+  // grid (ceil(M / kBlockM), heads, batch or sequences), kAuxThreads threads
+  static __device__ void prep(BwdParams const& p) {
+    constexpr int kChunks = kHeadDim / 8;  // 16-byte pieces of a row
+    constexpr int kRowsPerPass = kAuxThreads / kChunks;
+    static_assert(32 % kChunks == 0 && kBlockM % kRowsPerPass == 0, "a row's pieces within one warp");
+    int const m_block = blockIdx.x;
+    int const head = blockIdx.y;
+    Sequence const seq = sequence(p, blockIdx.z);
+    if (m_block * kBlockM >= seq.num_queries) {  // past a packed sequence: no workspace rows here
+      return;
+    }
+    int const chunk = threadIdx.x % kChunks;
+    long long const head_row0 = workspace_row0(p, seq, head);
+    Element const* out = static_cast<Element const*>(p.out_ptr) + seq.batch * p.out_stride_b +
+                         seq.q0 * (long long)p.out_stride_m + head * (long long)p.out_stride_h;
+    Element const* dout = static_cast<Element const*>(p.dout_ptr) + seq.batch * p.dout_stride_b +
+                          seq.q0 * (long long)p.dout_stride_m + head * (long long)p.dout_stride_h;
+    for (int r = threadIdx.x / kChunks; r < kBlockM; r += kRowsPerPass) {
+      int const row = m_block * kBlockM + r;
+      float dot = 0.f;
+      if (row < seq.num_queries && chunk * 8 < p.head_dim) {
+        uint4 const o = *reinterpret_cast<uint4 const*>(out + row * (long long)p.out_stride_m + chunk * 8);
+        uint4 const d = *reinterpret_cast<uint4 const*>(dout + row * (long long)p.dout_stride_m + chunk * 8);
+        Element const* oe = reinterpret_cast<Element const*>(&o);
+        Element const* de = reinterpret_cast<Element const*>(&d);
+        CUTE_UNROLL
+        for (int i = 0; i < 8; ++i) {
+          dot += float(oe[i]) * float(de[i]);
+        }
+      }
+      CUTE_UNROLL
+      for (int offset = kChunks / 2; offset > 0; offset /= 2) {
+        dot += __shfl_xor_sync(0xffffffff, dot, offset);
+      }
+      if (chunk == 0) {
+        float lse = INFINITY;  // padding rows: P = 0
+        if (row < seq.num_queries) {
+          lse = p.lse_ptr[seq.index * (long long)p.lse_stride_b + head * (long long)p.lse_stride_h + row];
+          lse = lse == -INFINITY ? INFINITY : lse * 1.44269504088896341f;  // a row without keys: no gradient
+        }
+        p.lse_log2_ptr[head_row0 + row] = lse;
+        p.delta_ptr[head_row0 + row] = dot;
+      }
+      float4* accum = reinterpret_cast<float4*>(p.dq_accum_ptr + (head_row0 + row) * kHeadDim);
+      for (int c = chunk; c < kHeadDim / 4; c += kChunks) {
+        accum[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+    if (threadIdx.x == 0) {
+      p.dq_counter_ptr[head_row0 / kBlockM + m_block] = 0;
+    }
+  }
+
+  // grid as prep: each thread turns 8 columns of a row of the accumulator into dQ.
+  static __device__ void convert(BwdParams const& p) {
+    constexpr int kChunks = kHeadDim / 8;
+    int const m_block = blockIdx.x;
+    int const head = blockIdx.y;
+    Sequence const seq = sequence(p, blockIdx.z);
+    if (m_block * kBlockM >= seq.num_queries) {  // past a packed sequence: these rows are another's, or none
+      return;
+    }
+    float const* accum = p.dq_accum_ptr + (workspace_row0(p, seq, head) + m_block * kBlockM) * kHeadDim;
+    Element* dq = static_cast<Element*>(p.dq_ptr) + seq.batch * p.dq_stride_b + seq.q0 * (long long)p.dq_stride_m +
+                  head * (long long)p.dq_stride_h;
+    for (int i = threadIdx.x; i < kBlockM * kChunks; i += kAuxThreads) {
+      int const r = i / kChunks;
+      int const col = i % kChunks * 8;
+      int const row = m_block * kBlockM + r;
+      if (row < seq.num_queries && col < p.head_dim) {  // head_dim is a multiple of 8
+        float4 const lo = *reinterpret_cast<float4 const*>(accum + r * kHeadDim + col);
+        float4 const hi = *reinterpret_cast<float4 const*>(accum + r * kHeadDim + col + 4);
+        float const values[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        cutlass::Array<Element, 8> out;
+        CUTE_UNROLL
+        for (int j = 0; j < 8; ++j) {
+          out[j] = static_cast<Element>(values[j] * p.scale);
+        }
+        *reinterpret_cast<cutlass::Array<Element, 8>*>(dq + row * (long long)p.dq_stride_m + col) = out;
+      }
+    }
+  }
+};
+
+}  // namespace sm80
+}  // namespace flashgen
