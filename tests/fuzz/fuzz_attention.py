@@ -2,12 +2,14 @@
 
     FLASHGEN_KERNEL_PATH=build/kernels python tests/fuzz/fuzz_attention.py --seed 1 --cases 1000
     FLASHGEN_KERNEL_PATH=build/kernels python tests/fuzz/fuzz_attention.py --seed 1 --case 417
-    FLASHGEN_KERNEL_PATH=build/kernels python tests/fuzz/fuzz_attention.py --families sm80_fwd,mem_eff_fwd --forward-only
+    FLASHGEN_KERNEL_PATH=build/kernels python tests/fuzz/fuzz_attention.py \
+        --families sm80_fwd,sm80_bwd,mem_eff_fwd,mem_eff_bwd
 
 ``--families`` sets FLASHGEN_FAMILIES (the families dispatch may ask), so one family can be
-fuzzed where an earlier one would serve the calls: the Ampere forward (sm80_fwd) on an
-H100/H200, say, with example 41 taking what it refuses.  ``--forward-only`` skips the
-backward: on a GPU without sm90_bwd no backward family has sliding windows or soft-capping.
+fuzzed where an earlier one would serve the calls: the Ampere forward and backward (sm80_fwd,
+sm80_bwd) on an H100/H200, say, with example 41 taking what they refuse.  ``--forward-only``
+skips the backward, for a family list without a backward that has sliding windows and
+soft-capping (sm90_bwd on 9.0 GPUs, sm80_bwd from 8.0 on).
 
 Each case is drawn from its own generator seeded with (seed, case), so the
 one-line reproducer printed for a failure reruns exactly that problem.  The
@@ -16,8 +18,8 @@ space: dtype, batch, heads, M, N (1 to 1000), head dims (multiples of 4 up to
 that leave only 4-element alignment), causal kinds, bias (full or broadcast),
 dropout (checked through the mask recovered with an identity V), varlen
 batches with empty sequences, the softmax scale (of either sign), and on flashgen's own
-kernels' path (sm90, and the sm80 forward) sliding windows and soft-capping.  Outputs come
-from poisoned memory, so an unwritten element fails.
+kernels' path (sm90, sm80) sliding windows and soft-capping.  Outputs come from poisoned
+memory, so an unwritten element fails.
 
 A gradient passes if it matches the exact float64 gradient, or the exact
 gradient of the kernel's own rounded output: every flash-style backward takes
@@ -75,7 +77,7 @@ def draw(seed: int, case: int) -> dict:
         p["Kv"] = p["K"] = min(p["K"], 256)
     p["deterministic"] = bool(r.random() < 0.3)  # drawn last: earlier draws stay what they were
     p.update(window=None, softcap=0.0)
-    # the options only flashgen's own kernels have (sm90_fwd/bwd, sm80_fwd): f16/bf16, K = Kv <= 128,
+    # the options only flashgen's own kernels have (sm90_fwd/bwd, sm80_fwd/bwd): f16/bf16, K = Kv <= 128,
     # 16-byte-aligned strides (packed batches too)
     if (kind >= 0.5 or kind < 0.2) and r.random() < 0.4:
         p.update(dtype=pick(["f16", "bf16"]), K=int(pick([64, 96, 128, 8 * int(r.integers(1, 17))])))
@@ -205,7 +207,8 @@ def main(argv=None) -> int:
     ap.add_argument("--case", type=int, default=None, help="run only this case (a reproducer)")
     ap.add_argument("--json", type=Path, default=None, help="write per-case results here")
     ap.add_argument("--families", default=None,
-                    help="comma-separated families dispatch may ask (sets FLASHGEN_FAMILIES), e.g. sm80_fwd,mem_eff_fwd")
+                    help="comma-separated families dispatch may ask (sets FLASHGEN_FAMILIES), e.g. "
+                         "sm80_fwd,sm80_bwd,mem_eff_fwd,mem_eff_bwd")
     ap.add_argument("--forward-only", action="store_true", help="check the forward only (out and lse)")
     args = ap.parse_args(argv)
     global FORWARD_ONLY

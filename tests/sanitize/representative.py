@@ -1,7 +1,7 @@
 """A representative set of forward+backward calls for compute-sanitizer (see run.sh beside this).
 
-Covers every family (the Ampere forward, sm80_fwd, forced with FLASHGEN_FAMILIES where an
-earlier family would serve its calls), each dtype, aligned and 4-aligned (unaligned kernels), the
+Covers every family (the Ampere ones, sm80_fwd and sm80_bwd, forced with FLASHGEN_FAMILIES where
+an earlier family would serve their calls), each dtype, aligned and 4-aligned (unaligned kernels), the
 block-aligned backward kernels (M and N multiples of the block),
 dropout, the largest kMaxK tier (head dim 320), split keys > 1 (few batch x
 heads, many keys), causal kinds, bias with its gradient, and varlen.  Sizes are
@@ -101,35 +101,48 @@ for K in (64, 128):
     out, lse = flashgen.attention_forward(q, kv, kv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal="top_left")
     flashgen.attention_backward(out, q, kv, kv, out, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal="top_left")
 cupy.cuda.runtime.deviceSynchronize()
-# flashgen's Ampere forward (any 8.0+ GPU with sm80_fwd built; on Hopper a plain sm90 build), forced
-# ahead of sm90_fwd: one and several key blocks, partial tiles, a head dim below its tier, grouped-query
-# k/v, both causal kinds, rows without keys, windows with soft-capping, a packed batch whose last
-# sequence is short (each array its own allocation still), and the launch plan's replay
+# flashgen's Ampere forward and backward (any 8.0+ GPU with sm80_fwd and sm80_bwd built; on Hopper a
+# plain sm90 build), forced ahead of the sm90 families: one and several key blocks, partial tiles, a head
+# dim below its tier, grouped-query k/v, both causal kinds, rows without keys, windows with soft-capping,
+# deterministic dQ, a packed batch whose last sequence is short (each array its own allocation still),
+# the launch plans' replay, and every built backward kernel directly (dispatch picks one tile per
+# tier; the 64-key one, with its two query slices, serves sm86/sm89 only)
 try:
     from flashgen.runtime.device import device_info
     from flashgen.runtime.registry import default_registry
 
+    sm80_backwards = default_registry().for_device("sm80_bwd", device_info(0))
     default_registry().for_device("sm80_fwd", device_info(0))
-    have_sm80 = True
 except flashgen.UnsupportedError:
-    have_sm80 = False
-    print("no sm80_fwd kernels for this GPU: its cases are skipped")
-if have_sm80:
-    os.environ["FLASHGEN_FAMILIES"] = "sm80_fwd"
+    sm80_backwards = []
+    print("no sm80_fwd and sm80_bwd kernels for this GPU: their cases are skipped")
+if sm80_backwards:
+    from flashgen.runtime import validate
+    from flashgen.runtime.families import sm80_bwd
+
+    os.environ["FLASHGEN_FAMILIES"] = "sm80_fwd,sm80_bwd"
     for dtype in ("f16", "bf16"):
         for B, M, N, H, Hk, K, options in ((2, 70, 90, 2, 2, 64, {}), (1, 300, 260, 4, 4, 96, {"causal": "bottom_right"}),
-                                           (1, 200, 333, 8, 2, 128, {"causal": "top_left"}),
+                                           (1, 200, 333, 8, 2, 128, {"causal": "top_left", "deterministic": True}),
                                            (1, 300, 130, 2, 2, 64, {"causal": "bottom_right"}),
                                            (1, 300, 700, 4, 2, 64, {"window": (100, 20), "softcap": 10.0}),
                                            (1, 400, 100, 2, 2, 128, {"window": (0, 5)})):
-            for _ in range(2):  # full path, then the plan
-                q, k, v = randn(r, (B, M, H, K), dtype), randn(r, (B, N, Hk, K), dtype), randn(r, (B, N, Hk, K), dtype)
-                flashgen.attention_forward(q, k, v, **options)
+            call(dtype, B, M, N, H, K, heads_kv=Hk, **options)  # full path, then the plans
     cu_q, cu_k = np.array([0, 300, 300, 301, 560], np.int32), np.array([0, 400, 410, 420, 1000], np.int32)
-    q = randn(r, (1, 570, 4, 128), "bf16")
+    q, do = randn(r, (1, 570, 4, 128), "bf16"), randn(r, (1, 570, 4, 128), "bf16")
     kv = randn(r, (1, 1000, 2, 128), "bf16")
-    flashgen.attention_forward(q, kv, kv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, window=(64, 8), softcap=5.0)
-    flashgen.attention_forward(q, kv, kv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal="bottom_right")
+    for options in ({"window": (64, 8), "softcap": 5.0}, {"causal": "bottom_right"}):
+        packed = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **options)
+        out, lse = flashgen.attention_forward(q, kv, kv, **packed)
+        flashgen.attention_backward(do, q, kv, kv, out, lse, deterministic=True, **packed)
+    for binary in sm80_backwards:
+        q, do = (randn(r, (2, 150, 4, binary.spec.max_k - 8), binary.spec.dtype) for _ in range(2))
+        k, v = (randn(r, (2, 200, 2, binary.spec.max_k - 8), binary.spec.dtype) for _ in range(2))
+        for options in ({"causal": "top_left", "deterministic": True}, {"window": (30, 40), "softcap": 4.0}):
+            forward = {key: value for key, value in options.items() if key != "deterministic"}
+            out, lse = flashgen.attention_forward(q, k, v, **forward)
+            sm80_bwd.RUNTIME.launch(validate.backward_call(do, q, k, v, out, lse, dict(options),
+                                                           flashgen.attention_backward), binary)
     del os.environ["FLASHGEN_FAMILIES"]
     cupy.cuda.runtime.deviceSynchronize()
 print("representative set done")

@@ -1,0 +1,181 @@
+"""The Ampere backward (sm80_bwd) without a GPU: its spec and pruning, instances, targets,
+selection on faked 8.x devices (sm80's 163 KB, sm86/sm89's 99 KB of opt-in shared memory), its
+refusals and its place in dispatch.  Nothing here imports CuPy (test_runtime_cpu's fakes stand
+in for arrays)."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from flashgen import generator
+from flashgen.errors import UnsupportedError
+from flashgen.runtime import families, validate
+from flashgen.runtime.families import sm80_bwd, sm80_common
+from flashgen.runtime.registry import Registry
+from flashgen.runtime.select import Request, Selector
+from flashgen.spec.sm80_bwd import SM86_SHARED, Sm80Bwd, shared_bytes
+from test_runtime_cpu import A100, H100, RTX3090, RTX4090, T4, FakeArray, qkv, write_build
+
+SM86_OPTIN = 101376  # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm86/sm89: 99 KB
+
+
+@pytest.fixture(autouse=True)
+def block_cupy(monkeypatch):
+    """`import cupy` raises ImportError inside every test, even where CuPy is installed."""
+    monkeypatch.setitem(sys.modules, "cupy", None)
+
+
+def constants(k: Sm80Bwd) -> dict:
+    known = dict(threads_per_block=256, min_blocks_per_sm=1, shared_memory_bytes=shared_bytes(k.max_k, k.block_m, k.block_n),
+                 block_m=k.block_m, block_n=k.block_n, max_k=k.max_k, alignment=8,
+                 params_bytes=Sm80Bwd.params_dtype().itemsize, aux_threads=128)
+    return {c.name: known[c.name] for c in Sm80Bwd.CONSTANTS}
+
+
+# === the spec ===================================================================================
+
+def test_dispatch_order_puts_it_after_the_hopper_backward_and_before_example41(monkeypatch):
+    monkeypatch.delenv("FLASHGEN_FAMILIES", raising=False)
+    assert [f.name for f in families.serving("bwd")] == ["sm90_bwd", "sm80_bwd", "mem_eff_bwd"]
+    monkeypatch.setenv("FLASHGEN_FAMILIES", "sm80_fwd,sm80_bwd")
+    assert [f.name for f in families.serving("bwd")] == ["sm80_bwd"]
+    assert [f.name for f in families.serving("fwd")] == ["sm80_fwd"]
+
+
+def test_default_set_has_per_tier_a_tile_within_sm86s_shared_memory():
+    kernels = Sm80Bwd.default_set()
+    assert [k.name for k in kernels if k.dtype == "f16"] == [
+        "sm80_bwd_f16_k64_q64x128_sm80", "sm80_bwd_f16_k128_q64x128_sm80", "sm80_bwd_f16_k128_q32x64_sm80"]
+    assert len(kernels) == 6
+    for dtype in ("f16", "bf16"):
+        for tier in (64, 128):
+            fitting = [k for k in kernels if k.dtype == dtype and k.max_k == tier
+                       and shared_bytes(k.max_k, k.block_m, k.block_n) <= SM86_SHARED]
+            assert fitting, (dtype, tier)
+    # the sizes the kernels' SharedStorage has (the build reads kSharedBytes back; tests on a GPU compare)
+    assert shared_bytes(64, 64, 128) == 82944 and shared_bytes(128, 64, 128) == 148480
+    assert shared_bytes(128, 32, 64) == 70144 and SM86_SHARED <= SM86_OPTIN < shared_bytes(128, 64, 128)
+    assert kernels[0].cpp_type == "flashgen::sm80::BwdKernel<cutlass::half_t, 64, 64, 128>"
+
+
+def test_every_pruned_candidate_names_its_rule():
+    reasons = {k.name: k.pruned_by().reason for k in Sm80Bwd.candidates() if k.pruned_by() is not None}
+    assert reasons["sm80_bwd_f16_k128_q128x128_sm80"].startswith("128-query steps")
+    assert reasons["sm80_bwd_f16_k64_q32x128_sm80"].startswith("128-key CTAs take 64-query steps")
+    assert reasons["sm80_bwd_f16_k64_q32x64_sm80"].startswith("64-key CTAs only where")
+    assert reasons["sm80_bwd_f16_k128_q64x64_sm80"].startswith("64-key CTAs take 32-query steps")
+
+
+def test_built_for_plain_targets_from_sm80_on_not_sm90a():
+    for k in Sm80Bwd.default_set():
+        for target in ("sm80", "sm_86", "sm89", "sm90", "sm100", "sm120"):
+            assert k.runs_on(target), target
+        for target in ("sm75", "sm90a", "sm100a"):
+            assert not k.runs_on(target), target
+
+
+def test_instances_are_generated_and_current():
+    kernels = Sm80Bwd.default_set()
+    assert generator.check(generator.INSTANCES_DIR, kernels) == {}
+    source = generator.render(kernels[0])
+    assert "__CUDA_ARCH__ >= 800 && __CUDA_ARCH__ < 1300" in source
+    for entry in ("_prep", "", "_convert"):
+        assert f"{kernels[0].name}{entry}(const __grid_constant__ Params p)" in source
+    assert "template struct FlashgenAbiCheck_sm80_bwd<Params>;" in source
+
+
+def test_params_mirror_the_c_struct():
+    dtype = Sm80Bwd.params_dtype()
+    assert dtype.fields["q_stride_b"][1] == 15 * 8  # after fifteen pointers
+    assert dtype.fields["q_stride_m"][1] == 22 * 8  # after seven int64 batch strides
+    assert dtype.fields["scale"][1] == 22 * 8 + 26 * 4  # after 26 int32 fields
+    assert dtype.itemsize == 296
+
+
+# === selection on faked devices ==================================================================
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sm80_bwd_kernels")
+    kernels = Sm80Bwd.default_set()
+    write_build(d, [(k, {t: constants(k) for t in ("sm80", "sm90")}) for k in kernels])
+    return Registry([d])
+
+
+def request(device, head_dim=128, alignment=8, dtype="f16"):
+    return Request("sm80_bwd", dtype, head_dim, head_dim, alignment, False, False, device)
+
+
+def test_sm86_and_sm89_skip_the_tile_above_their_shared_memory_with_the_reason(registry):
+    sel = Selector(registry)
+    for device in (RTX3090, RTX4090):
+        verdicts = {name: why for name, _, why in sel.explain(request(device))}
+        assert verdicts["sm80_bwd_f16_k128_q64x128_sm80"] == \
+            f"needs 148480 B of shared memory; {device.name} allows {SM86_OPTIN} B per block"
+        assert verdicts["sm80_bwd_f16_k128_q32x64_sm80"] == "selected"
+        assert sel.select(request(device, head_dim=64)).name == "sm80_bwd_f16_k64_q64x128_sm80"
+    assert sel.select(request(A100)).name == "sm80_bwd_f16_k128_q64x128_sm80"  # 163 KB: the bigger tile
+    hopper = sel.select(request(H100))
+    assert hopper.name == "sm80_bwd_f16_k128_q64x128_sm80" and hopper.target == "sm90"  # plain sm90 SASS
+
+
+def test_selection_by_tier_alignment_and_dtype(registry):
+    sel = Selector(registry)
+    assert sel.select(request(A100, head_dim=8)).name == "sm80_bwd_f16_k64_q64x128_sm80"
+    assert sel.select(request(A100, head_dim=96)).name == "sm80_bwd_f16_k128_q64x128_sm80"
+    assert sel.select(request(RTX3090, head_dim=80, dtype="bf16")).name == "sm80_bwd_bf16_k128_q32x64_sm80"
+    assert sel.find(request(A100, head_dim=136)) is None
+    verdicts = {why for _, _, why in sel.explain(request(RTX3090, alignment=4))}
+    assert "needs 8-element alignment of pointers, strides and head dims; the call has 4" in verdicts
+    with pytest.raises(UnsupportedError, match="no sm80_bwd kernel can run on GPU 2"):
+        sel.select(request(T4))
+
+
+# === the runtime's refusals ======================================================================
+
+def backward_of(arrays=None, bias=None, registry=None, out=None, grad_out=None, **options):
+    """A validated backward Call over FakeArrays (what the family's refusal and request read)."""
+    q, k, v = arrays or qkv()
+    c = validate.problem(q, k, v, options.get("causal"), None, options.get("dropout_p", 0.0), options.get("seed"), 0,
+                         None, None, window=options.get("window"), softcap=options.get("softcap", 0.0))
+    out = out or FakeArray(q.shape[:3] + v.shape[3:])
+    return validate.Call("bwd", c, q, k, v, bias, {"registry": registry, **options}, None, out=out,
+                         grad_out=grad_out or FakeArray(out.shape))
+
+
+def test_refuses_what_only_example41_has_with_the_reason(monkeypatch):
+    monkeypatch.setattr(sm80_common, "device_info", lambda index: RTX3090)
+    runtime = sm80_bwd.RUNTIME
+    assert runtime.unfit(backward_of(window=(4, 4), softcap=3.0)) is None
+    for call, why in ((backward_of(bias=FakeArray((2, 3, 5, 7))), "no attn_bias"),
+                      (backward_of(dropout_p=0.1, seed=1), "no dropout"),
+                      (backward_of(arrays=qkv(dtype="float32")), "float32"),
+                      (backward_of(arrays=qkv(K=64, Kv=32)), "equal q/v head dims only; the call has 64 and 32")):
+        assert why in runtime.unfit(call)
+        assert why in runtime.refusal(call)
+    monkeypatch.setattr(sm80_common, "device_info", lambda index: T4)
+    assert runtime.unfit(backward_of()) == "a GPU of compute capability 8.0 or newer; GPU 0 is Tesla T4 (sm_75)"
+
+
+def test_refuses_calls_none_of_its_kernels_takes(monkeypatch, registry):
+    monkeypatch.setattr(sm80_common, "device_info", lambda index: RTX3090)
+    runtime = sm80_bwd.RUNTIME
+    assert runtime.refusal(backward_of(registry=registry, causal="top_left", window=(8, None), softcap=2.0)) is None
+    req = runtime.request(backward_of(registry=registry, window=(8, None), softcap=2.0))
+    assert (req.family, req.band, req.softcap, req.alignment, req.device) == ("sm80_bwd", True, True, 8, RTX3090)
+    wide = runtime.refusal(backward_of(arrays=qkv(K=264), registry=registry))
+    assert wide.startswith("none of its kernels accepts the call: ") and "kMaxK 128 < head dim 264" in wide
+    grouped = qkv()[:1] + (FakeArray((2, 7, 1, 64)), FakeArray((2, 7, 1, 64)))  # three q heads per k/v head
+    assert runtime.refusal(backward_of(arrays=grouped, registry=registry)) is None
+
+
+def test_out_and_grad_out_are_read_at_the_inputs_alignment(monkeypatch, registry):
+    """The prep kernel reads O and dO by 16-byte loads: a grad_out 4-element aligned is refused."""
+    monkeypatch.setattr(sm80_common, "device_info", lambda index: RTX3090)
+    runtime = sm80_bwd.RUNTIME
+    skewed = FakeArray((2, 5, 3, 64), ptr=0x7F2A00000008)  # 4 f16 elements past an aligned address
+    assert runtime.request(backward_of(registry=registry, grad_out=skewed)).alignment == 4
+    assert "needs 8-element alignment" in runtime.refusal(backward_of(registry=registry, grad_out=skewed))
+    assert "needs 8-element alignment" in runtime.refusal(backward_of(registry=registry, out=skewed))
+    assert runtime.refusal(backward_of(registry=registry)) is None
