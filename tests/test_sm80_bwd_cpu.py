@@ -179,3 +179,16 @@ def test_out_and_grad_out_are_read_at_the_inputs_alignment(monkeypatch, registry
     assert "needs 8-element alignment" in runtime.refusal(backward_of(registry=registry, grad_out=skewed))
     assert "needs 8-element alignment" in runtime.refusal(backward_of(registry=registry, out=skewed))
     assert runtime.refusal(backward_of(registry=registry)) is None
+
+
+def test_explain_names_why_a_99_kb_part_skips_the_larger_tile(monkeypatch, registry):
+    """What flashgen.explain lists for this family on an RTX 4090: the 145 KB tile with the shared
+    memory it needs, then the 69 KB one selected."""
+    monkeypatch.setattr(sm80_common, "device_info", lambda index: RTX4090)
+    monkeypatch.setattr(families, "device_info", lambda index: RTX4090)
+    rows = sm80_bwd.RUNTIME.explain(backward_of(arrays=qkv(K=96), registry=registry, causal="top_left"))
+    f16 = [(name, why) for name, target, why in rows if "_f16_" in name and target == "sm80"]
+    assert f16 == [("sm80_bwd_f16_k64_q64x128_sm80", "kMaxK 64 < head dim 96"),
+                   ("sm80_bwd_f16_k128_q64x128_sm80", f"needs 148480 B of shared memory; {RTX4090.name} allows "
+                                                      f"{SM86_OPTIN} B per block"),
+                   ("sm80_bwd_f16_k128_q32x64_sm80", "selected")]

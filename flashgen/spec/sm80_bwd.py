@@ -60,8 +60,8 @@ class Sm80Bwd(KernelSpec):
     }
     TUNED_AXES = ("block_m", "block_n")
     RULES = (
-        Rule("128-query steps: S^T and dP^T of a warp's 16 keys take 64 registers each beside dK and dV "
-             "(over 255 at head dim 128, spills at 64)",
+        Rule("128-query steps: S^T and dP^T of 128 queries beside dK and dV spill at head dim 64 (104 bytes on "
+             "sm_80); at 128 the tile needs 226 KB, beyond an A100 block",
              lambda k: k.block_m == 128),
         Rule("128-key CTAs take 64-query steps: 32 queries halve the work per load and barrier",
              lambda k: k.block_n == 128 and k.block_m == 32),
