@@ -11,7 +11,7 @@ import pytest
 from flashgen import generator
 from flashgen.errors import UnsupportedError
 from flashgen.runtime import families, validate
-from flashgen.runtime.families import sm80_bwd, sm80_common
+from flashgen.runtime.families import sm80_bwd, sm90_common
 from flashgen.runtime.registry import Registry
 from flashgen.runtime.select import Request, Selector
 from flashgen.spec.sm80_bwd import SM86_SHARED, Sm80Bwd, shared_bytes
@@ -145,7 +145,7 @@ def backward_of(arrays=None, bias=None, registry=None, out=None, grad_out=None, 
 
 
 def test_refuses_what_only_example41_has_with_the_reason(monkeypatch):
-    monkeypatch.setattr(sm80_common, "device_info", lambda index: RTX3090)
+    monkeypatch.setattr(sm90_common, "device_info", lambda index: RTX3090)
     runtime = sm80_bwd.RUNTIME
     assert runtime.unfit(backward_of(window=(4, 4), softcap=3.0)) is None
     for call, why in ((backward_of(bias=FakeArray((2, 3, 5, 7))), "no attn_bias"),
@@ -154,12 +154,12 @@ def test_refuses_what_only_example41_has_with_the_reason(monkeypatch):
                       (backward_of(arrays=qkv(K=64, Kv=32)), "equal q/v head dims only; the call has 64 and 32")):
         assert why in runtime.unfit(call)
         assert why in runtime.refusal(call)
-    monkeypatch.setattr(sm80_common, "device_info", lambda index: T4)
+    monkeypatch.setattr(sm90_common, "device_info", lambda index: T4)
     assert runtime.unfit(backward_of()) == "a GPU of compute capability 8.0 or newer; GPU 0 is Tesla T4 (sm_75)"
 
 
 def test_refuses_calls_none_of_its_kernels_takes(monkeypatch, registry):
-    monkeypatch.setattr(sm80_common, "device_info", lambda index: RTX3090)
+    monkeypatch.setattr(sm90_common, "device_info", lambda index: RTX3090)
     runtime = sm80_bwd.RUNTIME
     assert runtime.refusal(backward_of(registry=registry, causal="top_left", window=(8, None), softcap=2.0)) is None
     req = runtime.request(backward_of(registry=registry, window=(8, None), softcap=2.0))
@@ -172,7 +172,7 @@ def test_refuses_calls_none_of_its_kernels_takes(monkeypatch, registry):
 
 def test_out_and_grad_out_are_read_at_the_inputs_alignment(monkeypatch, registry):
     """The prep kernel reads O and dO by 16-byte loads: a grad_out 4-element aligned is refused."""
-    monkeypatch.setattr(sm80_common, "device_info", lambda index: RTX3090)
+    monkeypatch.setattr(sm90_common, "device_info", lambda index: RTX3090)
     runtime = sm80_bwd.RUNTIME
     skewed = FakeArray((2, 5, 3, 64), ptr=0x7F2A00000008)  # 4 f16 elements past an aligned address
     assert runtime.request(backward_of(registry=registry, grad_out=skewed)).alignment == 4
@@ -184,7 +184,7 @@ def test_out_and_grad_out_are_read_at_the_inputs_alignment(monkeypatch, registry
 def test_explain_names_why_a_99_kb_part_skips_the_larger_tile(monkeypatch, registry):
     """What flashgen.explain lists for this family on an RTX 4090: the 145 KB tile with the shared
     memory it needs, then the 69 KB one selected."""
-    monkeypatch.setattr(sm80_common, "device_info", lambda index: RTX4090)
+    monkeypatch.setattr(sm90_common, "device_info", lambda index: RTX4090)
     monkeypatch.setattr(families, "device_info", lambda index: RTX4090)
     rows = sm80_bwd.RUNTIME.explain(backward_of(arrays=qkv(K=96), registry=registry, causal="top_left"))
     f16 = [(name, why) for name, target, why in rows if "_f16_" in name and target == "sm80"]

@@ -139,7 +139,7 @@ def call_of(arrays=None, bias=None, registry=None, **options):
 
 
 def test_refuses_what_only_example41_has_with_the_reason(monkeypatch, registry):
-    monkeypatch.setattr(sm80_fwd, "device_info", lambda index: RTX3090)
+    monkeypatch.setattr(sm90_common, "device_info", lambda index: RTX3090)
     runtime = sm80_fwd.RUNTIME
     assert runtime.unfit(call_of(window=(4, 4), softcap=3.0)) is None
     for call, why in ((call_of(bias=FakeArray((2, 3, 5, 7))), "no attn_bias"),
@@ -148,13 +148,12 @@ def test_refuses_what_only_example41_has_with_the_reason(monkeypatch, registry):
                       (call_of(arrays=qkv(K=64, Kv=32)), "equal q/v head dims only; the call has 64 and 32")):
         assert why in runtime.unfit(call)
         assert why in runtime.refusal(call)
-    monkeypatch.setattr(sm80_fwd, "device_info", lambda index: T4)
+    monkeypatch.setattr(sm90_common, "device_info", lambda index: T4)
     assert runtime.unfit(call_of()) == "a GPU of compute capability 8.0 or newer; GPU 0 is Tesla T4 (sm_75)"
 
 
 def test_refuses_calls_none_of_its_kernels_takes(monkeypatch, registry):
-    monkeypatch.setattr(sm80_fwd, "device_info", lambda index: RTX3090)
-    monkeypatch.setattr(sm90_common, "device_info", lambda index: RTX3090)  # the request (OwnKernelFamily)
+    monkeypatch.setattr(sm90_common, "device_info", lambda index: RTX3090)
     runtime = sm80_fwd.RUNTIME
     assert runtime.refusal(call_of(registry=registry, causal="top_left", window=(8, None), softcap=2.0)) is None
     req = runtime.request(call_of(registry=registry, window=(8, None), softcap=2.0))
@@ -191,7 +190,7 @@ def test_families_switch_refuses_unknown_names(monkeypatch):
 
 
 def test_families_switch_names_itself_when_nothing_serves(monkeypatch):
-    monkeypatch.setattr(sm80_fwd, "device_info", lambda index: T4)
+    monkeypatch.setattr(sm90_common, "device_info", lambda index: T4)
     monkeypatch.setenv("FLASHGEN_FAMILIES", "sm80_fwd")
     with pytest.raises(UnsupportedError, match=r"(?s)no kernel family serves this call:\n  sm80_fwd: .*8\.0 or newer"
                                                r".*\n  \(FLASHGEN_FAMILIES allows only sm80_fwd\)"):

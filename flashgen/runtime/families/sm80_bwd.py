@@ -3,16 +3,15 @@
 Three kernels (prep, main, convert) over one allocation, as ``sm90_bwd`` runs them: the
 outputs and the workspace are carved by that family's ``layout`` and ``buffers`` (the kernels
 share its workspace layout), so a training step costs one pool call per backward.  What the
-family takes and refuses is what both Ampere-class families share (``sm80_common``), with
-``out`` and ``grad_out`` read at the inputs' 8-element alignment too.
+family takes and refuses is what flashgen's Ampere-class families share (``AmpereFamily``),
+with ``out`` and ``grad_out`` read at the inputs' 8-element alignment too.
 """
 from __future__ import annotations
 
 from flashgen.runtime import plans
 from flashgen.runtime.arrays import cupy_module, elem_strides
-from flashgen.runtime.families.sm80_common import AmpereFamily
 from flashgen.runtime.families.sm90_bwd import buffers, layout
-from flashgen.runtime.families.sm90_common import band_fields, zero_unpacked_rows
+from flashgen.runtime.families.sm90_common import AmpereFamily, band_fields, zero_unpacked_rows
 from flashgen.runtime.launch import fill, handle, launch, on_device, params_buffer
 from flashgen.runtime.limits import check_int32
 from flashgen.runtime.memory import CupyMemory
@@ -27,10 +26,6 @@ POINTERS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "dout_ptr", "lse_ptr", "lse_lo
 
 class Sm80BwdRuntime(AmpereFamily):
     spec = Sm80Bwd
-
-    def inputs(self, call: Call):
-        # out and grad_out are read by 16-byte loads too (explain's backward call has neither yet)
-        return (call.q, call.k, call.v, call.out, call.grad_out)
 
     def launch(self, call: Call, binary: KernelBinary):
         """(dq, dk, dv) on ``binary`` (on the call's device, api.py makes it current)."""

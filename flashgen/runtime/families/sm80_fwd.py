@@ -9,13 +9,10 @@ with either is refused with the reason, and the next family is asked.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 from flashgen.runtime import plans
 from flashgen.runtime.arrays import cupy_module, elem_strides
-from flashgen.runtime.device import device_info
 from flashgen.runtime.families import visible_lse
-from flashgen.runtime.families.sm90_common import OwnKernelFamily, band_fields, replay_forward, zero_unpacked_rows
+from flashgen.runtime.families.sm90_common import AmpereFamily, band_fields, replay_forward, zero_unpacked_rows
 from flashgen.runtime.launch import fill, handle, launch, params_buffer
 from flashgen.runtime.limits import check_int32, lse_rows
 from flashgen.runtime.registry import KernelBinary
@@ -23,20 +20,10 @@ from flashgen.runtime.validate import Call
 from flashgen.spec.sm80_fwd import Sm80Fwd
 
 POINTERS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "lse_ptr")  # per-call pointers, in the order replay passes them
-MIN_CC = 80  # mma.sync on bf16, ldmatrix, cp.async
 
 
-class Sm80FwdRuntime(OwnKernelFamily):
+class Sm80FwdRuntime(AmpereFamily):
     spec = Sm80Fwd
-
-    def unfit(self, call: Call) -> Optional[str]:
-        why = super().unfit(call)
-        if why is not None:
-            return why
-        info = device_info(call.p.device)
-        if info.cc < MIN_CC:
-            return f"a GPU of compute capability 8.0 or newer; GPU {call.p.device} is {info.name} (sm_{info.cc})"
-        return None
 
     def launch(self, call: Call, binary: KernelBinary):
         """(out, lse) of the forward on ``binary`` (on the call's device, api.py makes it current)."""

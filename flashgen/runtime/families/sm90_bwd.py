@@ -52,11 +52,6 @@ def buffers(memory, offsets, q, k, v):
 class Sm90BwdRuntime(HopperFamily):
     spec = Sm90Bwd
 
-    def aligned_arrays(self, call: Call):
-        # out is read at the same 16-byte alignment as the tensor-mapped inputs (explain has neither)
-        given = (("out", call.out), ("grad_out", call.grad_out))
-        return super().aligned_arrays(call) + tuple((name, x) for name, x in given if x is not None)
-
     def launch(self, call: Call, binary: KernelBinary):
         """(dq, dk, dv) on ``binary`` (on the call's device, api.py makes it current)."""
         cupy, p, q, k, v = cupy_module(), call.p, call.q, call.k, call.v

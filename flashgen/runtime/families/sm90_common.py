@@ -1,7 +1,8 @@
 """What flashgen's own families share at run time: who they serve, band, softcap, tensor maps.
 
-``OwnKernelFamily`` holds what sm90_fwd, sm90_bwd and the Ampere sm80_fwd all refuse and how
-they request and refuse; ``HopperFamily`` adds the 9.0 GPU and TMA.
+``OwnKernelFamily`` holds what sm90_fwd, sm90_bwd and the Ampere sm80_fwd and sm80_bwd all
+refuse and how they request and refuse; ``HopperFamily`` adds the 9.0 GPU and TMA,
+``AmpereFamily`` the 8.0 GPU.
 
 ``sm90_fwd`` and ``sm90_bwd`` (``flashgen/csrc/flashgen/sm90_*.h``) take the
 same run-time options (band mask, soft-capping, packed batches) through the
@@ -28,6 +29,7 @@ from flashgen.runtime.validate import MASKS, Call, Problem
 UNBOUNDED = 2**30  # an unbounded side of the band mask (flashgen::sm90::kUnbounded)
 PACKED_ROWS_LIMIT = 2**28  # packed batches: a sequence's band shift stays in int32
 LOG2_E = math.log2(math.e)
+AMPERE_CC = 80  # bf16 mma.sync, ldmatrix, cp.async: the oldest GPU AmpereFamily's kernels run on
 
 
 def band(p: Problem) -> Tuple[int, int, int]:
@@ -82,13 +84,16 @@ def encode_maps(params: np.ndarray, maps: Sequence[str], arrays: Sequence, box_r
 
 
 class OwnKernelFamily(RuntimeFamily):
-    """A family of flashgen's own kernels (sm90_fwd, sm90_bwd, sm80_fwd): the options they share
-    (band masks, soft-capping, packed batches through the same Params fields), what none of them
-    takes, their request, and their refusal.  A subclass adds its GPU in ``unfit``."""
+    """A family of flashgen's own kernels (sm90_fwd, sm90_bwd, sm80_fwd, sm80_bwd): the options
+    they share (band masks, soft-capping, packed batches through the same Params fields), what
+    none of them takes, their request, and their refusal.  A subclass adds its GPU in ``unfit``."""
 
     def aligned_arrays(self, call: Call) -> Sequence[Tuple[str, object]]:
-        """(name, array) of every input whose alignment the kernels' loads need."""
-        return (("q", call.q), ("k", call.k), ("v", call.v))
+        """(name, array) of every input whose alignment the kernels' loads need: q, k, v, and a
+        backward's out and grad_out, which both backwards read at the same alignment (explain's
+        backward call has neither)."""
+        given = (("out", call.out), ("grad_out", call.grad_out))
+        return (("q", call.q), ("k", call.k), ("v", call.v)) + tuple((name, x) for name, x in given if x is not None)
 
     def unfit(self, call: Call) -> Optional[str]:
         """What the call needs that none of flashgen's own kernels has, or None."""
@@ -143,6 +148,20 @@ class HopperFamily(OwnKernelFamily):
             why = tensormap.bmhk_problem(x)
             if why:
                 return f"TMA cannot read {name}: {why}"
+        return None
+
+
+class AmpereFamily(OwnKernelFamily):
+    """A family of flashgen's mma.sync kernels (sm80_fwd, sm80_bwd): any GPU of compute
+    capability 8.0 or newer; on a 9.0 GPU the sm90 families come first in the dispatch order."""
+
+    def unfit(self, call: Call) -> Optional[str]:
+        why = super().unfit(call)
+        if why is not None:
+            return why
+        info = device_info(call.p.device)
+        if info.cc < AMPERE_CC:
+            return f"a GPU of compute capability 8.0 or newer; GPU {call.p.device} is {info.name} (sm_{info.cc})"
         return None
 
 
