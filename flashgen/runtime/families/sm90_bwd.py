@@ -4,8 +4,12 @@ The prep kernel turns lse into log2 units and computes delta = rowsum(dO * O); t
 main kernel accumulates dQ in float32 and writes dK, dV; the convert kernel turns
 the dQ accumulator into dq.  The outputs and that workspace are carved from one
 allocation (``layout``), so a training step costs one pool call per backward.
+``ThreeKernelBackward`` launches the three and replays their plan, for this family and for
+sm80_bwd, whose kernels keep the same contract.
 """
 from __future__ import annotations
+
+from typing import Tuple
 
 from flashgen.runtime import plans
 from flashgen.runtime.arrays import cupy_module, elem_strides
@@ -49,8 +53,26 @@ def buffers(memory, offsets, q, k, v):
                         ptr(dv)), owner
 
 
-class Sm90BwdRuntime(HopperFamily):
-    spec = Sm90Bwd
+class ThreeKernelBackward:
+    """Launch and replay of a backward with this file's contract, shared by sm90_bwd and sm80_bwd
+    (whose kernels keep it): prep, main and convert kernels over one allocation carved by
+    ``layout`` and ``buffers``, and a launch plan of the three.  A family says what its Params
+    has beyond the shared fields (``own_fields``, ``encode``) and in what order its plan takes
+    the caller's arrays (``replay_pointers``)."""
+
+    POINTERS: Tuple[str, ...] = ()  # per-call pointers after the tensor maps', in Params order
+    MAPS: Tuple[str, ...] = ()      # Params fields holding tensor maps (encoded per call)
+
+    def own_fields(self, call: Call) -> Tuple[dict, dict]:
+        """(int32 fields, other fields) that only this family's Params has."""
+        return {}, {}
+
+    def encode(self, params, call: Call, kc: dict) -> None:
+        """Write what ``fill`` cannot (tensor maps) into the filled ``params``."""
+
+    def replay_pointers(self, ptr, q, k, v, out, grad_out, lse) -> tuple:
+        """The caller's arrays as the plan's launch takes them: the tensor maps', then POINTERS' head."""
+        raise NotImplementedError
 
     def launch(self, call: Call, binary: KernelBinary):
         """(dq, dk, dv) on ``binary`` (on the call's device, api.py makes it current)."""
@@ -63,19 +85,19 @@ class Sm90BwdRuntime(HopperFamily):
         rows, *offsets = layout(kc, p, q, k)
         dq, dk, dv, (lse_log2, delta, accum, counters, *_), _ = buffers(CupyMemory(cupy), offsets, q, k, v)
         os_, gos, ls = elem_strides(out), elem_strides(grad_out), elem_strides(lse)
-        check_int32(out_stride_m=os_[1], out_stride_h=os_[2], dout_stride_m=gos[1], dout_stride_h=gos[2],
-                    lse_stride_b=ls[0], lse_stride_h=ls[1], rows_padded=rows * p.H * p.B)
-        params = params_buffer(Sm90Bwd)
+        own_int32, own = self.own_fields(call)
+        strides = dict(out_stride_m=os_[1], out_stride_h=os_[2], dout_stride_m=gos[1], dout_stride_h=gos[2],
+                       dq_stride_m=p.H * p.K, dq_stride_h=p.K, dkv_stride_n=k.shape[2] * p.K, dkv_stride_h=p.K,
+                       lse_stride_b=ls[0], lse_stride_h=ls[1], **own_int32)
+        check_int32(rows_padded=rows * p.H * p.B, **strides)
+        params = params_buffer(self.spec)
         fill(params, out_ptr=out.data.ptr, dout_ptr=grad_out.data.ptr, lse_ptr=lse.data.ptr, lse_log2_ptr=lse_log2,
              delta_ptr=delta, dq_accum_ptr=accum, dq_counter_ptr=counters, dq_ptr=dq.data.ptr, dk_ptr=dk.data.ptr,
              dv_ptr=dv.data.ptr, out_stride_b=os_[0], dout_stride_b=gos[0], dq_stride_b=q.shape[1] * p.H * p.K,
-             dkv_stride_b=k.shape[1] * k.shape[2] * p.K, out_stride_m=os_[1], out_stride_h=os_[2],
-             dout_stride_m=gos[1], dout_stride_h=gos[2], dq_stride_m=p.H * p.K, dq_stride_h=p.K,
-             dkv_stride_n=k.shape[2] * p.K, dkv_stride_h=p.K, lse_stride_b=ls[0], lse_stride_h=ls[1],
-             num_queries=p.M, num_keys=p.N, num_heads=p.H, head_dim=p.K, head_group=p.H // k.shape[2],
-             rows_padded=rows, deterministic=int(call.options["deterministic"]), scale=p.scale, **band_fields(p))
-        encode_maps(params, MAPS, (q, k, v, grad_out), (kc["block_m"], kc["block_n"], kc["block_n"], kc["block_m"]),
-                    p, kc)
+             dkv_stride_b=k.shape[1] * k.shape[2] * p.K, num_queries=p.M, num_keys=p.N, num_heads=p.H, head_dim=p.K,
+             head_group=p.H // k.shape[2], rows_padded=rows,
+             deterministic=int(call.options["deterministic"]), scale=p.scale, **strides, **own, **band_fields(p))
+        self.encode(params, call, kc)
         aux_grid, aux_block = (-(-p.M // kc["block_m"]), p.H, p.batches), (kc["aux_threads"], 1, 1)
         grid, block = (-(-p.N // kc["block_n"]), k.shape[2], p.batches), (kc["threads_per_block"], 1, 1)
         launch(call.registry, binary, p.device, aux_grid, aux_block, params, call.stream, "_prep")
@@ -85,8 +107,8 @@ class Sm90BwdRuntime(HopperFamily):
         if plan_key is not None:
             entry = lambda name: handle(call.registry, binary, p.device, name)  # noqa: E731
             plans.remember(plan_key, plans.LaunchPlan.from_params(
-                entry(""), p.device, grid, block, kc["shared_memory_bytes"], params, POINTERS, False,
-                {"layout": tuple(offsets)}, tensor_maps=MAPS, family=self.name,
+                entry(""), p.device, grid, block, kc["shared_memory_bytes"], params, self.POINTERS, False,
+                {"layout": tuple(offsets)}, tensor_maps=self.MAPS, family=self.name,
                 before=[(entry("_prep"), aux_grid, aux_block)], after=[(entry("_convert"), aux_grid, aux_block)]))
         return dq, dk, dv
 
@@ -95,12 +117,24 @@ class Sm90BwdRuntime(HopperFamily):
         ptr = memory.ptr
         with on_device(cupy_module(), plan.device):
             dq, dk, dv, carved, workspace = buffers(memory, plan.sizes["layout"], q, k, v)
-            dout = ptr(grad_out)
-            # tensor maps (q, k, v, grad_out), then POINTERS' order
-            plan.launch((ptr(q), ptr(k), ptr(v), dout, ptr(out), dout, ptr(lse)) + carved, 0, 0,
+            plan.launch(self.replay_pointers(ptr, q, k, v, out, grad_out, lse) + carved, 0, 0,
                         memory.stream(stream, plan.device))
             del workspace  # after the launch: the allocator reuses it in stream order
         return dq, dk, dv
+
+
+class Sm90BwdRuntime(ThreeKernelBackward, HopperFamily):
+    spec = Sm90Bwd
+    POINTERS = POINTERS
+    MAPS = MAPS
+
+    def encode(self, params, call: Call, kc: dict) -> None:
+        encode_maps(params, MAPS, (call.q, call.k, call.v, call.grad_out),
+                    (kc["block_m"], kc["block_n"], kc["block_n"], kc["block_m"]), call.p, kc)
+
+    def replay_pointers(self, ptr, q, k, v, out, grad_out, lse) -> tuple:
+        # tensor maps (q, k, v, grad_out), then POINTERS' out, dout, lse
+        return ptr(q), ptr(k), ptr(v), ptr(grad_out), ptr(out), ptr(grad_out), ptr(lse)
 
 
 RUNTIME = Sm90BwdRuntime()
