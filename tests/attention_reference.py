@@ -194,6 +194,26 @@ def rel_err_to_summands(x, ref, sizes):
     return float(cupy.linalg.norm((x - ref).ravel())) / (float(cupy.linalg.norm(sizes.ravel())) or 1.0)
 
 
+def offsets(lengths):
+    """cu_seqlens of sequences of these lengths."""
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+# The Ampere families' packed batches (sm80_fwd's tests and sm80_bwd's): (query lengths, key
+# lengths) per packing, with sequences of no queries or no keys; the masks each packing runs
+# under (bottom-right only where every sequence has at least as many keys as queries).
+PACKINGS = {
+    "square": ((1, 7, 129, 1000), (1, 7, 129, 1000)),
+    "ragged": ((129, 0, 7, 300, 1), (1000, 5, 7, 128, 2000)),
+    "keyless": ((300, 64, 1), (0, 1000, 3)),
+}
+PACKED_MASKS = [dict(), dict(causal="top_left"), dict(causal="bottom_right"), dict(window=(50, 10)),
+                dict(softcap=20.0, causal="top_left")]
+PACKED = [(dtype, K, name, i) for dtype, K in (("f16", 64), ("bf16", 128)) for name in PACKINGS
+          for i, options in enumerate(PACKED_MASKS)
+          if options.get("causal") != "bottom_right" or all(m <= n for m, n in zip(*PACKINGS[name]))]
+
+
 def make_input(rng, shape, dtype, layout):
     B, S, H, K = shape
     if layout == "contiguous":

@@ -16,7 +16,8 @@ import pytest
 cupy = pytest.importorskip("cupy")
 import flashgen  # noqa: E402
 from attention_reference import (  # noqa: E402
-    BWD_TOL, assert_same_bits, gpu_marks, grouped_reference, make_input, poisoned_allocations, randn, rel_err,
+    BWD_TOL, PACKED, PACKED_MASKS, PACKINGS, assert_same_bits, gpu_marks, grouped_reference, make_input, offsets,
+    poisoned_allocations, randn, rel_err,
 )
 from flashgen.runtime import plans, validate  # noqa: E402
 from flashgen.runtime.device import device_info  # noqa: E402
@@ -183,22 +184,6 @@ def test_rows_whose_window_holds_no_key_get_no_gradient():
     q, k, v, do = inputs(rng, "f16", B=1, M=300, N=100, H=2, K=64)
     dq, _, _ = check_backward(q, k, v, do, window=(0, 10))  # rows >= 100: no key
     assert bool((dq[:, 100:] == 0).all())
-
-
-def offsets(lengths):
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-
-
-PACKINGS = {
-    "square": ((1, 7, 129, 1000), (1, 7, 129, 1000)),
-    "ragged": ((129, 0, 7, 300, 1), (1000, 5, 7, 128, 2000)),
-    "keyless": ((300, 64, 1), (0, 1000, 3)),
-}
-PACKED_MASKS = [dict(), dict(causal="top_left"), dict(causal="bottom_right"), dict(window=(50, 10)),
-                dict(softcap=20.0, causal="top_left")]
-PACKED = [(dtype, K, name, i) for dtype, K in (("f16", 64), ("bf16", 128)) for name in PACKINGS
-          for i, options in enumerate(PACKED_MASKS)
-          if options.get("causal") != "bottom_right" or all(m <= n for m, n in zip(*PACKINGS[name]))]
 
 
 @needs_sm80
