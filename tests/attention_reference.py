@@ -29,18 +29,29 @@ def gpu_marks():
     return have, [pytest.mark.gpu, pytest.mark.skipif(not have, reason="needs a CUDA GPU")]
 
 
-def hopper_kernels(family: str) -> list:
-    """The built kernels of one of flashgen's sm90 families for GPU 0, or [] where GPU 0 is not a
-    9.0 part or the family was not built (`flashgen build --arch sm90a`)."""
+def gpu0_kernels(family: str, fits) -> list:
+    """The built kernels of ``family`` for GPU 0, or [] where there is no GPU, GPU 0's compute
+    capability fails ``fits``, or nothing of the family was built for it."""
     from flashgen.runtime.device import device_info
     from flashgen.runtime.registry import default_registry
 
-    if not gpu_marks()[0] or device_info(0).cc != 90:
+    if not gpu_marks()[0] or not fits(device_info(0).cc):
         return []
     try:
         return default_registry().for_device(family, device_info(0))
     except flashgen.UnsupportedError:
         return []
+
+
+def hopper_kernels(family: str) -> list:
+    """One of flashgen's sm90 families for GPU 0: a 9.0 part (`flashgen build --arch sm90a`)."""
+    return gpu0_kernels(family, lambda cc: cc == 90)
+
+
+def ampere_kernels(family: str) -> list:
+    """A family built for plain targets, for GPU 0 of compute capability 8.0 or newer
+    (`flashgen build --arch sm80`, or `--arch sm90` on Hopper)."""
+    return gpu0_kernels(family, lambda cc: cc >= 80)
 
 
 DTYPES = {"f32": np.float32, "f16": np.float16}

@@ -16,31 +16,17 @@ import pytest
 cupy = pytest.importorskip("cupy")
 import flashgen  # noqa: E402
 from attention_reference import (  # noqa: E402
-    BWD_TOL, PACKED, PACKED_MASKS, PACKINGS, assert_same_bits, gpu_marks, grouped_reference, make_input, offsets,
-    poisoned_allocations, randn, rel_err,
+    BWD_TOL, PACKED, PACKED_MASKS, PACKINGS, ampere_kernels, assert_same_bits, gpu_marks, grouped_reference,
+    make_input, offsets, poisoned_allocations, randn, rel_err,
 )
 from flashgen.runtime import plans, validate  # noqa: E402
-from flashgen.runtime.device import device_info  # noqa: E402
 from flashgen.runtime.families import sm80_bwd  # noqa: E402
-from flashgen.runtime.registry import default_registry  # noqa: E402
 from flashgen.spec.sm80_bwd import Sm80Bwd  # noqa: E402
 
-HAVE_GPU, pytestmark = gpu_marks()
+pytestmark = gpu_marks()[1]
 FORCED = "sm80_fwd,sm80_bwd"
-
-
-def built_kernels(family: str) -> list:
-    """The family's kernels built for GPU 0, or [] (no 8.0+ GPU, or nothing built for it)."""
-    if not HAVE_GPU or device_info(0).cc < 80:
-        return []
-    try:
-        return default_registry().for_device(family, device_info(0))
-    except flashgen.UnsupportedError:
-        return []
-
-
-KERNELS = built_kernels(Sm80Bwd.FAMILY)
-needs_sm80 = pytest.mark.skipif(not KERNELS or not built_kernels("sm80_fwd"),
+KERNELS = ampere_kernels(Sm80Bwd.FAMILY)
+needs_sm80 = pytest.mark.skipif(not KERNELS or not ampere_kernels("sm80_fwd"),
                                 reason="needs a GPU of compute capability 8.0+ and the sm80_fwd and sm80_bwd kernels "
                                        "(flashgen build --arch sm80, or --arch sm90 on Hopper)")
 

@@ -16,29 +16,15 @@ import pytest
 cupy = pytest.importorskip("cupy")
 import flashgen  # noqa: E402
 from attention_reference import (  # noqa: E402
-    BWD_TOL, FWD_TOL, PACKED, PACKED_MASKS, PACKINGS, gpu_marks, lse_err, make_input, offsets, poisoned_allocations,
-    randn, reference, rel_err,
+    BWD_TOL, FWD_TOL, PACKED, PACKED_MASKS, PACKINGS, ampere_kernels, gpu_marks, lse_err, make_input, offsets,
+    poisoned_allocations, randn, reference, rel_err,
 )
 from flashgen.runtime import plans, validate  # noqa: E402
-from flashgen.runtime.device import device_info  # noqa: E402
 from flashgen.runtime.families import sm80_fwd  # noqa: E402
-from flashgen.runtime.registry import default_registry  # noqa: E402
 from flashgen.spec.sm80_fwd import Sm80Fwd  # noqa: E402
 
-HAVE_GPU, pytestmark = gpu_marks()
-
-
-def built_kernels(family: str) -> list:
-    """The family's kernels built for GPU 0, or [] (no 8.0+ GPU, or nothing built for it)."""
-    if not HAVE_GPU or device_info(0).cc < 80:
-        return []
-    try:
-        return default_registry().for_device(family, device_info(0))
-    except flashgen.UnsupportedError:
-        return []
-
-
-KERNELS = built_kernels(Sm80Fwd.FAMILY)
+pytestmark = gpu_marks()[1]
+KERNELS = ampere_kernels(Sm80Fwd.FAMILY)
 needs_sm80 = pytest.mark.skipif(not KERNELS, reason="needs a GPU of compute capability 8.0+ and sm80_fwd kernels "
                                                     "(flashgen build --arch sm80, or --arch sm90 on Hopper)")
 
@@ -206,7 +192,7 @@ def test_packed_batches_per_sequence(dtype, K, packing, mask):
 def test_lse_feeds_the_example41_backward(monkeypatch):
     """The lse layout and values are the ones example 41's backward reads: gradients from this
     forward's out and lse match the reference."""
-    if not built_kernels("mem_eff_bwd"):
+    if not ampere_kernels("mem_eff_bwd"):
         pytest.skip("no example-41 backward kernels built for this GPU")
     rng = np.random.default_rng(3)
     q, k, v = (randn(rng, (2, S, 3, 64), "bf16") for S in (1000, 129, 129))
