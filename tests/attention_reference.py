@@ -210,6 +210,14 @@ def offsets(lengths):
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
+# The Ampere families' reference grid (sm80_fwd's tests and sm80_bwd's): each dtype, head dims
+# below, between and at the 64 and 128 tiers, each mask kind, the sizes taken in turn (one and
+# many blocks, partial ones, M != N).
+AMPERE_SIZES = ((1, 1), (7, 129), (129, 7), (1000, 129), (129, 1000), (1000, 1000), (1, 1000), (2048, 2048))
+AMPERE_GRID = [(dtype, K, *AMPERE_SIZES[(i + j + c) % len(AMPERE_SIZES)], causal)
+               for i, dtype in enumerate(("f16", "bf16")) for j, K in enumerate((8, 40, 64, 96, 128))
+               for c, causal in enumerate((None, "top_left", "bottom_right"))]
+
 # The Ampere families' packed batches (sm80_fwd's tests and sm80_bwd's): (query lengths, key
 # lengths) per packing, with sequences of no queries or no keys; the masks each packing runs
 # under (bottom-right only where every sequence has at least as many keys as queries).
