@@ -218,6 +218,11 @@ AMPERE_GRID = [(dtype, K, *AMPERE_SIZES[(i + j + c) % len(AMPERE_SIZES)], causal
                for i, dtype in enumerate(("f16", "bf16")) for j, K in enumerate((8, 40, 64, 96, 128))
                for c, causal in enumerate((None, "top_left", "bottom_right"))]
 
+# Their sliding windows ((left, right) of the diagonal, None unbounded), each run on these
+# (dtype, head dim, M, N) shapes.
+AMPERE_WINDOWS = ((0, 0), (3, None), (None, 5), (100, 50), (1, 1000), (127, 0))
+AMPERE_WINDOW_SHAPES = [("f16", 64, 1000, 700), ("bf16", 128, 129, 1000), ("f16", 96, 700, 700)]
+
 # The Ampere families' packed batches (sm80_fwd's tests and sm80_bwd's): (query lengths, key
 # lengths) per packing, with sequences of no queries or no keys; the masks each packing runs
 # under (bottom-right only where every sequence has at least as many keys as queries).

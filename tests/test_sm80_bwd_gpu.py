@@ -16,8 +16,8 @@ import pytest
 cupy = pytest.importorskip("cupy")
 import flashgen  # noqa: E402
 from attention_reference import (  # noqa: E402
-    AMPERE_GRID, BWD_TOL, PACKED, PACKED_MASKS, PACKINGS, ampere_kernels, assert_same_bits, gpu_marks,
-    grouped_reference, make_input, offsets, poisoned_allocations, randn, rel_err,
+    AMPERE_GRID, AMPERE_WINDOW_SHAPES, AMPERE_WINDOWS, BWD_TOL, PACKED, PACKED_MASKS, PACKINGS, ampere_kernels,
+    assert_same_bits, gpu_marks, grouped_reference, make_input, offsets, poisoned_allocations, randn, rel_err,
 )
 from flashgen.runtime import plans, validate  # noqa: E402
 from flashgen.runtime.families import sm80_bwd  # noqa: E402
@@ -136,13 +136,10 @@ def test_grouped_query_attention(group, causal, K):
     check_backward(*inputs(rng, "f16", B=2, M=300, N=1000, H=8, K=K, Hk=8 // group), causal=causal)
 
 
-WINDOWS = ((0, 0), (3, None), (None, 5), (100, 50), (1, 1000), (127, 0))
-
-
 @needs_sm80
-@pytest.mark.parametrize("window", WINDOWS, ids=[f"w{a},{b}" for a, b in WINDOWS])
+@pytest.mark.parametrize("window", AMPERE_WINDOWS, ids=[f"w{a},{b}" for a, b in AMPERE_WINDOWS])
 @pytest.mark.parametrize("causal", [None, "bottom_right"])
-@pytest.mark.parametrize("dtype,K,M,N", [("f16", 64, 1000, 700), ("bf16", 128, 129, 1000), ("f16", 96, 700, 700)])
+@pytest.mark.parametrize("dtype,K,M,N", AMPERE_WINDOW_SHAPES)
 def test_sliding_windows(dtype, K, M, N, window, causal):
     rng = np.random.default_rng([K, M, N, *(x or 0 for x in window)])
     check_backward(*inputs(rng, dtype, B=2, M=M, N=N, H=2, K=K), causal=causal, window=window)
