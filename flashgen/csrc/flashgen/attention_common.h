@@ -1,8 +1,9 @@
 // Arch-neutral pieces of flashgen's attention kernels (the Hopper families, sm90_*.h, and
-// the Ampere forward, sm80_fwd.h): fast math on accumulator rows, the sequences of a
-// packed batch, and the key (or query) blocks a band mask leaves.  They read only Params
-// fields every family declares alike (seqstart_q/k, num_queries/keys, band_lo/hi,
-// band_from_end), so one definition keeps the families' masks identical.
+// the Ampere ones, sm80_*.h): fast math on accumulator rows, the sequences of a packed
+// batch, the key (or query) blocks a band mask leaves, and the two backwards' workspace rows
+// and prep kernel.  They read only Params fields the families declare alike (seqstart_q/k,
+// num_queries/keys, band_lo/hi, band_from_end; the backwards' out/dout/lse fields), so one
+// definition keeps the families' masks and workspaces identical.
 #pragma once
 
 #include <cmath>
@@ -81,6 +82,74 @@ __device__ __forceinline__ float quad_max(float x) {
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffff, x, 1);
   return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+// What both backwards (sm90_bwd.h, sm80_bwd.h) share: their workspace and their first kernel.
+// lse_log2, delta and the float32 dQ accumulator are [B, H, rows_padded] (the accumulator times
+// kHeadDim), a sequence's rows from workspace_row0.  Packed sequences share batch 0's rows; each
+// starts on a kBlockM boundary past the blocks of the ones before it.
+template <int kBlockM, class Params>
+__device__ __forceinline__ long long workspace_row0(Params const& p, Sequence const& seq, int head) {
+  long long const row0 = (long long)(seq.batch * p.num_heads + head) * p.rows_padded;
+  return p.seqstart_q == nullptr ? row0 : row0 + (seq.q0 + seq.index * kBlockM) / kBlockM * kBlockM;
+}
+
+// The prep kernel, per query row: delta = rowsum(dO * O), the forward's lse in the log2 domain
+// (+inf for padding rows and rows without keys, so P is 0 there), zeroed dQ accumulator rows
+// and block counters.  grid (ceil(M / kBlockM), heads, batch or sequences), kAuxThreads threads.
+template <class Element, int kHeadDim, int kBlockM, int kAuxThreads, class Params>
+__device__ void backward_prep(Params const& p) {
+  constexpr int kChunks = kHeadDim / 8;  // 16-byte pieces of a row
+  constexpr int kRowsPerPass = kAuxThreads / kChunks;
+  static_assert(32 % kChunks == 0 && kBlockM % kRowsPerPass == 0, "a row's pieces within one warp");
+  int const m_block = blockIdx.x;
+  int const head = blockIdx.y;
+  Sequence const seq = sequence(p, blockIdx.z);
+  if (m_block * kBlockM >= seq.num_queries) {  // past a packed sequence: no workspace rows here
+    return;
+  }
+  int const chunk = threadIdx.x % kChunks;
+  long long const head_row0 = workspace_row0<kBlockM>(p, seq, head);
+  long long const out_row0 = seq.batch * p.out_stride_b + seq.q0 * (long long)p.out_stride_m +
+                             head * (long long)p.out_stride_h;
+  long long const dout_row0 = seq.batch * p.dout_stride_b + seq.q0 * (long long)p.dout_stride_m +
+                              head * (long long)p.dout_stride_h;
+  for (int r = threadIdx.x / kChunks; r < kBlockM; r += kRowsPerPass) {
+    int const row = m_block * kBlockM + r;
+    float dot = 0.f;
+    if (row < seq.num_queries && chunk * 8 < p.head_dim) {
+      uint4 const o = *reinterpret_cast<uint4 const*>(static_cast<Element const*>(p.out_ptr) + out_row0 +
+                                                      row * (long long)p.out_stride_m + chunk * 8);
+      uint4 const d = *reinterpret_cast<uint4 const*>(static_cast<Element const*>(p.dout_ptr) + dout_row0 +
+                                                      row * (long long)p.dout_stride_m + chunk * 8);
+      Element const* oe = reinterpret_cast<Element const*>(&o);
+      Element const* de = reinterpret_cast<Element const*>(&d);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        dot += float(oe[i]) * float(de[i]);
+      }
+    }
+#pragma unroll
+    for (int offset = kChunks / 2; offset > 0; offset /= 2) {
+      dot += __shfl_xor_sync(0xffffffff, dot, offset);
+    }
+    if (chunk == 0) {
+      float lse = INFINITY;  // padding rows: P = 0
+      if (row < seq.num_queries) {
+        lse = p.lse_ptr[seq.index * (long long)p.lse_stride_b + head * (long long)p.lse_stride_h + row];
+        lse = lse == -INFINITY ? INFINITY : lse * 1.44269504088896341f;  // a row without keys: no gradient
+      }
+      p.lse_log2_ptr[head_row0 + row] = lse;
+      p.delta_ptr[head_row0 + row] = dot;
+    }
+    float4* accum = reinterpret_cast<float4*>(p.dq_accum_ptr + (head_row0 + row) * kHeadDim);
+    for (int c = chunk; c < kHeadDim / 4; c += kChunks) {
+      accum[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+  if (threadIdx.x == 0) {
+    p.dq_counter_ptr[head_row0 / kBlockM + m_block] = 0;
+  }
 }
 
 }  // namespace flashgen

@@ -11,8 +11,9 @@
 //            a cp.async double buffer, block after block, for every query head of the k/v
 //            head's group (grouped-query dK and dV are summed in registers, k/v read in place);
 //   convert  dQ = scale * accumulator, in the input dtype and the caller's strides.
-// (prep and convert are this file's own: sm90_bwd.h's are members of its kernel and its dQ
-// accumulator is laid out in wgmma register order, this one's row-major.)
+// (prep and workspace_row0 are attention_common.h's, shared with sm90_bwd.h; convert is this
+// file's own: sm90_bwd.h's dQ accumulator is laid out in wgmma register order, this one's
+// row-major.)
 //
 // In the main kernel warp w owns keys 16 (w % kKeyWarps) .. +15 of the CTA's block and, when
 // the block has 64 keys (kKeyWarps = 4), query half w / kKeyWarps of every query block.
@@ -218,13 +219,6 @@ struct BwdKernel {
     return band_blocks<kBlockM, kBlockN>(m_block, seq.num_keys, seq.band_lo, seq.band_hi);
   }
 
-  // The first workspace row of (sequence, head), as sm90_bwd lays it out: packed sequences share
-  // batch 0's rows, each starting on a kBlockM boundary past the blocks of the ones before it.
-  static __device__ long long workspace_row0(BwdParams const& p, Sequence const& seq, int head) {
-    long long const row0 = (long long)(seq.batch * p.num_heads + head) * p.rows_padded;
-    return p.seqstart_q == nullptr ? row0 : row0 + (seq.q0 + seq.index * kBlockM) / kBlockM * kBlockM;
-  }
-
   // acc += A B over the K mode, both operands from shared memory by ldmatrix; the next k-slice's
   // fragments load while this one's MMAs run.
   template <class Mma, class Acc, class CopyA, class SrcA, class RegA, class ViewA, class CopyB, class SrcB,
@@ -325,7 +319,7 @@ struct BwdKernel {
         constexpr int kChunks = kBlockM / 4;  // 16-byte chunks of each
         if (tid < 2 * kChunks) {
           bool const is_delta = tid >= kChunks;
-          long long const at = workspace_row0(p, seq, head) + query0 + tid % kChunks * 4;
+          long long const at = workspace_row0<kBlockM>(p, seq, head) + query0 + tid % kChunks * 4;
           cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>::copy(
               *reinterpret_cast<cute::uint128_t const*>((is_delta ? p.delta_ptr : p.lse_log2_ptr) + at),
               *reinterpret_cast<cute::uint128_t*>((is_delta ? s.delta[buf] : s.lse_log2[buf]) + tid % kChunks * 4));
@@ -485,7 +479,7 @@ struct BwdKernel {
     gemm_ss(mma, acc, copy_a, load_a.partition_S(sDs), tQrDs, tQrDs_view, copy_b, load_b.partition_S(sKt), tQrKt,
             tQrKt_view);
 
-    long long const block_row0 = workspace_row0(p, seq, head) + m_block * kBlockM;
+    long long const block_row0 = workspace_row0<kBlockM>(p, seq, head) + m_block * kBlockM;
     cuda::atomic_ref<int, cuda::thread_scope_device> counter(p.dq_counter_ptr[block_row0 / kBlockM]);
     if (p.deterministic) {
       if (tid == 0) {
@@ -583,57 +577,7 @@ struct BwdKernel {
   }
 
   // grid (ceil(M / kBlockM), heads, batch or sequences), kAuxThreads threads
-  static __device__ void prep(BwdParams const& p) {
-    constexpr int kChunks = kHeadDim / 8;  // 16-byte pieces of a row
-    constexpr int kRowsPerPass = kAuxThreads / kChunks;
-    static_assert(32 % kChunks == 0 && kBlockM % kRowsPerPass == 0, "a row's pieces within one warp");
-    int const m_block = blockIdx.x;
-    int const head = blockIdx.y;
-    Sequence const seq = sequence(p, blockIdx.z);
-    if (m_block * kBlockM >= seq.num_queries) {  // past a packed sequence: no workspace rows here
-      return;
-    }
-    int const chunk = threadIdx.x % kChunks;
-    long long const head_row0 = workspace_row0(p, seq, head);
-    Element const* out = static_cast<Element const*>(p.out_ptr) + seq.batch * p.out_stride_b +
-                         seq.q0 * (long long)p.out_stride_m + head * (long long)p.out_stride_h;
-    Element const* dout = static_cast<Element const*>(p.dout_ptr) + seq.batch * p.dout_stride_b +
-                          seq.q0 * (long long)p.dout_stride_m + head * (long long)p.dout_stride_h;
-    for (int r = threadIdx.x / kChunks; r < kBlockM; r += kRowsPerPass) {
-      int const row = m_block * kBlockM + r;
-      float dot = 0.f;
-      if (row < seq.num_queries && chunk * 8 < p.head_dim) {
-        uint4 const o = *reinterpret_cast<uint4 const*>(out + row * (long long)p.out_stride_m + chunk * 8);
-        uint4 const d = *reinterpret_cast<uint4 const*>(dout + row * (long long)p.dout_stride_m + chunk * 8);
-        Element const* oe = reinterpret_cast<Element const*>(&o);
-        Element const* de = reinterpret_cast<Element const*>(&d);
-        CUTE_UNROLL
-        for (int i = 0; i < 8; ++i) {
-          dot += float(oe[i]) * float(de[i]);
-        }
-      }
-      CUTE_UNROLL
-      for (int offset = kChunks / 2; offset > 0; offset /= 2) {
-        dot += __shfl_xor_sync(0xffffffff, dot, offset);
-      }
-      if (chunk == 0) {
-        float lse = INFINITY;  // padding rows: P = 0
-        if (row < seq.num_queries) {
-          lse = p.lse_ptr[seq.index * (long long)p.lse_stride_b + head * (long long)p.lse_stride_h + row];
-          lse = lse == -INFINITY ? INFINITY : lse * 1.44269504088896341f;  // a row without keys: no gradient
-        }
-        p.lse_log2_ptr[head_row0 + row] = lse;
-        p.delta_ptr[head_row0 + row] = dot;
-      }
-      float4* accum = reinterpret_cast<float4*>(p.dq_accum_ptr + (head_row0 + row) * kHeadDim);
-      for (int c = chunk; c < kHeadDim / 4; c += kChunks) {
-        accum[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-    }
-    if (threadIdx.x == 0) {
-      p.dq_counter_ptr[head_row0 / kBlockM + m_block] = 0;
-    }
-  }
+  static __device__ void prep(BwdParams const& p) { backward_prep<Element, kHeadDim, kBlockM, kAuxThreads>(p); }
 
   // grid as prep: each thread turns 8 columns of a row of the accumulator into dQ.
   static __device__ void convert(BwdParams const& p) {
@@ -644,7 +588,7 @@ struct BwdKernel {
     if (m_block * kBlockM >= seq.num_queries) {  // past a packed sequence: these rows are another's, or none
       return;
     }
-    float const* accum = p.dq_accum_ptr + (workspace_row0(p, seq, head) + m_block * kBlockM) * kHeadDim;
+    float const* accum = p.dq_accum_ptr + (workspace_row0<kBlockM>(p, seq, head) + m_block * kBlockM) * kHeadDim;
     Element* dq = static_cast<Element*>(p.dq_ptr) + seq.batch * p.dq_stride_b + seq.q0 * (long long)p.dq_stride_m +
                   head * (long long)p.dq_stride_h;
     for (int i = threadIdx.x; i < kBlockM * kChunks; i += kAuxThreads) {

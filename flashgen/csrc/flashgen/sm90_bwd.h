@@ -224,14 +224,6 @@ struct BwdKernel {
     return {0, (seq.num_keys + kBlockN - 1) / kBlockN};
   }
 
-  // The first workspace row of (sequence, head): lse_log2, delta and the dQ accumulator
-  // are [B, H, rows_padded] with a sequence's rows from here.  Packed sequences share batch
-  // 0's rows; each starts on a kBlockM boundary past the blocks of the ones before it.
-  static __device__ long long workspace_row0(BwdParams const& p, Sequence const& seq, int head) {
-    long long const row0 = (long long)(seq.batch * p.num_heads + head) * p.rows_padded;
-    return p.seqstart_q == nullptr ? row0 : row0 + (seq.q0 + seq.index * kBlockM) / kBlockM * kBlockM;
-  }
-
   static __device__ void produce(BwdParams const& p, SharedStorage& s, Sequence const& seq, int n_block,
                                  int head_kv, Steps st) {
     using Barrier = cutlass::arch::ClusterBarrier;
@@ -251,7 +243,7 @@ struct BwdKernel {
       }
       int const head = head_kv * p.head_group + t / st.m_blocks;
       int const m_block = st.m_begin + t % st.m_blocks;
-      long long const row = workspace_row0(p, seq, head) + m_block * kBlockM;
+      long long const row = workspace_row0<kBlockM>(p, seq, head) + m_block * kBlockM;
       int const query0 = seq.q0 + m_block * kBlockM;
       TxBarrier::arrive_and_expect_tx(&s.full[stage], 2 * kBlockM * (kHeadDim * int(sizeof(Element)) + 4));
       load(&p.q_map, &s.full[stage], s.q + stage * kBlockM * kHeadDim, kBlockM, query0, head);
@@ -545,7 +537,7 @@ struct BwdKernel {
     int const part = threadIdx.x / 128;
     cutlass::arch::NamedBarrier::sync(128, 1 + part);  // this warpgroup's 128 threads
     if (threadIdx.x % 128 == 0) {
-      long long const block_row0 = workspace_row0(p, seq, head) + m_block * kBlockM;
+      long long const block_row0 = workspace_row0<kBlockM>(p, seq, head) + m_block * kBlockM;
       DqOrder const order(p, seq, block_row0, m_block, n_block);
       if (p.deterministic) {
         order.wait_turn();
@@ -569,7 +561,7 @@ struct BwdKernel {
     static_assert(decltype(size(acc))::value * 128 == kDqPartFloats, "a part is 64 x kDqCols accumulator values");
     int const part = threadIdx.x / 128;
     int const barrier = 1 + part;  // named barrier of this warpgroup's 128 threads
-    long long const block_row0 = workspace_row0(p, seq, head) + m_block * kBlockM;
+    long long const block_row0 = workspace_row0<kBlockM>(p, seq, head) + m_block * kBlockM;
     DqOrder const order(p, seq, block_row0, m_block, n_block);
     if (p.deterministic) {
       if (threadIdx.x % 128 == 0) {
@@ -668,59 +660,7 @@ struct BwdKernel {
   }
 
   // grid (ceil(M / kBlockM), heads, batch or sequences), kAuxThreads threads
-  static __device__ void prep(BwdParams const& p) {
-    constexpr int kChunks = kHeadDim / 8;  // 16-byte pieces of a row
-    constexpr int kRowsPerPass = kAuxThreads / kChunks;
-    static_assert(32 % kChunks == 0 && kBlockM % kRowsPerPass == 0, "a row's pieces within one warp");
-    int const m_block = blockIdx.x;
-    int const head = blockIdx.y;
-    Sequence const seq = sequence(p, blockIdx.z);
-    if (m_block * kBlockM >= seq.num_queries) {  // past a packed sequence: no workspace rows here
-      return;
-    }
-    int const chunk = threadIdx.x % kChunks;
-    long long const head_row0 = workspace_row0(p, seq, head);
-    long long const out_row0 = seq.batch * p.out_stride_b + seq.q0 * (long long)p.out_stride_m +
-                               head * (long long)p.out_stride_h;
-    long long const dout_row0 = seq.batch * p.dout_stride_b + seq.q0 * (long long)p.dout_stride_m +
-                                head * (long long)p.dout_stride_h;
-    for (int r = threadIdx.x / kChunks; r < kBlockM; r += kRowsPerPass) {
-      int const row = m_block * kBlockM + r;
-      float dot = 0.f;
-      if (row < seq.num_queries && chunk * 8 < p.head_dim) {
-        uint4 const o = *reinterpret_cast<uint4 const*>(static_cast<Element const*>(p.out_ptr) + out_row0 +
-                                                        row * (long long)p.out_stride_m + chunk * 8);
-        uint4 const d = *reinterpret_cast<uint4 const*>(static_cast<Element const*>(p.dout_ptr) + dout_row0 +
-                                                        row * (long long)p.dout_stride_m + chunk * 8);
-        Element const* oe = reinterpret_cast<Element const*>(&o);
-        Element const* de = reinterpret_cast<Element const*>(&d);
-        CUTE_UNROLL
-        for (int i = 0; i < 8; ++i) {
-          dot += float(oe[i]) * float(de[i]);
-        }
-      }
-      CUTE_UNROLL
-      for (int offset = kChunks / 2; offset > 0; offset /= 2) {
-        dot += __shfl_xor_sync(0xffffffff, dot, offset);
-      }
-      if (chunk == 0) {
-        float lse = INFINITY;  // padding rows: P = 0
-        if (row < seq.num_queries) {
-          lse = p.lse_ptr[seq.index * (long long)p.lse_stride_b + head * (long long)p.lse_stride_h + row];
-          lse = lse == -INFINITY ? INFINITY : lse * 1.44269504088896341f;  // a row without keys: no gradient
-        }
-        p.lse_log2_ptr[head_row0 + row] = lse;
-        p.delta_ptr[head_row0 + row] = dot;
-      }
-      float4* accum = reinterpret_cast<float4*>(p.dq_accum_ptr + (head_row0 + row) * kHeadDim);
-      for (int c = chunk; c < kHeadDim / 4; c += kChunks) {
-        accum[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-    }
-    if (threadIdx.x == 0) {
-      p.dq_counter_ptr[head_row0 / kBlockM + m_block] = 0;
-    }
-  }
+  static __device__ void prep(BwdParams const& p) { backward_prep<Element, kHeadDim, kBlockM, kAuxThreads>(p); }
 
   // grid as prep.  A part at a time: its quads are read in order (coalesced) and put in
   // rows in shared memory (see dq_quad_place), then each thread writes 8 columns of a row.
@@ -734,7 +674,7 @@ struct BwdKernel {
       return;
     }
     float4 const* quads = reinterpret_cast<float4 const*>(
-        p.dq_accum_ptr + (workspace_row0(p, seq, head) + m_block * kBlockM) * kHeadDim);
+        p.dq_accum_ptr + (workspace_row0<kBlockM>(p, seq, head) + m_block * kBlockM) * kHeadDim);
     Element* dq = static_cast<Element*>(p.dq_ptr) + seq.batch * p.dq_stride_b + seq.q0 * (long long)p.dq_stride_m +
                   head * (long long)p.dq_stride_h;
     CUTE_UNROLL
