@@ -158,7 +158,7 @@ def grouped_reference(q, k, v, grad_out, **options):
     group = q.shape[2] // k.shape[2]
     k_rep, v_rep = (cupy.repeat(x, group, axis=2) for x in (k, v))
     out, lse, (dq, dk, dv, _) = reference(q, k_rep, v_rep, grad_out=grad_out, **options)
-    fold = lambda g: g.reshape(*k.shape[:2], k.shape[2], group, k.shape[3]).sum(axis=3)  # noqa: E731
+    fold = lambda g: g.reshape(*g.shape[:2], k.shape[2], group, g.shape[3]).sum(axis=3)  # noqa: E731 (K may differ from Kv)
     return out, lse, (dq, fold(dk), fold(dv))
 
 
