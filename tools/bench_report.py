@@ -119,13 +119,18 @@ def fa4_sentence(results) -> str:
     return f"fa4 (FlashAttention-4) has no timing in this run{': ' + '; '.join(notes) if notes else ''}."
 
 
+def torch_ratios(cells, direction: str) -> list:
+    """flashgen-torch / flashgen at every point of ``direction`` where both have a timing."""
+    return [r for k, v in cells.items() if k[0] == direction
+            for r in [ratio(v, a="flashgen-torch", b="flashgen")] if r is not None]
+
+
 def torch_summary(cells) -> None:
     """What torch callers get: flashgen through flashgen.torch (forward through the op, backward by
     autograd, as a training step) over flashgen on CuPy arrays, per direction."""
     print("\n## Through flashgen.torch\n")
     for direction in ("fwd", "bwd"):
-        rs = [r for k, v in cells.items() if k[0] == direction
-              for r in [ratio(v, a="flashgen-torch", b="flashgen")] if r is not None]
+        rs = torch_ratios(cells, direction)
         if rs:
             print(f"- {direction}: flashgen-torch / flashgen {min(rs):.2f} to {max(rs):.2f}, "
                   f"median {statistics.median(rs):.2f}")
@@ -139,13 +144,13 @@ def adapter_section(paths) -> None:
     print("`flashgen bench --impl flashgen --impl flashgen-torch --timing T`, the default grid; `queued` issues")
     print("each implementation's calls back to back as a training loop does (each call between its own")
     print("events), `call` times each call alone with its host work before the launch.\n")
-    for path in paths:
-        data, cells = load(path)
+    runs = [load(path) for path in paths]
+    for path, (data, cells) in zip(paths, runs):
         for direction in ("fwd", "bwd"):
-            rs = [r for k, v in cells.items() if k[0] == direction
-                  for r in [ratio(v, a="flashgen-torch", b="flashgen")] if r is not None]
-            print(f"- {path} ({data.get('timing', 'call')}), {direction}: {span(rs)}, median {statistics.median(rs):.3f}")
-    data = json.load(open(paths[0]))["overhead_us"]
+            rs = torch_ratios(cells, direction)
+            print(f"- {path} ({data.get('timing', 'call')}), {direction}: {span(rs)}, "
+                  f"median {statistics.median(rs):.3f}")
+    data = runs[0][0]["overhead_us"]
     floor = {d: data.get(f"no-op torch op {d}") for d in ("forward", "backward (autograd.grad)")}
     if all(floor.values()):
         print(f"\nHost cost per call ({paths[0]}), what the adapter adds over torch's autograd floor:\n")
