@@ -247,6 +247,9 @@ class FakeTensor:
     def get_device(self):
         return self._device
 
+    def size(self):
+        return self.shape
+
     def stride(self):
         return tuple(1 for _ in self.shape)
 

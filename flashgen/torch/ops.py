@@ -63,36 +63,47 @@ def _contiguous(x: Tensor) -> Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
+def _forward(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
+             cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, causal: int, scale: Optional[float], dropout_p: float,
+             seed: int, offset: int, window_left: int, window_right: int, softcap: float) -> Tuple[Tensor, Tensor]:
+    """(out, lse) as the runtime returns them, a packed batch's lse padded to ``max_seqlen_q`` rows:
+    what the eager path needs (its tensors may have any strides; only the op promises some)."""
+    options = _runtime_options(causal, scale, dropout_p, seed, offset, window_left, window_right, softcap)
+    out, lse = api.attention_forward(q, k, v, attn_bias=attn_bias, cu_seqlens_q=cu_seqlens_q,
+                                     cu_seqlens_k=cu_seqlens_k, **options)
+    if max_seqlen_q:
+        if lse.shape[2] > max_seqlen_q:
+            raise ValueError(f"max_seqlen_q is {max_seqlen_q}, but the longest query sequence has {lse.shape[2]} rows")
+        lse = _with_lse_layout(lse, q.shape[2], max_seqlen_q)
+    return out, lse
+
+
 def forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
                  cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, causal: int, scale: Optional[float],
                  dropout_p: float, seed: int, offset: int, window_left: int, window_right: int, softcap: float,
                  deterministic: bool) -> Tuple[Tensor, Tensor]:
-    """(out [B, M, H, Kv], lse [batches, H, rows] float32) of BMHK q, k, v (see ``api.attention_forward``).
+    """(out [B, M, H, Kv], lse [batches, H, rows] float32) of BMHK q, k, v (see ``api.attention_forward``),
+    in the strides the fake implementation promises.
 
     ``deterministic`` is the backward's option, carried so that it reaches it."""
-    options = _runtime_options(causal, scale, dropout_p, seed, offset, window_left, window_right, softcap)
-    out, lse = api.attention_forward(q, k, v, attn_bias=attn_bias, cu_seqlens_q=cu_seqlens_q,
-                                     cu_seqlens_k=cu_seqlens_k, **options)
-    rows = _query_rows(q, max_seqlen_q)
-    if lse.shape[2] > rows:
-        raise ValueError(f"max_seqlen_q is {max_seqlen_q}, but the longest query sequence has {lse.shape[2]} rows")
-    return _contiguous(out), _with_lse_layout(lse, q.shape[2], rows)
+    out, lse = _forward(q, k, v, attn_bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, dropout_p, seed,
+                        offset, window_left, window_right, softcap)
+    return _contiguous(out), _with_lse_layout(lse, q.shape[2], _query_rows(q, max_seqlen_q))
 
 
 def _grads(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, attn_bias: Optional[Tensor],
            bias_requires_grad: bool, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], causal: int,
            scale: Optional[float], dropout_p: float, seed: int, offset: int, window_left: int, window_right: int,
            softcap: float, deterministic: bool) -> tuple:
-    """(dq, dk, dv, dbias [B, H, M, N] or None when not asked for): the eager backward's, which
-    allocates nothing it does not return."""
+    """(dq, dk, dv, dbias [B, H, M, N] or None when not asked for) as the runtime returns them: the
+    eager backward's, which allocates nothing it does not return."""
     options = _runtime_options(causal, scale, dropout_p, seed, offset, window_left, window_right, softcap)
     # autograd may hand a gradient with any strides; the kernels need a contiguous head dim
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
     grads = api.attention_backward(grad_out, q, k, v, out, lse, attn_bias=attn_bias,
                                    bias_requires_grad=bias_requires_grad, cu_seqlens_q=cu_seqlens_q,
                                    cu_seqlens_k=cu_seqlens_k, deterministic=deterministic, **options)
-    return _contiguous(grads[0]), _contiguous(grads[1]), _contiguous(grads[2]), (
-        _contiguous(grads[3]) if bias_requires_grad else None)
+    return grads[0], grads[1], grads[2], grads[3] if bias_requires_grad else None
 
 
 def backward_impl(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -100,11 +111,13 @@ def backward_impl(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
                   cu_seqlens_k: Optional[Tensor], causal: int, scale: Optional[float], dropout_p: float,
                   seed: int, offset: int, window_left: int, window_right: int, softcap: float,
                   deterministic: bool) -> List[Tensor]:
-    """[dq, dk, dv, dbias] (an empty dbias when not asked for: an operator returns tensors)."""
+    """[dq, dk, dv, dbias], contiguous as the fake implementation promises (an empty dbias when not
+    asked for: an operator returns tensors)."""
     dq, dk, dv, dbias = _grads(grad_out, q, k, v, out, lse, attn_bias, bias_requires_grad, cu_seqlens_q,
                                cu_seqlens_k, causal, scale, dropout_p, seed, offset, window_left, window_right,
                                softcap, deterministic)
-    return [dq, dk, dv, q.new_empty((0,)) if dbias is None else dbias]
+    dbias = q.new_empty((0,)) if dbias is None else _contiguous(dbias)
+    return [_contiguous(dq), _contiguous(dk), _contiguous(dv), dbias]
 
 
 attention_forward = torch.library.custom_op("flashgen::attention_forward", mutates_args=(),
@@ -133,14 +146,16 @@ def _attention_backward_fake(grad_out, q, k, v, out, lse, attn_bias, bias_requir
     return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias]
 
 
-def _setup_context(ctx, inputs, output):
+def _save(ctx, q, k, v, attn_bias, options: tuple, out, lse) -> None:
     """Save what the backward needs: the tensors, and the options after q, k, v, attn_bias
     (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, ..., deterministic: the forward's order)."""
-    q, k, v, attn_bias = inputs[:4]
-    out, lse = output
     ctx.save_for_backward(q, k, v, attn_bias, out, lse)
-    ctx.options = tuple(inputs[4:])
+    ctx.options = options
     ctx.mark_non_differentiable(lse)
+
+
+def _setup_context(ctx, inputs, output):
+    _save(ctx, *inputs[:4], tuple(inputs[4:]), *output)
 
 
 def _gradients(ctx, grad_out: Tensor, backward) -> tuple:
@@ -164,10 +179,10 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_bias, options):
-        output = forward_impl(q, k, v, attn_bias, *options)
-        _setup_context(ctx, (q, k, v, attn_bias) + options, output)
+        out, lse = _forward(q, k, v, attn_bias, *options[:-1])
+        _save(ctx, q, k, v, attn_bias, options, out, lse)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for lse (a launch per backward)
-        return output
+        return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):

@@ -194,13 +194,13 @@ class MemEffBwdRuntime(RuntimeFamily):
             # dq, dk, dv, delta and the workspace in one allocation (CuPy): four pool calls fewer per
             # step (the gradients keep it alive together; each is still its own contiguous array)
             at_dk, at_dv, at_delta, at_workspace, total = sizes["offsets"]
+            handle_ = memory.stream(stream, plan.device)
             (dq, dk, dv, delta), base, workspace = memory.carve(
                 ((0, q.shape, q), (at_dk, k.shape, k), (at_dv, v.shape, v), (at_delta, sizes["delta"], None)),
-                at_workspace, total)
+                at_workspace, total, handle_)
             workspace_ptr = base + at_workspace if sizes["workspace_bytes"] else 0
             if not sizes["delta_in_kernel"]:
                 memory.row_sums(grad_out, out, delta)
-            handle_ = memory.stream(stream, plan.device)
             if sizes["zero_workspace"]:
                 cupy_module().cuda.runtime.memsetAsync(workspace_ptr, 0, sizes["workspace_bytes"], handle_)
             plan.launch((ptr(q), ptr(k), ptr(v), ptr(lse), ptr(out), ptr(grad_out), ptr(delta), ptr(dq), ptr(dk),

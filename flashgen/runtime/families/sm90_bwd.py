@@ -41,13 +41,13 @@ def layout(kc: dict, p: Problem, q, k) -> tuple:
                                     heads_rows * kc["max_k"] * 4, heads_rows // block_m * 4)
 
 
-def buffers(memory, offsets, q, k, v):
+def buffers(memory, offsets, q, k, v, stream: int):
     """dq, dk, dv and the workspace laid out by ``offsets`` (``layout`` without its rows): the
     three arrays, the pointers of the workspace (lse_log2, delta, dq accumulator, counters) and
     of dq, dk, dv (the tail of ``POINTERS``), and the workspace's owner (keep it to the launch)."""
     at_dk, at_dv, at_lse2, at_delta, at_accum, at_counters, total = offsets
     (dq, dk, dv), base, owner = memory.carve(((0, q.shape, q), (at_dk, k.shape, k), (at_dv, v.shape, v)), at_lse2,
-                                             total)
+                                             total, stream)
     ptr = memory.ptr
     return dq, dk, dv, (base + at_lse2, base + at_delta, base + at_accum, base + at_counters, ptr(dq), ptr(dk),
                         ptr(dv)), owner
@@ -83,7 +83,9 @@ class ThreeKernelBackward:
             lse = cupy.ascontiguousarray(lse)  # the prep kernel reads a row's lse with unit stride
             plan_key = None  # a per-call copy: not a plan
         rows, *offsets = layout(kc, p, q, k)
-        dq, dk, dv, (lse_log2, delta, accum, counters, *_), _ = buffers(CupyMemory(cupy), offsets, q, k, v)
+        memory = CupyMemory(cupy)
+        dq, dk, dv, (lse_log2, delta, accum, counters, *_), _ = buffers(memory, offsets, q, k, v,
+                                                                          memory.stream(call.stream, p.device))
         os_, gos, ls = elem_strides(out), elem_strides(grad_out), elem_strides(lse)
         own_int32, own = self.own_fields(call)
         strides = dict(out_stride_m=os_[1], out_stride_h=os_[2], dout_stride_m=gos[1], dout_stride_h=gos[2],
@@ -116,9 +118,9 @@ class ThreeKernelBackward:
         grad_out, q, k, v, out, lse = arrays
         ptr = memory.ptr
         with on_device(cupy_module(), plan.device):
-            dq, dk, dv, carved, workspace = buffers(memory, plan.sizes["layout"], q, k, v)
-            plan.launch(self.replay_pointers(ptr, q, k, v, out, grad_out, lse) + carved, 0, 0,
-                        memory.stream(stream, plan.device))
+            handle_ = memory.stream(stream, plan.device)
+            dq, dk, dv, carved, workspace = buffers(memory, plan.sizes["layout"], q, k, v, handle_)
+            plan.launch(self.replay_pointers(ptr, q, k, v, out, grad_out, lse) + carved, 0, 0, handle_)
             del workspace  # after the launch: the allocator reuses it in stream order
         return dq, dk, dv
 
