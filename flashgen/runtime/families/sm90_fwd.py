@@ -1,7 +1,10 @@
 """Running ``sm90_fwd`` (spec/sm90_fwd.py): Params with three TMA tensor maps, one launch."""
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from dataclasses import replace
+
+import numpy as np
 
 from flashgen.runtime import plans
 from flashgen.runtime.arrays import cupy_module
@@ -18,20 +21,34 @@ MAPS = ("q_map", "k_map", "v_map")
 POINTERS = ("out_ptr", "lse_ptr")  # per-call pointers after the tensor maps', in Params order
 
 
+# float32's smallest normal: as a zero scale, it gives every visible key the weight 1.0 exactly
+# (each exp2 argument stays under 2**-24 while |q.k| < 2**100)
+SMALLEST_SCALE = float(np.finfo(np.float32).tiny)
+
+
+def _positive_scale(call: Call) -> Call:
+    """The same forward with a positive scale, the only sign the kernel orders scores right for:
+    it takes each row's running max on q.k and scales it after (one FMA per score; handling the
+    sign inside measured 2-3% slower).  A negative scale is |scale| on -q (negation is exact: a
+    flip of the sign bit, on the call's stream); zero makes every score 0, soft-capped or not,
+    which the smallest normal float32 scale does too.  Neither call leaves a plan (a replay would
+    skip the negation)."""
+    p = call.p
+    if p.scale == 0:
+        return replace(call, p=replace(p, scale=SMALLEST_SCALE, softcap=0.0), plan_key=None)
+    cupy = cupy_module()
+    with call.stream if call.stream is not None else contextlib.nullcontext():
+        bits = call.q.view(cupy.uint16) ^ cupy.uint16(0x8000)  # f16 and bf16 keep the sign in bit 15
+    return replace(call, q=bits.view(call.q.dtype), p=replace(p, scale=-p.scale), plan_key=None)
+
+
 class Sm90FwdRuntime(HopperFamily):
     spec = Sm90Fwd
 
-    def unfit(self, call: Call) -> Optional[str]:
-        """The Hopper family's refusals, and a scale that is not positive: the kernel takes each
-        row's running max on q.k and scales it after (one FMA per score), which orders the scores
-        only for a positive scale.  Handling the sign in the kernel measured 2-3% slower; sm80_fwd
-        and example 41 scale first and take such calls."""
-        if call.p.scale <= 0:
-            return f"a positive softmax scale; the call has {call.p.scale:g} (sm80_fwd and example 41 take it)"
-        return super().unfit(call)
-
     def launch(self, call: Call, binary: KernelBinary):
         """(out, lse) of the forward on ``binary`` (on the call's device, api.py makes it current)."""
+        if call.p.scale <= 0:
+            call = _positive_scale(call)
         cupy, p, q, k, v = cupy_module(), call.p, call.q, call.k, call.v
         kc = binary.constants
         rows = lse_rows(p.M)
