@@ -1,7 +1,7 @@
 """``sm90_fwd``: flashgen's own Hopper forward (``flashgen/csrc/flashgen/sm90_fwd.h``).
 
 Template: ``flashgen::sm90::FwdKernel<Element, kHeadDim, kBlockM, kBlockN,
-kStages, kBand>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
+kStages, kBand, kBias>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
 K/V streamed by TMA through a ``kStages``-deep shared-memory ring, one
 producer warpgroup.  Launch: block (threads_per_block, 1, 1), a persistent
 grid (min(tiles, SMs), 1, 1) over the ceil(M / block_m) x heads x (batch or
@@ -27,6 +27,10 @@ the int32 [S+1] offsets of S sequences packed along dim 1 of a batch of 1
 (nullptr: fixed length), M is the longest sequence's length and the lse is
 [S, H, rows]; with ``band_from_end`` every sequence's band is shifted onto its
 own bottom-right diagonal (the runtime then passes the top-left bounds).
+
+A ``bias`` instance adds ``bias_ptr`` [B, H, M, N] (element strides ``bias_stride_b/h/m``, 0
+where broadcast; rows 4-byte aligned) to the scaled, soft-capped scores before the mask and the
+softmax.  It is compiled in: the plain instances do not carry its registers.  No packed batches.
 """
 from __future__ import annotations
 
@@ -38,11 +42,14 @@ from flashgen.spec.sm90_tile import Sm90Tile, tile_constants
 
 @dataclass(frozen=True)
 class Sm90Fwd(Sm90Tile):
+    bias: bool  # an additive attention bias compiled in (FwdKernel::kBias)
+
     FAMILY = "sm90_fwd"
     DIRECTION = "fwd"
     TEMPLATE = "sm90_fwd.cu.j2"
     HEADER = "flashgen/sm90_fwd.h"
     KERNEL = "flashgen::sm90::FwdKernel"
+    FLAGS = ("band", "bias")
     AXES = {
         "arch": ("sm90a",),
         "dtype": ("f16", "bf16"),
@@ -51,6 +58,7 @@ class Sm90Fwd(Sm90Tile):
         "block_n": (128, 112, 80),
         "stages": (2, 3),
         "band": (False, True),
+        "bias": (False, True),
     }
     RULES = (
         Rule("192 query rows are three consumer warpgroups beside the producer's: at most 160 registers "
@@ -61,6 +69,15 @@ class Sm90Fwd(Sm90Tile):
         Rule("one key-tile width per head-dim tier: 128 up to head dim 128, else the widest whose two "
              "K/V stages fit beside the Q tile (112 for 192, 80 for 256)",
              lambda k: k.block_n != {192: 112, 256: 80}.get(k.max_k, 128)),
+        # bias: only the tiles the priority order picks, on three tiers (each instance is a build job)
+        Rule("bias on tiers 64 and 128 only: 96 runs on 128 (TMA zero-fills); above 128 a key block's bias "
+             "values spill (256 bytes at 256) and such calls stay on example 41",
+             lambda k: k.bias and k.max_k not in (64, 128)),
+        Rule("bias instances keep the default two stages: a third never won by more than noise",
+             lambda k: k.bias and k.stages != 2),
+        Rule("bias at head dim 64 takes 128 query rows: a 192-row tile's 160 registers per consumer spill a "
+             "key block's bias values (312 bytes)",
+             lambda k: k.bias and k.block_m == 192),
     )
 
     @property
@@ -68,7 +85,8 @@ class Sm90Fwd(Sm90Tile):
         # the smallest head-dim tier that fits, then the default tile (tuning tables pick per bucket):
         # 192 query rows where they exist (head dim 64: +5-15% from 512 to 16k tokens on an H200,
         # within noise of 128 for causal 1k), two stages (a third never won by more than noise)
-        return (tuple(DTYPES).index(self.dtype), self.band, self.max_k, -self.block_m, self.stages, self.block_n)
+        return (tuple(DTYPES).index(self.dtype), self.band, self.bias, self.max_k, -self.block_m, self.stages,
+                self.block_n)
 
     # `flashgen::sm90::FwdParams`
     ABI = (
@@ -97,6 +115,10 @@ class Sm90Fwd(Sm90Tile):
         Field("scale_log2", "f32"),
         Field("softcap_in", "f32"),
         Field("softcap_out", "f32"),
+        Field("bias_ptr", "ptr"),
+        Field("bias_stride_b", "i64"),
+        Field("bias_stride_h", "i64"),
+        Field("bias_stride_m", "i64"),
     )
 
     CONSTANTS = tile_constants("flashgen::sm90::FwdParams")

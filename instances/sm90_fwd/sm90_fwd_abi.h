@@ -12,7 +12,7 @@
 template <class Params>
 struct FlashgenAbiCheck_sm90_fwd {
   static_assert(std::is_standard_layout<Params>::value, "flashgen ABI: Params is no longer standard-layout");
-  static_assert(sizeof(Params) == 512, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm90_fwd.py");
+  static_assert(sizeof(Params) == 640, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm90_fwd.py");
   static_assert(offsetof(Params, q_map) == 0 && sizeof(((Params*)nullptr)->q_map) == 128,
                 "flashgen ABI: Params::q_map moved or changed size; update flashgen/spec/sm90_fwd.py");
   static_assert(offsetof(Params, k_map) == 128 && sizeof(((Params*)nullptr)->k_map) == 128,
@@ -63,4 +63,12 @@ struct FlashgenAbiCheck_sm90_fwd {
                 "flashgen ABI: Params::softcap_in moved or changed size; update flashgen/spec/sm90_fwd.py");
   static_assert(offsetof(Params, softcap_out) == 492 && sizeof(((Params*)nullptr)->softcap_out) == 4,
                 "flashgen ABI: Params::softcap_out moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, bias_ptr) == 496 && sizeof(((Params*)nullptr)->bias_ptr) == 8,
+                "flashgen ABI: Params::bias_ptr moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, bias_stride_b) == 504 && sizeof(((Params*)nullptr)->bias_stride_b) == 8,
+                "flashgen ABI: Params::bias_stride_b moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, bias_stride_h) == 512 && sizeof(((Params*)nullptr)->bias_stride_h) == 8,
+                "flashgen ABI: Params::bias_stride_h moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, bias_stride_m) == 520 && sizeof(((Params*)nullptr)->bias_stride_m) == 8,
+                "flashgen ABI: Params::bias_stride_m moved or changed size; update flashgen/spec/sm90_fwd.py");
 };

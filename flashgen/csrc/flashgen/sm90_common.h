@@ -15,6 +15,19 @@
 namespace flashgen {
 namespace sm90 {
 
+constexpr float kLog2e = 1.44269504088896341f;  // log2(e): natural-log units to the kernels' log2 ones
+
+// Two 16-bit values (half or bfloat16) in one register, low half first, by bit operations: a
+// reinterpret_cast of a local array element put the whole array in local memory (spills).
+template <class Element>
+__device__ __forceinline__ float unpack_half(uint32_t bits, int half) {
+  return static_cast<float>(Element::bitcast(static_cast<uint16_t>(bits >> (16 * half))));
+}
+template <class Element>
+__device__ __forceinline__ uint32_t pack_pair(Element low, Element high) {
+  return uint32_t(low.raw()) | (uint32_t(high.raw()) << 16);
+}
+
 // The wgmma instructions of one warpgroup-wide GEMM over the K modes of a and b, accumulating
 // into c (or overwriting it when kZeroInit), as one commit group, not waited for.  The caller
 // fences the register operands and issues warpgroup_arrive() before (once for all the GEMMs

@@ -19,7 +19,9 @@
 // num_keys and, in kBand instances, outside the band (causal diagonal, sliding
 // window) are masked to -inf, and key blocks wholly outside it are never
 // loaded.  With soft-capping the scores pass through
-// softcap * tanh(score / softcap) first.
+// softcap * tanh(score / softcap) first.  kBias instances then add an additive
+// bias (natural-log units, like the scaled scores) read from global memory
+// straight into the S accumulator's register layout.
 //
 // The output is written from registers; the log-sum-exp (natural log, of the
 // scaled scores) goes to lse[sequence, head, row] like the example-41 forward, so
@@ -75,9 +77,15 @@ struct FwdParams {
   float scale_log2;       // softmax scale * log2(e)
   float softcap_in;       // scale / softcap (0: no soft-capping): scores become
   float softcap_out;      //   softcap_out * tanh(softcap_in * q.k), softcap_out = softcap / scale
+  // kBias: the bias [batch, heads, queries, keys] (strides in elements; 0 where broadcast), rows
+  // 4-byte aligned (the runtime pads them to 8 elements), added to the scaled, soft-capped scores
+  void const* bias_ptr;
+  long long bias_stride_b;
+  long long bias_stride_h;
+  long long bias_stride_m;
 };
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBand_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBand_, bool kBias_>
 struct FwdKernel {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -85,6 +93,9 @@ struct FwdKernel {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr bool kBand = kBand_;
+  // An additive bias is compiled in, not a run-time branch: its registers (a block's values, loaded
+  // while the S GEMM runs) are a cost the plain instances must not carry.
+  static constexpr bool kBias = kBias_;
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 32 == 0, "wgmma tile shapes");
@@ -288,6 +299,41 @@ struct FwdKernel {
     float row_max[2] = {-INFINITY, -INFINITY};
     float row_sum[2] = {0.f, 0.f};
 
+    // kBias: this thread's bias values of one key block, two per register in S's register order
+    // (registers r and r + 1 are adjacent keys of one row: one 4-byte load).  A block's loads go
+    // out before its S GEMM is issued and are waited for by its softmax.  Rows past the sequence
+    // and keys past its end read as 0: those rows are never stored, those keys are masked.
+    // (Packed batches have no bias: the runtime refuses it with cu_seqlens.)
+    uint32_t bias[kBias ? kBlockN / 4 : 1];
+    Element const* bias_row[2] = {nullptr, nullptr};
+    if constexpr (kBias) {
+      Element const* base = static_cast<Element const*>(p.bias_ptr) + seq.batch * p.bias_stride_b +
+                            head * p.bias_stride_h;
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        int const row = row0 + 8 * h;
+        bias_row[h] = row < seq.num_queries ? base + row * p.bias_stride_m : nullptr;
+      }
+    }
+    auto load_bias = [&](int t) {
+      int const block_key0 = (blocks.begin + t) * kBlockN;
+      bool const partial = block_key0 + kBlockN > seq.num_keys;
+      CUTE_UNROLL
+      for (int i = 0; i < kBlockN / 4; ++i) {  // registers 2i, 2i + 1: row 8 * (i % 2), keys key, key + 1
+        int const key = block_key0 + (i / 2) * 8 + col0;
+        Element const* row = bias_row[i % 2];
+        uint32_t value = 0;
+        if (row != nullptr) {
+          if (!partial || key + 1 < seq.num_keys) {
+            value = __ldg(reinterpret_cast<unsigned const*>(row + key));
+          } else if (key < seq.num_keys) {  // the last key of an odd count: its neighbour may not exist
+            value = __ldg(reinterpret_cast<unsigned short const*>(row + key));
+          }
+        }
+        bias[i] = value;
+      }
+    };
+
     // Block t's S = Q K^T is issued together with block t - 1's O += P V; its softmax runs
     // while that P V is still on the tensor cores (exponentials kept in S's registers until
     // P V has read P), and the warpgroups take turns issuing (TurnTaking).  Block 0 is peeled
@@ -303,11 +349,20 @@ struct FwdKernel {
     };
     // Block t's scores in tSrS become exp2(scaled score - running max) in place (soft-capped and
     // masked first); the row sums follow, and `correction` is what O must be scaled by.
+    // Scores become log2-domain exponents times scale_log2 below; kBias puts them in that domain
+    // first (the bias is added after the scale), so its row_max is in log2 units.
+    auto to_log2 = [&](float score) { return kBias ? score : score * p.scale_log2; };
     auto softmax = [&](int t, float (&correction)[2]) {
       if (p.softcap_in != 0.f) {
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {
           tSrS(r) = p.softcap_out * tanh_approx(tSrS(r) * p.softcap_in);
+        }
+      }
+      if constexpr (kBias) {  // S * scale * log2(e) + bias * log2(e): the exponent in log2 units
+        CUTE_UNROLL
+        for (int r = 0; r < size(tSrS); ++r) {
+          tSrS(r) = fmaf(tSrS(r), p.scale_log2, unpack_half<Element>(bias[r / 2], r % 2) * kLog2e);
         }
       }
       int const key0 = (blocks.begin + t) * kBlockN;
@@ -335,15 +390,15 @@ struct FwdKernel {
         }
         m = quad_max(m);
         // a row that has seen no key yet keeps max -inf: subtract 0 so exp2 gives 0, not NaN
-        scaled_max[h] = m == -INFINITY ? 0.f : m * p.scale_log2;
-        correction[h] = exp2_approx(row_max[h] * p.scale_log2 - scaled_max[h]);
+        scaled_max[h] = m == -INFINITY ? 0.f : to_log2(m);
+        correction[h] = exp2_approx(to_log2(row_max[h]) - scaled_max[h]);
         row_max[h] = m;
         row_sum[h] *= correction[h];
       }
       CUTE_UNROLL
       for (int r = 0; r < size(tSrS); ++r) {
         int const h = (r / 2) % 2;
-        tSrS(r) = exp2_approx(fmaf(tSrS(r), p.scale_log2, -scaled_max[h]));
+        tSrS(r) = exp2_approx(kBias ? tSrS(r) - scaled_max[h] : fmaf(tSrS(r), p.scale_log2, -scaled_max[h]));
         row_sum[h] += tSrS(r);
       }
     };
@@ -355,6 +410,9 @@ struct FwdKernel {
     };
 
     float correction[2];
+    if constexpr (kBias) {
+      load_bias(0);
+    }
     Barrier::wait(&s.q_full, q_use & 1);
     Barrier::wait(&s.k_full[stage_of(0)], phase_of(0));
     turns.wait();
@@ -373,6 +431,9 @@ struct FwdKernel {
     for (int t = 1; t < num_blocks; ++t) {
       int const stage = stage_of(t);
       int const prev_stage = stage_of(t - 1);
+      if constexpr (kBias) {
+        load_bias(t);  // block t - 1's softmax has used the last ones
+      }
       Barrier::wait(&s.k_full[stage], phase_of(t));
       Barrier::wait(&s.v_full[prev_stage], phase_of(t - 1));
       turns.wait();
@@ -442,7 +503,8 @@ struct FwdKernel {
           *reinterpret_cast<cutlass::Array<Element, 2>*>(out_row + col) = pair;
         }
         if (lane % 4 == 0) {
-          lse[row] = sum > 0.f ? (row_max[h] * p.scale_log2 + __log2f(sum)) * 0.69314718055994531f : -INFINITY;
+          float const max_log2 = kBias ? row_max[h] : row_max[h] * p.scale_log2;  // see consume()'s to_log2
+          lse[row] = sum > 0.f ? (max_log2 + __log2f(sum)) * 0.69314718055994531f : -INFINITY;
         }
       } else if (row < p.lse_rows && lane % 4 == 0) {
         lse[row] = INFINITY;
