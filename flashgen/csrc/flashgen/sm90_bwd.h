@@ -23,6 +23,9 @@
 //                                            fp32 accumulator by a TMA bulk reduce-add that
 //                                            leaves at the top of the next step, beside
 //                                            that step's S^T / dP^T, issued first
+// kBias instances add a bias (natural-log units) to the scaled scores before the exp2, as
+// the forward did, and, when the caller wants dbias, write dS (before soft-capping's slope:
+// the gradient of the biased score) for every (query, key) the CTA visits.
 // Transposing S rather than dQ keeps every per-row softmax quantity a column
 // broadcast (one smem read per column) and dK/dV in registers for the whole
 // CTA.  The dQ product is split between the warpgroups by query rows when a
@@ -97,9 +100,30 @@ struct BwdParams {
   float scale_log2;           // scale * log2(e)
   float softcap_in;           // kSoftcap: scale / softcap (see FwdParams)
   float softcap_out;          // softcap / scale
+  // kBias: the bias [batch, heads, queries, keys] (element strides, 0 where broadcast; rows 4-byte
+  // aligned), and dbias (same layout, per query head; nullptr: not wanted) for every visited element
+  void const* bias_ptr;
+  void* dbias_ptr;
+  long long bias_stride_b;
+  long long bias_stride_h;
+  long long bias_stride_m;
+  long long dbias_stride_b;
+  long long dbias_stride_h;
+  long long dbias_stride_m;
 };
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBand_, bool kSoftcap_>
+// Two 16-bit values per register, transposed between lanes l and l ^ 4 (threads of adjacent
+// rows of a wgmma accumulator, the even row in the lane with (l / 4) even): the even lane's
+// (a, b) and the odd lane's (c, d) become (a, c) and (b, d).  An accumulator register pair
+// holds two adjacent columns of one row; after the swap it holds two adjacent rows of one
+// column -- the order of a [column][row] array in memory, so a pair moves in one 4-byte access.
+__device__ __forceinline__ uint32_t swap_pair_halves(uint32_t mine, bool odd) {
+  uint32_t const theirs = __shfl_xor_sync(0xffffffff, odd ? mine & 0xffffu : mine >> 16, 4);
+  return odd ? (mine & 0xffff0000u) | theirs : (mine & 0xffffu) | (theirs << 16);
+}
+
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBand_, bool kSoftcap_,
+          bool kBias_>
 struct BwdKernel {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -110,6 +134,8 @@ struct BwdKernel {
   // Soft-capping is compiled in (not a run-time branch as in the forward): its P / dS path keeps
   // tanh's slope in registers, and a kernel holding both paths spilled ~300 bytes at head dim 64.
   static constexpr bool kSoftcap = kSoftcap_;
+  // So is the bias: a step's bias values take registers the plain path keeps.
+  static constexpr bool kBias = kBias_;
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
   static_assert(kBlockN % 64 == 0 && kBlockM % 64 == 0 && kHeadDim % 32 == 0, "wgmma tile shapes");
@@ -120,6 +146,7 @@ struct BwdKernel {
   static constexpr int kWarpGroups = kSplitCols ? 2 : kBlockN / 64;
   static constexpr int kKvCols = kSplitCols ? kHeadDim / kWarpGroups : kHeadDim;
   static_assert(!kSplitCols || (kBlockN == 64 && kBlockM == 64), "the split head dim is laid out for 64 x 64 steps");
+  static_assert(!(kSplitCols && kBias), "bias is built up to head dim 128 (spec/sm90_bwd.py): one warpgroup per key");
   static constexpr int kConsumerThreads = 128 * kWarpGroups;
   // The producer is a whole warpgroup (one lane of it issues the loads) so that
   // setmaxnreg can hand its registers to the consumers: 240 each instead of the
@@ -339,6 +366,56 @@ struct BwdKernel {
         add_dq_tile(p, seq, s, head_of(t - 1), m_block_of(t - 1), n_block);
       }
     };
+
+    // kBias: a step's bias values, two per register in S^T's register order (register pair
+    // 2i, 2i + 1: queries q, q + 1 of one key).  In memory the bias is [query][key]: this
+    // thread loads the 4-byte pair (query q + odd, keys k - odd, k + 1 - odd), its neighbour
+    // lane the other two values of the 2 x 2 block, and swap_pair_halves exchanges them; dbias
+    // leaves the same way back.  Queries past the sequence and keys past its end read 0 (their
+    // P is 0: lse is +inf there, the keys are masked) and are not written.
+    bool const odd = (lane / 4) % 2;  // this thread's keys are odd (key0 and key_row - lane / 4 are even)
+    uint32_t bias[kBias ? kBlockM / 4 : 1];
+    // Register pair i = 2j + h goes with the memory pair at query query0 + first_query + 8j, keys
+    // first_key + 8h and + 1; a walk over j moves one row pointer by 8 rows (fewer live addresses).
+    int const first_query = col0 + odd;
+    int const first_key = key0 + key_row - odd;
+    auto load_bias = [&](int head, int query0) {
+      Element const* row = static_cast<Element const*>(p.bias_ptr) + seq.batch * p.bias_stride_b +
+                           head * p.bias_stride_h + (query0 + first_query) * p.bias_stride_m + first_key;
+      CUTE_UNROLL
+      for (int j = 0; j < kBlockM / 8; ++j, row += 8 * p.bias_stride_m) {
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          int const key = first_key + 8 * h;
+          uint32_t value = 0;
+          if (query0 + first_query + 8 * j < seq.num_queries && key < seq.num_keys) {
+            value = key + 1 < seq.num_keys ? __ldg(reinterpret_cast<unsigned const*>(row + 8 * h))
+                                           : __ldg(reinterpret_cast<unsigned short const*>(row + 8 * h));
+          }
+          bias[2 * j + h] = swap_pair_halves(value, odd);
+        }
+      }
+    };
+    // dS of register pair i (registers 2i, 2i + 1, packed: pair(i)) into dbias (dbias_ptr != nullptr).
+    auto store_dbias = [&](int head, int query0, auto const& pair) {
+      Element* row = static_cast<Element*>(p.dbias_ptr) + seq.batch * p.dbias_stride_b + head * p.dbias_stride_h +
+                     (query0 + first_query) * p.dbias_stride_m + first_key;
+      CUTE_UNROLL
+      for (int j = 0; j < kBlockM / 8; ++j, row += 8 * p.dbias_stride_m) {
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          int const key = first_key + 8 * h;
+          uint32_t const value = swap_pair_halves(pair(2 * j + h), odd);
+          if (query0 + first_query + 8 * j < seq.num_queries && key < seq.num_keys) {
+            if (key + 1 < seq.num_keys) {
+              *reinterpret_cast<uint32_t*>(row + 8 * h) = value;
+            } else {
+              *reinterpret_cast<uint16_t*>(row + 8 * h) = static_cast<uint16_t>(value);
+            }
+          }
+        }
+      }
+    };
     for (int t = 0; t < total; ++t) {
       int const stage = t % kStages;
       int const buf = t % 2;
@@ -351,6 +428,9 @@ struct BwdKernel {
       previous_dq_out(t);
       warpgroup_wait<1>();  // S^T
       warpgroup_fence_operand(tSrS);
+      if constexpr (kBias) {
+        load_bias(head, query0);  // under this step's dP^T GEMM
+      }
 
       // P^T.  Queries past num_queries have lse_log2 = +inf (P = 0); keys past
       // num_keys or outside the band are masked here.
@@ -373,12 +453,23 @@ struct BwdKernel {
       };
       float const* lse_log2 = s.lse_log2[stage];
       float const* delta = s.delta[stage];
+      // The exponent's offset for register r: -lse_log2 of its query, plus (kBias) its bias in log2 units.
+      auto offset = [&](int r) {
+        if constexpr (kBias) {
+          return fmaf(unpack_half<Element>(bias[r / 2], r % 2), kLog2e, -column_value(lse_log2, r));
+        } else {
+          return -column_value(lse_log2, r);
+        }
+      };
+      bool const want_dbias = kBias && p.dbias_ptr != nullptr;
+      // kSoftcap && kBias: dS before tanh's slope (dbias), in pairs; without soft-capping dS^T is dbias
+      uint32_t ds_pairs[kSoftcap && kBias ? kBlockM / 4 : 1];
       // The mask is applied in a loop of its own: tested per element inside the exp2 loop,
       // it became 64 branches between the MUFU ops and cost 10-15% at head dim 64.
       if constexpr (!kSoftcap) {
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {  // P^T in place of S^T
-          tSrS(r) = exp2_approx(fmaf(tSrS(r), p.scale_log2, -column_value(lse_log2, r)));
+          tSrS(r) = exp2_approx(fmaf(tSrS(r), p.scale_log2, offset(r)));
         }
         if (masked) {
           CUTE_UNROLL
@@ -393,12 +484,14 @@ struct BwdKernel {
           tVrP(r) = static_cast<Element>(tSrS(r));
           tKrDs(r) = static_cast<Element>(tSrS(r) * (tPrDp(r) - column_value(delta, r)));
         }
+
       } else {
+        float previous_ds = 0.f;
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {  // P^T into its A operand, tanh's slope 1 - t^2 into dS^T's
           int const col = (r / 4) * 8 + col0 + r % 2;
           float const t = tanh_approx(tSrS(r) * p.softcap_in);
-          float const prob = exp2_approx(fmaf(t * p.softcap_out, p.scale_log2, -column_value(lse_log2, r)));
+          float const prob = exp2_approx(fmaf(t * p.softcap_out, p.scale_log2, offset(r)));
           tVrP(r) = static_cast<Element>(masked && hidden(r, col) ? 0.f : prob);
           tKrDs(r) = static_cast<Element>(1.f - t * t);
         }
@@ -406,9 +499,17 @@ struct BwdKernel {
         warpgroup_fence_operand(tPrDp);
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {  // d(softcap_out * t) / dS = scale (1 - t^2); scale comes at the end
-          tKrDs(r) = static_cast<Element>(static_cast<float>(tVrP(r)) * (tPrDp(r) - column_value(delta, r)) *
-                                          static_cast<float>(tKrDs(r)));
+          float const ds = static_cast<float>(tVrP(r)) * (tPrDp(r) - column_value(delta, r));  // d/d(capped score)
+          if (kBias && r % 2 == 1) {
+            ds_pairs[r / 2] = pack_pair(static_cast<Element>(previous_ds), static_cast<Element>(ds));
+          }
+          previous_ds = ds;
+          tKrDs(r) = static_cast<Element>(ds * static_cast<float>(tKrDs(r)));
         }
+        if (want_dbias) {  // held across the dK/dV GEMMs instead, these pairs spilled 184 bytes
+          store_dbias(head, query0, [&](int i) { return ds_pairs[i]; });
+        }
+
       }
       // dS^T -> dS in shared memory, for the dQ product (with a split head dim both warpgroups
       // hold all of dS^T: the first writes it).  The registers are 8 x 8 tiles (8 keys, 8
@@ -464,6 +565,11 @@ struct BwdKernel {
       warpgroup_fence_operand(tKrDs);
       // every thread arrives: an arrive releases only its own thread's reads (lse, delta)
       Barrier::arrive(&s.empty[stage]);
+      // dbias leaves under the dQ GEMM: stored beside dP^T, P^T, dS^T and dK/dV (where dS^T is
+      // computed) its addresses spilled 232 bytes at head dim 128
+      if (!kSoftcap && want_dbias) {
+        store_dbias(head, query0, [&](int i) { return pack_pair(tKrDs(2 * i), tKrDs(2 * i + 1)); });
+      }
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_dq);
       if constexpr (kDqTile) {
