@@ -7,8 +7,10 @@ refuse and how they request and refuse; ``HopperFamily`` adds the 9.0 GPU and TM
 ``sm90_fwd`` and ``sm90_bwd`` (``flashgen/csrc/flashgen/sm90_*.h``) take the
 same run-time options (band mask, soft-capping, packed batches) through the
 same ``Params`` fields, and read q, k, v (and grad_out) through TMA tensor maps.
-A call reaches them when it needs nothing only example 41 has; otherwise they
-refuse it with the reason, and the next family is asked.
+An attention bias is compiled in (``bias`` instances, head dims up to 128): a call
+with one is served by those, one without by the others.  A call reaches them when
+it needs nothing only example 41 has; otherwise they refuse it with the reason,
+and the next family is asked.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import numpy as np
 
 from flashgen.errors import UnsupportedError
 from flashgen.runtime import tensormap
-from flashgen.runtime.arrays import alignment, cupy_module
+from flashgen.runtime.arrays import alignment, cupy_module, elem_strides
 from flashgen.runtime.device import device_info
 from flashgen.runtime.families import RuntimeFamily, planned_forward_outputs, selector, visible_lse
 from flashgen.runtime.launch import on_device
@@ -63,6 +65,16 @@ def band_fields(p: Problem) -> dict:
             "seqstart_k": p.seqstart_k.data.ptr if p.seqstart_k is not None else 0, **softcap}
 
 
+def bias_fields(bias, prefix: str = "bias") -> dict:
+    """The Params fields of the validated [B, H, M, N] bias view (or dbias output): its pointer and
+    element strides of batch, head and row (0 where broadcast), or nothing for no bias."""
+    if bias is None:
+        return {}
+    sb, sh, sm, _ = elem_strides(bias)
+    return {f"{prefix}_ptr": bias.data.ptr, f"{prefix}_stride_b": sb, f"{prefix}_stride_h": sh,
+            f"{prefix}_stride_m": sm}
+
+
 def zero_unpacked_rows(p: Problem, *arrays) -> None:
     """Rows past the last sequence of a packed batch belong to no sequence, so no sm90 kernel
     writes them: zeros (arrays given as q-row, then k-row shaped: out or dq, dk, dv)."""
@@ -88,6 +100,10 @@ class OwnKernelFamily(RuntimeFamily):
     they share (band masks, soft-capping, packed batches through the same Params fields), what
     none of them takes, their request, and their refusal.  A subclass adds its GPU in ``unfit``."""
 
+    # an attention bias compiled into some of the family's kernels (a ``bias`` spec axis, which
+    # selection matches both ways); a family without one refuses bias calls
+    compiled_bias = False
+
     def aligned_arrays(self, call: Call) -> Sequence[Tuple[str, object]]:
         """(name, array) of every input whose alignment the kernels' loads need: q, k, v, and a
         backward's out and grad_out, which both backwards read at the same alignment (explain's
@@ -98,7 +114,7 @@ class OwnKernelFamily(RuntimeFamily):
     def unfit(self, call: Call) -> Optional[str]:
         """What the call needs that none of flashgen's own kernels has, or None."""
         p = call.p
-        if call.bias is not None:
+        if call.bias is not None and not self.compiled_bias:
             return "no attn_bias (the example-41 families take it)"
         if p.dropout_p > 0:
             return "no dropout (the example-41 families draw it)"
@@ -114,8 +130,9 @@ class OwnKernelFamily(RuntimeFamily):
     def request(self, call: Call) -> Request:
         p = call.p
         arrays = [x for _, x in self.aligned_arrays(call)]
-        return Request(self.name, p.dtype, p.K, p.Kv, alignment(arrays, (p.K, p.Kv)), False, False,
-                       device_info(p.device), band=p.mask != 0 or p.window is not None, softcap=p.softcap > 0)
+        return Request(self.name, p.dtype, p.K, p.Kv, alignment(arrays, (p.K, p.Kv)), False, call.bias is not None,
+                       device_info(p.device), band=p.mask != 0 or p.window is not None, softcap=p.softcap > 0,
+                       compiled_bias=self.compiled_bias)
 
     def refusal(self, call: Call) -> Optional[str]:
         """``unfit``, or none of the kernels accepts the call (a head dim over the largest tier,
@@ -136,6 +153,8 @@ class OwnKernelFamily(RuntimeFamily):
 class HopperFamily(OwnKernelFamily):
     """A family of flashgen's sm90a kernels: a 9.0 GPU, and inputs TMA can read (every one of
     ``aligned_arrays``: those read through a tensor map, or at its alignment)."""
+
+    compiled_bias = True
 
     def unfit(self, call: Call) -> Optional[str]:
         why = super().unfit(call)
