@@ -18,8 +18,8 @@ space: dtype, batch, heads, M, N (1 to 1000), head dims (multiples of 4 up to
 that leave only 4-element alignment), causal kinds, bias (full or broadcast),
 dropout (checked through the mask recovered with an identity V), varlen
 batches with empty sequences, the softmax scale (of either sign), and on flashgen's own
-kernels' path (sm90, sm80) sliding windows and soft-capping.  Outputs come from poisoned
-memory, so an unwritten element fails.
+kernels' path (sm90, sm80) sliding windows and soft-capping, and on the sm90 path bias (the
+sm90 bias instances).  Outputs come from poisoned memory, so an unwritten element fails.
 
 A gradient passes if it matches the exact float64 gradient, or the exact
 gradient of the kernel's own rounded output: every flash-style backward takes
@@ -87,6 +87,10 @@ def draw(seed: int, case: int) -> dict:
         side = lambda: None if r.random() < 0.25 else int(pick([0, 1, int(r.integers(0, 300))]))  # noqa: E731
         p["window"] = (side(), side()) if r.random() < 0.7 else None
         p["softcap"] = float(r.uniform(1, 50)) if r.random() < 0.4 else 0.0
+        if not p["varlen"] and r.random() < 0.3:  # the sm90 bias instances (drawn last: the rest stays)
+            p["bias"] = pick(["full", "broadcast"])
+            if p["K"] <= 64:  # the backward has no soft-capping with bias there (spec/sm90_bwd.py)
+                p["softcap"] = 0.0
     if p["scale"] is not None and r.random() < 0.3:  # drawn after the rest, which stays what it was
         p["scale"] = -p["scale"]  # the largest product becomes the smallest score
     return p

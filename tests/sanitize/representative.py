@@ -75,6 +75,11 @@ for dtype in ("f16", "bf16"):
     # a time, or causal pairs with an odd count), carrying its K/V ring, Q buffer and turns over
     call(dtype, 2, 700, 500, 40, 64)
     call(dtype, 2, 700, 500, 40, 128, causal="top_left")
+    # the bias instances: odd key counts (2-byte tail loads/stores of bias and dbias), rows past
+    # M, grouped-query dbias per query head, windows with soft-capping, a head dim below its tier
+    call(dtype, 1, 300, 259, 4, 64, heads_kv=2, causal="bottom_right", bias=True)
+    call(dtype, 2, 129, 201, 2, 128, window=(50, 10), softcap=5.0, bias=True)
+    call(dtype, 1, 77, 130, 2, 96, deterministic=True, bias=True)
 # packed batches: example 41 (float32) and, on a 9.0 GPU, sm90 (a sequence without keys, one
 # without queries, rows past the last sequence, a band per sequence, the deterministic order)
 cu_q, cu_k = np.array([0, 5, 5, 40], np.int32), np.array([0, 0, 30, 70], np.int32)
