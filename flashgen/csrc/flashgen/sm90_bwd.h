@@ -484,7 +484,6 @@ struct BwdKernel {
           tVrP(r) = static_cast<Element>(tSrS(r));
           tKrDs(r) = static_cast<Element>(tSrS(r) * (tPrDp(r) - column_value(delta, r)));
         }
-
       } else {
         float previous_ds = 0.f;
         CUTE_UNROLL
@@ -509,7 +508,6 @@ struct BwdKernel {
         if (want_dbias) {  // held across the dK/dV GEMMs instead, these pairs spilled 184 bytes
           store_dbias(head, query0, [&](int i) { return ds_pairs[i]; });
         }
-
       }
       // dS^T -> dS in shared memory, for the dQ product (with a split head dim both warpgroups
       // hold all of dS^T: the first writes it).  The registers are 8 x 8 tiles (8 keys, 8
