@@ -1030,29 +1030,3 @@ def test_runtime_needs_cupy_only_at_call_time():
     with pytest.raises(UnsupportedError, match="needs CuPy"):
         api.explain(*qkv())
     assert sys.modules.get("cupy") is None  # still the block, never a module
-
-
-def test_sm90_bias_is_compiled_in_and_matched_both_ways(monkeypatch):
-    """A Hopper call with a bias takes only a bias instance, one without only a plain one, and a bias
-    call beyond the bias tiers (head dim 256) is refused with the reason, so example 41 takes it."""
-    from flashgen.spec.sm90_fwd import Sm90Fwd
-
-    def binary(spec):
-        return SimpleNamespace(spec=spec, name=spec.name, constants={
-            "max_k": spec.max_k, "alignment": 8, "shared_memory_bytes": 200 * 1024})
-
-    kernels = [binary(k) for k in Sm90Fwd.default_set() if k.dtype == "f16" and not k.band]
-    request = lambda bias, K=64: Request("sm90_fwd", "f16", K, K, 8, False, bias, H100,  # noqa: E731
-                                         compiled_bias=True)
-    first = lambda req: next(b.name for b in kernels if rejection(b, req) is None)  # noqa: E731
-    assert first(request(True)) == "sm90_fwd_f16_k64_q128x128_s2_bias_sm90a"
-    assert first(request(False)) == "sm90_fwd_f16_k64_q192x128_s2_sm90a", "plain calls keep the 192-row tile"
-    assert first(request(True, K=96)) == "sm90_fwd_f16_k128_q128x128_s2_bias_sm90a", "96 runs on the 128 tier"
-    plain = next(b for b in kernels if not b.spec.bias)
-    assert rejection(plain, request(True)) == "built without bias"
-    biased = next(b for b in kernels if b.spec.bias)
-    assert "built with bias" in rejection(biased, request(False))
-    assert all(rejection(b, request(True, K=256)) for b in kernels), "no bias instance above head dim 128"
-    # example 41's bias kernels (a null-pointer branch) still serve calls without one
-    example41 = Request("mem_eff_fwd", "f16", 64, 64, 8, False, False, H100)
-    assert example41.compiled_bias is False

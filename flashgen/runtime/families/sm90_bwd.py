@@ -13,8 +13,8 @@ from typing import Tuple
 
 from flashgen.runtime import plans
 from flashgen.runtime.arrays import cupy_module, elem_strides
-from flashgen.runtime.families.sm90_common import (HopperFamily, band_fields, bias_fields, encode_maps,
-                                                   zero_unpacked_rows)
+from flashgen.runtime.families.sm90_common import (HopperFamily, band_fields, bias_fields, check_compiled_bias,
+                                                   encode_maps, zero_unpacked_rows)
 from flashgen.runtime.launch import fill, handle, launch, on_device, packed_offsets, params_buffer
 from flashgen.runtime.memory import CupyMemory
 from flashgen.runtime.limits import check_int32
@@ -58,8 +58,9 @@ class ThreeKernelBackward:
     """Launch and replay of a backward with this file's contract, shared by sm90_bwd and sm80_bwd
     (whose kernels keep it): prep, main and convert kernels over one allocation carved by
     ``layout`` and ``buffers``, and a launch plan of the three.  A family says what its Params
-    has beyond the shared fields (``own_fields``, ``encode``) and in what order its plan takes
-    the caller's arrays (``replay_pointers``)."""
+    has beyond the shared fields (``own_fields``, ``encode``), what its kernels write beyond dq,
+    dk, dv (``own_outputs``), which of its kernels a call must not reach (``check_launch``) and
+    in what order its plan takes the caller's arrays (``replay_pointers``)."""
 
     POINTERS: Tuple[str, ...] = ()  # per-call pointers after the tensor maps', in Params order
     MAPS: Tuple[str, ...] = ()      # Params fields holding tensor maps (encoded per call)
@@ -67,6 +68,10 @@ class ThreeKernelBackward:
     def own_fields(self, call: Call) -> Tuple[dict, dict]:
         """(int32 fields, other fields) that only this family's Params has."""
         return {}, {}
+
+    def check_launch(self, call: Call, binary: KernelBinary) -> None:
+        """Raise where ``binary`` must not run ``call`` (selection keeps them apart; this guards a
+        launch that names its kernel itself), before anything touches the GPU."""
 
     def own_outputs(self, call: Call) -> Tuple[tuple, dict]:
         """(arrays, their Params fields) of what only this family's kernels write beside dq, dk, dv
@@ -82,6 +87,7 @@ class ThreeKernelBackward:
 
     def launch(self, call: Call, binary: KernelBinary):
         """(dq, dk, dv) and ``own_outputs``' on ``binary`` (on the call's device, api.py makes it current)."""
+        self.check_launch(call, binary)
         cupy, p, q, k, v = cupy_module(), call.p, call.q, call.k, call.v
         out, grad_out, lse, plan_key = call.out, call.grad_out, call.lse, call.plan_key
         kc = binary.constants
@@ -137,6 +143,9 @@ class Sm90BwdRuntime(ThreeKernelBackward, HopperFamily):
     spec = Sm90Bwd
     POINTERS = POINTERS
     MAPS = MAPS
+
+    def check_launch(self, call: Call, binary: KernelBinary) -> None:
+        check_compiled_bias(binary, call)
 
     def own_fields(self, call: Call):
         return {}, bias_fields(call.bias)

@@ -25,6 +25,7 @@ from flashgen.runtime.arrays import alignment, cupy_module, elem_strides
 from flashgen.runtime.device import device_info
 from flashgen.runtime.families import RuntimeFamily, planned_forward_outputs, selector, visible_lse
 from flashgen.runtime.launch import on_device
+from flashgen.runtime.registry import KernelBinary
 from flashgen.runtime.select import Request
 from flashgen.runtime.validate import MASKS, Call, Problem
 
@@ -73,6 +74,16 @@ def bias_fields(bias, prefix: str = "bias") -> dict:
     sb, sh, sm, _ = elem_strides(bias)
     return {f"{prefix}_ptr": bias.data.ptr, f"{prefix}_stride_b": sb, f"{prefix}_stride_h": sh,
             f"{prefix}_stride_m": sm}
+
+
+def check_compiled_bias(binary: KernelBinary, call: Call) -> None:
+    """A bias instance reads the bias for every tile it computes (without one it would fault on the
+    GPU) and a plain one ignores ``attn_bias`` (the result would be wrong).  Selection keeps them
+    apart (``Request.compiled_bias``); this stops a launch that names the kernel itself."""
+    if binary.spec.bias != (call.bias is not None):
+        built = "with" if binary.spec.bias else "without"
+        raise ValueError(f"{binary.name} is built {built} an attention bias (compiled in); "
+                         f"the call has {'none' if binary.spec.bias else 'one'}")
 
 
 def zero_unpacked_rows(p: Problem, *arrays) -> None:

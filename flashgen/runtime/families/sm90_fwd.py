@@ -7,8 +7,8 @@ from flashgen.runtime import plans
 from flashgen.runtime.arrays import cupy_module
 from flashgen.runtime.device import device_info
 from flashgen.runtime.families import visible_lse
-from flashgen.runtime.families.sm90_common import (HopperFamily, band_fields, bias_fields, encode_maps,
-                                                   replay_forward, zero_unpacked_rows)
+from flashgen.runtime.families.sm90_common import (HopperFamily, band_fields, bias_fields, check_compiled_bias,
+                                                   encode_maps, replay_forward, zero_unpacked_rows)
 from flashgen.runtime.launch import fill, handle, launch, params_buffer
 from flashgen.runtime.limits import check_int32, lse_rows
 from flashgen.runtime.registry import KernelBinary
@@ -33,6 +33,7 @@ class Sm90FwdRuntime(HopperFamily):
 
     def launch(self, call: Call, binary: KernelBinary):
         """(out, lse) of the forward on ``binary`` (on the call's device, api.py makes it current)."""
+        check_compiled_bias(binary, call)
         cupy, p, q, k, v = cupy_module(), call.p, call.q, call.k, call.v
         kc = binary.constants
         rows = lse_rows(p.M)
