@@ -1,6 +1,7 @@
 """The Hopper families' compiled-in attention bias without a GPU: which instances serve a bias call,
-and that a bias instance is never launched without a bias (nor a plain one with one).  Nothing
-here imports CuPy (test_runtime_cpu's fakes stand in for arrays)."""
+that a bias instance is never launched without a bias (nor a plain one with one), and how the bias
+reaches the kernels (its tensor map and steps, dbias's row pitch).  Nothing here imports CuPy
+(test_runtime_cpu's fakes stand in for arrays)."""
 from __future__ import annotations
 
 import sys
@@ -8,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from flashgen.runtime.families import sm90_bwd, sm90_fwd
+from flashgen.runtime import tensormap
+from flashgen.runtime.families import sm90_bwd, sm90_common, sm90_fwd
 from flashgen.runtime.select import Request, rejection
 from flashgen.spec.sm90_bwd import Sm90Bwd
 from flashgen.spec.sm90_fwd import Sm90Fwd
@@ -76,3 +78,42 @@ def test_a_bias_instance_is_never_launched_without_a_bias(family, runtime):
     with pytest.raises(ValueError, match=rf"^{plain.name} is built without an attention bias \(compiled in\); "
                                          r"the call has one$"):
         runtime.launch(fake_call(direction, bias=FakeArray((2, 3, 5, 7))), plain)
+
+
+@pytest.mark.parametrize("broadcast", ["", "B", "H", "M", "BH", "BM", "HM", "BHM"])
+def test_the_bias_tensor_map_cuts_broadcast_dims_to_one_row_read_at_coordinate_zero(broadcast):
+    """Validation leaves a broadcast dim with stride 0, which no TMA stride can be: the map gets extent 1
+    there (bias_view, as [batch, query rows, heads, keys]) and the kernel a step of 0, so it always
+    reads coordinate 0 of that dim; other dims keep their extent, stride and a step of 1."""
+    B, H, M, N = 2, 3, 5, 7
+    pitch = 8  # validation's rows: padded to 8 elements
+    strides = [H * M * pitch, M * pitch, pitch, 1]
+    for dim in broadcast:
+        strides["BHM".index(dim)] = 0
+    bias = FakeArray((B, H, M, N), strides=strides)
+    view = tensormap.bias_view(bias)
+    assert view.shape == tuple(1 if dim in broadcast else n for dim, n in zip("BMHN", (B, M, H, N)))
+    assert view.strides == tuple(2 * strides["BHMN".index(dim)] for dim in "BMHN")
+    assert tensormap.bmhk_problem(view) == ""
+    assert sm90_common.bias_fields(bias) == {f"bias_{name}_step": int(dim not in broadcast)
+                                             for dim, name in zip("BHM", ("batch", "head", "row"))}
+    assert sm90_common.bias_fields(None) == {}
+
+
+def test_a_bias_tma_cannot_read_is_refused_with_the_reason(monkeypatch):
+    """Validation pads bias rows to 16 bytes, so this cannot happen through the API; a bias whose
+    rows are not 16-byte aligned would be refused, the reason in explain, not read wrong."""
+    monkeypatch.setattr(sm90_common, "device_info", lambda index: H100)
+    hopper = sm90_fwd.RUNTIME
+    assert hopper.unfit(fake_call(bias=FakeArray((2, 3, 5, 8)))) is None
+    odd_rows = FakeArray((2, 3, 5, 7), strides=(3 * 5 * 7, 5 * 7, 7, 1))
+    assert hopper.unfit(fake_call(bias=odd_rows)) == ("TMA cannot read attn_bias: its sequence stride is 7 elements; "
+                                                      "TMA needs a positive multiple of 8 elements below 2**40 bytes")
+
+
+def test_dbias_is_described_by_its_row_pitch():
+    """The kernel derives the batch and head strides of its own dbias allocation from the row pitch."""
+    B, H, M, N = 2, 3, 5, 7
+    dbias = FakeArray((B, H, M, N), strides=(H * M * 8, M * 8, 8, 1), ptr=0x7F2A00001000)
+    assert sm90_common.dbias_fields(dbias) == {"dbias_ptr": 0x7F2A00001000, "dbias_row_stride": 8}
+    assert sm90_common.dbias_fields(None) == {}

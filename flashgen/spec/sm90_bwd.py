@@ -23,9 +23,11 @@ aligned pointers and strides, head dim a multiple of 8, up to ``max_k``); O as a
 pointer with the same alignment.  dq, dk, dv are written with the strides given.
 Masks and soft-capping as in ``sm90_fwd`` (the same ``band_lo``/``band_hi`` and
 ``softcap_in``/``softcap_out`` fields), but soft-capping needs a ``softcap`` instance.
-A ``bias`` instance reads ``bias_ptr`` as the forward does and, where ``dbias_ptr`` is not null,
-writes dS (the gradient of the biased score, in the input dtype) into dbias [B, H, M, N] (element
-strides ``dbias_stride_b/h/m``) at every (query, key) its CTAs visit; the rest is the caller's.
+A ``bias`` instance reads the bias through ``bias_map`` and the ``bias_*_step`` fields as the
+forward does (a step's tile into the dS buffer the step writes later: no extra shared memory)
+and, where ``dbias_ptr`` is not null, writes dS (the gradient of the biased score, in the input
+dtype) into dbias [B, H, M, N] (rows of ``dbias_row_stride`` elements, packed otherwise) at every
+(query, key) its CTAs visit; the rest is the caller's.
 """
 from __future__ import annotations
 
@@ -73,8 +75,8 @@ class Sm90Bwd(Sm90Tile):
         Rule("bias up to head dim 128 (as in the forward): the split head dim would load and write a step's "
              "bias twice, once per warpgroup; such calls stay on example 41",
              lambda k: k.bias and k.max_k == 256),
-        Rule("no soft-capping with bias at head dim 64: tanh's slope and a 128-query step's bias and dbias "
-             "spilled 1 KB; such calls run on the 128 tier's instance (TMA reads zeros past head dim 64)",
+        Rule("no soft-capping with bias at head dim 64: tanh's slope beside a 128-query step's bias and dbias "
+             "spills 284 bytes; such calls run on the 128 tier's instance (TMA reads zeros past head dim 64)",
              lambda k: k.bias and k.softcap and k.max_k == 64),
     )
 
@@ -129,14 +131,12 @@ class Sm90Bwd(Sm90Tile):
         Field("scale_log2", "f32"),
         Field("softcap_in", "f32"),
         Field("softcap_out", "f32"),
-        Field("bias_ptr", "ptr"),
         Field("dbias_ptr", "ptr"),
-        Field("bias_stride_b", "i64"),
-        Field("bias_stride_h", "i64"),
-        Field("bias_stride_m", "i64"),
-        Field("dbias_stride_b", "i64"),
-        Field("dbias_stride_h", "i64"),
-        Field("dbias_stride_m", "i64"),
+        Field("dbias_row_stride", "i64"),
+        Field("bias_batch_step", "i32"),
+        Field("bias_head_step", "i32"),
+        Field("bias_row_step", "i32"),
+        Field("bias_map", "tensor_map"),
     )
 
     # prep and convert run aux_threads threads

@@ -28,9 +28,12 @@ the int32 [S+1] offsets of S sequences packed along dim 1 of a batch of 1
 [S, H, rows]; with ``band_from_end`` every sequence's band is shifted onto its
 own bottom-right diagonal (the runtime then passes the top-left bounds).
 
-A ``bias`` instance adds ``bias_ptr`` [B, H, M, N] (element strides ``bias_stride_b/h/m``, 0
-where broadcast; rows 4-byte aligned) to the scaled, soft-capped scores before the mask and the
-softmax.  It is compiled in: the plain instances do not carry its registers.  No packed batches.
+A ``bias`` instance adds a bias [B, H, M, N] to the scaled, soft-capped scores before the mask
+and the softmax.  It reads it through the tensor map ``bias_map`` (``runtime/tensormap.bias_view``:
+extent 1 in each dim the bias broadcasts, boxes of 64 keys x 64 rows, 128-byte swizzle), a tile
+per key block through a shared-memory ring beside K/V's; ``bias_batch_step``, ``bias_head_step``
+and ``bias_row_step`` are 0 for a broadcast dim (read at coordinate 0), else 1.  It is compiled
+in: the plain instances do not carry its ring.  No packed batches.
 """
 from __future__ import annotations
 
@@ -64,19 +67,21 @@ class Sm90Fwd(Sm90Tile):
         Rule("192 query rows are three consumer warpgroups beside the producer's: at most 160 registers "
              "each, which only head dim 64 fits without spilling",
              lambda k: k.block_m == 192 and k.max_k > 64),
-        Rule("the Q tile and the K and V rings exceed the 227 KB of shared memory of a Hopper block",
-             lambda k: 2 * k.max_k * (k.block_m + 2 * k.stages * k.block_n) + 1024 + 256 > 227 * 1024),
+        Rule("the Q tile, the K and V rings (and the bias ring with its 1 KB of barriers) exceed the 227 KB of "
+             "shared memory of a Hopper block",
+             lambda k: 2 * k.max_k * (k.block_m + 2 * k.stages * k.block_n) + 1024 + 256
+             + k.bias * (2 * k.stages * k.block_m * k.block_n + 1024) > 227 * 1024),
         Rule("one key-tile width per head-dim tier: 128 up to head dim 128, else the widest whose two "
              "K/V stages fit beside the Q tile (112 for 192, 80 for 256)",
              lambda k: k.block_n != {192: 112, 256: 80}.get(k.max_k, 128)),
         # bias: only the tiles the priority order picks, on three tiers (each instance is a build job)
-        Rule("bias on tiers 64 and 128 only: 96 runs on 128 (TMA zero-fills); above 128 a key block's bias "
-             "values spill (256 bytes at 256) and such calls stay on example 41",
+        Rule("bias on tiers 64 and 128 only: 96 runs on 128 (TMA zero-fills); 192 and 256 leave no room for a "
+             "bias ring beside their K/V rings, and such calls stay on example 41",
              lambda k: k.bias and k.max_k not in (64, 128)),
         Rule("bias instances keep the default two stages: a third never won by more than noise",
              lambda k: k.bias and k.stages != 2),
-        Rule("bias at head dim 64 takes 128 query rows: a 192-row tile's 160 registers per consumer spill a "
-             "key block's bias values (312 bytes)",
+        Rule("bias at head dim 64 takes 128 query rows: a 192-row tile's 160 registers per consumer spill "
+             "(4 bytes with the bias read from shared memory, 312 when it was held in registers)",
              lambda k: k.bias and k.block_m == 192),
     )
 
@@ -115,10 +120,10 @@ class Sm90Fwd(Sm90Tile):
         Field("scale_log2", "f32"),
         Field("softcap_in", "f32"),
         Field("softcap_out", "f32"),
-        Field("bias_ptr", "ptr"),
-        Field("bias_stride_b", "i64"),
-        Field("bias_stride_h", "i64"),
-        Field("bias_stride_m", "i64"),
+        Field("bias_batch_step", "i32"),
+        Field("bias_head_step", "i32"),
+        Field("bias_row_step", "i32"),
+        Field("bias_map", "tensor_map"),
     )
 
     CONSTANTS = tile_constants("flashgen::sm90::FwdParams")

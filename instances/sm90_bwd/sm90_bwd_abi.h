@@ -101,20 +101,16 @@ struct FlashgenAbiCheck_sm90_bwd {
                 "flashgen ABI: Params::softcap_in moved or changed size; update flashgen/spec/sm90_bwd.py");
   static_assert(offsetof(Params, softcap_out) == 732 && sizeof(((Params*)nullptr)->softcap_out) == 4,
                 "flashgen ABI: Params::softcap_out moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, bias_ptr) == 736 && sizeof(((Params*)nullptr)->bias_ptr) == 8,
-                "flashgen ABI: Params::bias_ptr moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, dbias_ptr) == 744 && sizeof(((Params*)nullptr)->dbias_ptr) == 8,
+  static_assert(offsetof(Params, dbias_ptr) == 736 && sizeof(((Params*)nullptr)->dbias_ptr) == 8,
                 "flashgen ABI: Params::dbias_ptr moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, bias_stride_b) == 752 && sizeof(((Params*)nullptr)->bias_stride_b) == 8,
-                "flashgen ABI: Params::bias_stride_b moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, bias_stride_h) == 760 && sizeof(((Params*)nullptr)->bias_stride_h) == 8,
-                "flashgen ABI: Params::bias_stride_h moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, bias_stride_m) == 768 && sizeof(((Params*)nullptr)->bias_stride_m) == 8,
-                "flashgen ABI: Params::bias_stride_m moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, dbias_stride_b) == 776 && sizeof(((Params*)nullptr)->dbias_stride_b) == 8,
-                "flashgen ABI: Params::dbias_stride_b moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, dbias_stride_h) == 784 && sizeof(((Params*)nullptr)->dbias_stride_h) == 8,
-                "flashgen ABI: Params::dbias_stride_h moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, dbias_stride_m) == 792 && sizeof(((Params*)nullptr)->dbias_stride_m) == 8,
-                "flashgen ABI: Params::dbias_stride_m moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, dbias_row_stride) == 744 && sizeof(((Params*)nullptr)->dbias_row_stride) == 8,
+                "flashgen ABI: Params::dbias_row_stride moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, bias_batch_step) == 752 && sizeof(((Params*)nullptr)->bias_batch_step) == 4,
+                "flashgen ABI: Params::bias_batch_step moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, bias_head_step) == 756 && sizeof(((Params*)nullptr)->bias_head_step) == 4,
+                "flashgen ABI: Params::bias_head_step moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, bias_row_step) == 760 && sizeof(((Params*)nullptr)->bias_row_step) == 4,
+                "flashgen ABI: Params::bias_row_step moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, bias_map) == 768 && sizeof(((Params*)nullptr)->bias_map) == 128,
+                "flashgen ABI: Params::bias_map moved or changed size; update flashgen/spec/sm90_bwd.py");
 };

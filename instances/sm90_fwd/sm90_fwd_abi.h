@@ -63,12 +63,12 @@ struct FlashgenAbiCheck_sm90_fwd {
                 "flashgen ABI: Params::softcap_in moved or changed size; update flashgen/spec/sm90_fwd.py");
   static_assert(offsetof(Params, softcap_out) == 492 && sizeof(((Params*)nullptr)->softcap_out) == 4,
                 "flashgen ABI: Params::softcap_out moved or changed size; update flashgen/spec/sm90_fwd.py");
-  static_assert(offsetof(Params, bias_ptr) == 496 && sizeof(((Params*)nullptr)->bias_ptr) == 8,
-                "flashgen ABI: Params::bias_ptr moved or changed size; update flashgen/spec/sm90_fwd.py");
-  static_assert(offsetof(Params, bias_stride_b) == 504 && sizeof(((Params*)nullptr)->bias_stride_b) == 8,
-                "flashgen ABI: Params::bias_stride_b moved or changed size; update flashgen/spec/sm90_fwd.py");
-  static_assert(offsetof(Params, bias_stride_h) == 512 && sizeof(((Params*)nullptr)->bias_stride_h) == 8,
-                "flashgen ABI: Params::bias_stride_h moved or changed size; update flashgen/spec/sm90_fwd.py");
-  static_assert(offsetof(Params, bias_stride_m) == 520 && sizeof(((Params*)nullptr)->bias_stride_m) == 8,
-                "flashgen ABI: Params::bias_stride_m moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, bias_batch_step) == 496 && sizeof(((Params*)nullptr)->bias_batch_step) == 4,
+                "flashgen ABI: Params::bias_batch_step moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, bias_head_step) == 500 && sizeof(((Params*)nullptr)->bias_head_step) == 4,
+                "flashgen ABI: Params::bias_head_step moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, bias_row_step) == 504 && sizeof(((Params*)nullptr)->bias_row_step) == 4,
+                "flashgen ABI: Params::bias_row_step moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, bias_map) == 512 && sizeof(((Params*)nullptr)->bias_map) == 128,
+                "flashgen ABI: Params::bias_map moved or changed size; update flashgen/spec/sm90_fwd.py");
 };

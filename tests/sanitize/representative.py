@@ -75,8 +75,9 @@ for dtype in ("f16", "bf16"):
     # a time, or causal pairs with an odd count), carrying its K/V ring, Q buffer and turns over
     call(dtype, 2, 700, 500, 40, 64)
     call(dtype, 2, 700, 500, 40, 128, causal="top_left")
-    # the bias instances: odd key counts (2-byte tail loads/stores of bias and dbias), rows past
-    # M, grouped-query dbias per query head, windows with soft-capping, a head dim below its tier
+    # the bias instances: odd key counts (partial TMA boxes of bias, dbias chunks into the row
+    # padding), rows past M, grouped-query dbias per query head, windows with soft-capping, a head
+    # dim below its tier, broadcast dims
     call(dtype, 1, 300, 259, 4, 64, heads_kv=2, causal="bottom_right", bias=True)
     call(dtype, 2, 129, 201, 2, 128, window=(50, 10), softcap=5.0, bias="M")   # one bias row per head
     call(dtype, 2, 77, 130, 2, 96, deterministic=True, bias="BH")

@@ -20,8 +20,9 @@
 // window) are masked to -inf, and key blocks wholly outside it are never
 // loaded.  With soft-capping the scores pass through
 // softcap * tanh(score / softcap) first.  kBias instances then add an additive
-// bias (natural-log units, like the scaled scores) read from global memory
-// straight into the S accumulator's register layout.
+// bias (natural-log units, like the scaled scores): the producer loads each key
+// block's bias tile by TMA into a ring beside the K/V ring (same stage, barriers
+// of its own), and the softmax reads it from there (sm90_common.h: kBiasBox).
 //
 // The output is written from registers; the log-sum-exp (natural log, of the
 // scaled scores) goes to lse[sequence, head, row] like the example-41 forward, so
@@ -77,12 +78,12 @@ struct FwdParams {
   float scale_log2;       // softmax scale * log2(e)
   float softcap_in;       // scale / softcap (0: no soft-capping): scores become
   float softcap_out;      //   softcap_out * tanh(softcap_in * q.k), softcap_out = softcap / scale
-  // kBias: the bias [batch, heads, queries, keys] (strides in elements; 0 where broadcast), rows
-  // 4-byte aligned (the runtime pads them to 8 elements), added to the scaled, soft-capped scores
-  void const* bias_ptr;
-  long long bias_stride_b;
-  long long bias_stride_h;
-  long long bias_stride_m;
+  // kBias: the bias added to the scaled, soft-capped scores, as a tensor map of [batch, heads,
+  // queries, keys] (see kBiasBox); a step is 0 where the bias broadcasts that dim, else 1
+  int bias_batch_step;
+  int bias_head_step;
+  int bias_row_step;
+  CUtensorMap bias_map;
 };
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBand_, bool kBias_>
@@ -93,8 +94,8 @@ struct FwdKernel {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr bool kBand = kBand_;
-  // An additive bias is compiled in, not a run-time branch: its registers (a block's values, loaded
-  // while the S GEMM runs) are a cost the plain instances must not carry.
+  // An additive bias is compiled in, not a run-time branch: its ring of tiles takes shared memory
+  // and its loads a place in the softmax that the plain instances must not pay for.
   static constexpr bool kBias = kBias_;
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
@@ -142,7 +143,16 @@ struct FwdKernel {
                                  cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
       cute::Layout<cute::Shape<cute::Int<kConsumerWarpGroups>, cute::_1, cute::_1>>{}));
 
-  struct SharedStorage {
+  // kBias: a bias tile per K/V stage, key box after key box (kBiasBox: each 64 keys wide, kBlockM
+  // rows), filled with the stage's K tile and released once the softmax has read it.  Plain
+  // instances derive from the empty NoBias instead, which takes no room.
+  struct BiasRing {
+    alignas(1024) Element bias[kStages * kBlockM * kBlockN];
+    uint64_t bias_full[kStages];
+    uint64_t bias_empty[kStages];
+  };
+  struct NoBias {};
+  struct SharedStorage : std::conditional_t<kBias, BiasRing, NoBias> {
     alignas(1024) Element q[kBlockM * kHeadDim];
     alignas(1024) Element k[kStages * kBlockN * kHeadDim];
     alignas(1024) Element v[kStages * kBlockN * kHeadDim];
@@ -156,7 +166,8 @@ struct FwdKernel {
   // Dynamic shared memory is only guaranteed 16-byte aligned; the swizzled
   // layouts need 1024, so the kernel rounds its base up inside this slack.
   static constexpr int kSharedBytes = int(sizeof(SharedStorage)) + 1024;
-  static_assert(kSharedBytes <= 227 * 1024, "the Q tile and K/V rings exceed the shared memory of a Hopper block");
+  static_assert(kSharedBytes <= 227 * 1024,
+                "the Q tile and K/V (and bias) rings exceed the shared memory of a Hopper block");
 
   // Key blocks this query block visits: all, or those the band reaches; none past the
   // sequence's queries (a packed batch's grid is sized for its longest sequence).
@@ -255,6 +266,16 @@ struct FwdKernel {
           Barrier::wait(&s.k_empty[stage], (round_of_ring - 1) & 1);
         }
         load_tile(&p.k_map, &s.k_full[stage], s.k + stage * kBlockN * kHeadDim, kBlockN, key0, head_kv, seq.batch);
+        if constexpr (kBias) {  // needed right after K (by the softmax), before V
+          if (round_of_ring > 0) {
+            Barrier::wait(&s.bias_empty[stage], (round_of_ring - 1) & 1);
+          }
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.bias_full[stage],
+                                                                         kBlockM * kBlockN * int(sizeof(Element)));
+          tma_load_bias<kBlockM / kBiasBox, kBlockN / kBiasBox, 1, kBlockM / kBiasBox>(
+              p, &s.bias_full[stage], s.bias + stage * kBlockM * kBlockN, seq.q0 + tile.m_block * kBlockM, key0,
+              tile.head, seq.batch);
+        }
         if (round_of_ring > 0) {
           Barrier::wait(&s.v_empty[stage], (round_of_ring - 1) & 1);
         }
@@ -299,40 +320,19 @@ struct FwdKernel {
     float row_max[2] = {-INFINITY, -INFINITY};
     float row_sum[2] = {0.f, 0.f};
 
-    // kBias: this thread's bias values of one key block, two per register in S's register order
-    // (registers r and r + 1 are adjacent keys of one row: one 4-byte load).  A block's loads go
-    // out before its S GEMM is issued and are waited for by its softmax.  Rows past the sequence
-    // and keys past its end read as 0: those rows are never stored, those keys are masked.
-    // (Packed batches have no bias: the runtime refuses it with cu_seqlens.)
-    uint32_t bias[kBias ? kBlockN / 4 : 1];
-    Element const* bias_row[2] = {nullptr, nullptr};
+    // kBias: where this lane's ldmatrix row sits in a bias tile (sm90_common.h: kBiasBox).  One
+    // ldmatrix.x4 reads the register pairs of key groups j and j + 1 (8 keys each, j even) for
+    // rows +0 and +8: lane l addresses row l % 8 (+ 8 for odd l / 8) of the warp's 16, in key
+    // group j + l / 16, whose swizzled chunk is (j % 8) ^ (l / 16) ^ (row % 8) of key box j / 8.
+    // A query-broadcast bias (row step 0) has its one row in row 0.
+    int bias_row_bytes = 0;
+    int bias_chunk_xor = 0;  // 16 * ((l / 16) ^ (row % 8)): the bytes XORed into 16 * (j % 8)
     if constexpr (kBias) {
-      Element const* base = static_cast<Element const*>(p.bias_ptr) + seq.batch * p.bias_stride_b +
-                            head * p.bias_stride_h;
-      CUTE_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        int const row = row0 + 8 * h;
-        bias_row[h] = row < seq.num_queries ? base + row * p.bias_stride_m : nullptr;
-      }
+      int const warp_row0 = 64 * (tid / 128) + 16 * ((tid / 32) % 4);
+      int const row = (warp_row0 + 8 * ((lane / 8) % 2) + lane % 8) * p.bias_row_step;
+      bias_row_bytes = row * 128;
+      bias_chunk_xor = 16 * ((lane / 16) ^ (row % 8));
     }
-    auto load_bias = [&](int t) {
-      int const block_key0 = (blocks.begin + t) * kBlockN;
-      bool const partial = block_key0 + kBlockN > seq.num_keys;
-      CUTE_UNROLL
-      for (int i = 0; i < kBlockN / 4; ++i) {  // registers 2i, 2i + 1: row 8 * (i % 2), keys key, key + 1
-        int const key = block_key0 + (i / 2) * 8 + col0;
-        Element const* row = bias_row[i % 2];
-        uint32_t value = 0;
-        if (row != nullptr) {
-          if (!partial || key + 1 < seq.num_keys) {
-            value = __ldg(reinterpret_cast<unsigned const*>(row + key));
-          } else if (key < seq.num_keys) {  // the last key of an odd count: its neighbour may not exist
-            value = __ldg(reinterpret_cast<unsigned short const*>(row + key));
-          }
-        }
-        bias[i] = value;
-      }
-    };
 
     // Block t's S = Q K^T is issued together with block t - 1's O += P V; its softmax runs
     // while that P V is still on the tensor cores (exponentials kept in S's registers until
@@ -360,10 +360,19 @@ struct FwdKernel {
         }
       }
       if constexpr (kBias) {  // S * scale * log2(e) + bias * log2(e): the exponent in log2 units
+        int const stage = stage_of(t);
+        Barrier::wait(&s.bias_full[stage], phase_of(t));
+        char const* tile = reinterpret_cast<char const*>(s.bias + stage * kBlockM * kBlockN) + bias_row_bytes;
         CUTE_UNROLL
-        for (int r = 0; r < size(tSrS); ++r) {
-          tSrS(r) = fmaf(tSrS(r), p.scale_log2, unpack_half<Element>(bias[r / 2], r % 2) * kLog2e);
+        for (int j = 0; j < kBlockN / 8; j += 2) {
+          uint32_t pairs[4];  // pair 2j + i: registers 4j + 2i and + 1
+          load_matrix_x4<false>(tile + (j / 8) * kBlockM * 128 + ((16 * (j % 8)) ^ bias_chunk_xor), pairs);
+          CUTE_UNROLL
+          for (int r = 4 * j; r < 4 * j + 8; ++r) {
+            tSrS(r) = fmaf(tSrS(r), p.scale_log2, unpack_half<Element>(pairs[r / 2 - 2 * j], r % 2) * kLog2e);
+          }
         }
+        release(&s.bias_empty[stage]);
       }
       int const key0 = (blocks.begin + t) * kBlockN;
       int const block_row0 = m_block * kBlockM;
@@ -410,9 +419,6 @@ struct FwdKernel {
     };
 
     float correction[2];
-    if constexpr (kBias) {
-      load_bias(0);
-    }
     Barrier::wait(&s.q_full, q_use & 1);
     Barrier::wait(&s.k_full[stage_of(0)], phase_of(0));
     turns.wait();
@@ -431,9 +437,6 @@ struct FwdKernel {
     for (int t = 1; t < num_blocks; ++t) {
       int const stage = stage_of(t);
       int const prev_stage = stage_of(t - 1);
-      if constexpr (kBias) {
-        load_bias(t);  // block t - 1's softmax has used the last ones
-      }
       Barrier::wait(&s.k_full[stage], phase_of(t));
       Barrier::wait(&s.v_full[prev_stage], phase_of(t - 1));
       turns.wait();
@@ -526,6 +529,10 @@ struct FwdKernel {
         Barrier::init(&s.v_full[i], 1);
         Barrier::init(&s.k_empty[i], kConsumerWarps);
         Barrier::init(&s.v_empty[i], kConsumerWarps);
+        if constexpr (kBias) {
+          Barrier::init(&s.bias_full[i], 1);
+          Barrier::init(&s.bias_empty[i], kConsumerWarps);
+        }
       }
       cutlass::arch::fence_barrier_init();
     }

@@ -14,7 +14,7 @@ from typing import Tuple
 from flashgen.runtime import plans
 from flashgen.runtime.arrays import cupy_module, elem_strides
 from flashgen.runtime.families.sm90_common import (HopperFamily, band_fields, bias_fields, check_compiled_bias,
-                                                   encode_maps, zero_unpacked_rows)
+                                                   dbias_fields, encode_bias_map, encode_maps, zero_unpacked_rows)
 from flashgen.runtime.launch import fill, handle, launch, on_device, packed_offsets, params_buffer
 from flashgen.runtime.memory import CupyMemory
 from flashgen.runtime.limits import check_int32
@@ -152,7 +152,7 @@ class Sm90BwdRuntime(ThreeKernelBackward, HopperFamily):
 
     def own_outputs(self, call: Call):
         dbias = self.dbias(call)
-        return ((), {}) if dbias is None else ((dbias,), bias_fields(dbias, "dbias"))
+        return ((), {}) if dbias is None else ((dbias,), dbias_fields(dbias))
 
     @staticmethod
     def dbias(call: Call):
@@ -169,6 +169,7 @@ class Sm90BwdRuntime(ThreeKernelBackward, HopperFamily):
     def encode(self, params, call: Call, kc: dict) -> None:
         encode_maps(params, MAPS, (call.q, call.k, call.v, call.grad_out),
                     (kc["block_m"], kc["block_n"], kc["block_n"], kc["block_m"]), call.p, kc)
+        encode_bias_map(params, call.bias, call.p)
 
     def replay_pointers(self, ptr, q, k, v, out, grad_out, lse) -> tuple:
         # tensor maps (q, k, v, grad_out), then POINTERS' out, dout, lse

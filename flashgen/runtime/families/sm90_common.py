@@ -66,14 +66,40 @@ def band_fields(p: Problem) -> dict:
             "seqstart_k": p.seqstart_k.data.ptr if p.seqstart_k is not None else 0, **softcap}
 
 
-def bias_fields(bias, prefix: str = "bias") -> dict:
-    """The Params fields of the validated [B, H, M, N] bias view (or dbias output): its pointer and
-    element strides of batch, head and row (0 where broadcast), or nothing for no bias."""
+# A bias TMA box: 64 keys (one 128-byte swizzle span of 16-bit values) x 64 query rows, as the
+# kernels lay the tiles out in shared memory (flashgen::sm90::kBiasBox)
+BIAS_BOX = 64
+BIAS_SWIZZLE_BYTES = 128
+
+
+def bias_fields(bias) -> dict:
+    """The steps of the validated [B, H, M, N] bias: 0 for a dim it broadcasts (read at coordinate
+    0 of the tensor map, ``tensormap.bias_view``), else 1; nothing for a call without a bias."""
     if bias is None:
         return {}
-    sb, sh, sm, _ = elem_strides(bias)
-    return {f"{prefix}_ptr": bias.data.ptr, f"{prefix}_stride_b": sb, f"{prefix}_stride_h": sh,
-            f"{prefix}_stride_m": sm}
+    sb, sh, sm, _ = bias.strides
+    return {"bias_batch_step": int(sb != 0), "bias_head_step": int(sh != 0), "bias_row_step": int(sm != 0)}
+
+
+def encode_bias_map(params: np.ndarray, bias, p: Problem) -> None:
+    """Encode the bias's tensor map into ``params``' ``bias_map`` (after ``fill``, which zeroes it),
+    for a call with a bias."""
+    if bias is not None:
+        raw = params.view(np.uint8)
+        at = params.dtype.fields["bias_map"][1]
+        tensormap.encode_bmhk(raw[at:at + tensormap.TENSOR_MAP_BYTES], tensormap.bias_view(bias), p.dtype,
+                              BIAS_BOX, BIAS_BOX, BIAS_SWIZZLE_BYTES)
+
+
+def dbias_fields(dbias) -> dict:
+    """The Params fields of the backward's dbias output [B, H, M, N] (``Sm90BwdRuntime.dbias``: rows
+    padded, packed otherwise): pointer and row stride, or nothing when it is not wanted (dbias_ptr
+    stays null)."""
+    if dbias is None:
+        return {}
+    sb, sh, sm, _ = elem_strides(dbias)
+    assert (sb, sh) == (dbias.shape[1] * dbias.shape[2] * sm, dbias.shape[2] * sm), "dbias rows are packed"
+    return {"dbias_ptr": dbias.data.ptr, "dbias_row_stride": sm}
 
 
 def check_compiled_bias(binary: KernelBinary, call: Call) -> None:
@@ -178,6 +204,10 @@ class HopperFamily(OwnKernelFamily):
             why = tensormap.bmhk_problem(x)
             if why:
                 return f"TMA cannot read {name}: {why}"
+        if call.bias is not None:  # validation copies a bias whose rows are not 16-byte aligned
+            why = tensormap.bmhk_problem(tensormap.bias_view(call.bias))
+            if why:
+                return f"TMA cannot read attn_bias: {why}"
         return None
 
 

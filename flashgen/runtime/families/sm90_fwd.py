@@ -8,7 +8,7 @@ from flashgen.runtime.arrays import cupy_module
 from flashgen.runtime.device import device_info
 from flashgen.runtime.families import visible_lse
 from flashgen.runtime.families.sm90_common import (HopperFamily, band_fields, bias_fields, check_compiled_bias,
-                                                   encode_maps, replay_forward, zero_unpacked_rows)
+                                                   encode_bias_map, encode_maps, replay_forward, zero_unpacked_rows)
 from flashgen.runtime.launch import fill, handle, launch, params_buffer
 from flashgen.runtime.limits import check_int32, lse_rows
 from flashgen.runtime.registry import KernelBinary
@@ -46,6 +46,7 @@ class Sm90FwdRuntime(HopperFamily):
              lse_rows=rows, num_queries=p.M, num_keys=p.N, num_heads=p.H, num_sequences=p.batches, head_dim=p.K,
              head_group=p.H // k.shape[2], **band_fields(p), **bias_fields(call.bias))
         encode_maps(params, MAPS, (q, k, v), (kc["block_m"], kc["block_n"], kc["block_n"]), p, kc)
+        encode_bias_map(params, call.bias, p)
         tiles = -(-p.M // kc["block_m"]) * p.H * p.batches
         # persistent: a CTA per SM (one fits, see the spec), each walking its share of the work units
         # (FwdKernel::Schedule: tiles, or pairs of them); a CTA that finds no unit left exits at once
