@@ -41,9 +41,12 @@ def test_forward_bias_is_compiled_in_and_matched_both_ways():
     """A Hopper call with a bias takes only a bias instance, one without only a plain one, and a bias
     call beyond the bias tiers (head dim 256) is refused with the reason, so example 41 takes it."""
     kernels = [binary(k) for k in Sm90Fwd.default_set() if k.dtype == "f16" and not k.band]
-    assert first(kernels, request("sm90_fwd", True)) == "sm90_fwd_f16_k64_q128x128_s2_bias_sm90a"
-    assert first(kernels, request("sm90_fwd", False)) == "sm90_fwd_f16_k64_q192x128_s2_sm90a", \
-        "plain calls keep the 192-row tile"
+    assert first(kernels, request("sm90_fwd", True)) == "sm90_fwd_f16_k64_q192x128_s2_bias_sm90a", \
+        "the plain calls' 192-row tile"
+    assert first(kernels, request("sm90_fwd", False)) == "sm90_fwd_f16_k64_q192x128_s2_sm90a"
+    band = [binary(k) for k in Sm90Fwd.default_set() if k.dtype == "f16" and k.band]
+    assert first(band, Request("sm90_fwd", "f16", 64, 64, 8, False, True, H100, band=True, compiled_bias=True)) == \
+        "sm90_fwd_f16_k64_q128x128_s2_band_bias_sm90a", "the 192-row band tile spills with a bias"
     assert first(kernels, request("sm90_fwd", True, K=96)) == "sm90_fwd_f16_k128_q128x128_s2_bias_sm90a", \
         "96 runs on the 128 tier"
     plain = next(b for b in kernels if not b.spec.bias)

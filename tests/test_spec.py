@@ -49,10 +49,10 @@ def test_default_set_sizes_are_what_the_readme_says():
     assert len(Sm80Bwd.default_set()) == 6
     sm80 = [k for k in default_kernels() if k.runs_on("sm80")]
     assert len(sm80) == 68 + 4 + 6
-    assert len(Sm90Fwd.default_set()) == 40 + 8  # + bias: 2 dtypes x tiers 64, 128 x band
+    assert len(Sm90Fwd.default_set()) == 40 + 10  # + bias: 2 dtypes x (tiers 64, 128 x band, and q192 at 64)
     assert len(Sm90Bwd.default_set()) == 24 + 12  # + bias: 2 dtypes x 2 bands x (64, 128, 128 + softcap)
     # sm90a: the wgmma families beside example 41; the sm80 ones are not built there (sm90_* serve their calls)
-    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 48 + 36
+    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 50 + 36
     assert len([k for k in default_kernels() if k.runs_on("sm90")]) == 68 + 4 + 6, "plain sm90 cannot build wgmma code"
 
 
@@ -82,8 +82,9 @@ def test_sm90_backward_covers_dtypes_head_dims_masks_and_softcap():
 
 
 def test_sm90_bias_instances_are_the_tiles_the_plain_calls_pick():
-    """Bias is compiled in on the tile each head-dim tier's plain call selects (head dim 64: 128 query
-    rows, the 192-row tile spills), tiers 64 and 128 only, with and without the band mask."""
+    """Bias is compiled in on the tiles the plain calls select, tiers 64 and 128 only, with and
+    without the band mask (head dim 64: the 128-row tile, and the 192-row one without a band, whose
+    band twin spills)."""
     for cls in (Sm90Fwd, Sm90Bwd):
         for dtype in ("f16", "bf16"):
             for band in (False, True):
@@ -93,7 +94,8 @@ def test_sm90_bias_instances_are_the_tiles_the_plain_calls_pick():
                     twin = dataclasses.replace(k, bias=False)
                     assert twin in cls.default_set(), f"{k.name} has no plain twin"
     fwd = {(k.max_k, k.block_m, k.block_n, k.stages) for k in Sm90Fwd.default_set() if k.bias}
-    assert fwd == {(64, 128, 128, 2), (128, 128, 128, 2)}
+    assert fwd == {(64, 128, 128, 2), (64, 192, 128, 2), (128, 128, 128, 2)}
+    assert not any(k.bias and k.band and k.block_m == 192 for k in Sm90Fwd.default_set())
     bwd = {(k.max_k, k.softcap) for k in Sm90Bwd.default_set() if k.bias}
     assert bwd == {(64, False), (128, False), (128, True)}
     assert "sm90_fwd_f16_k64_q128x128_s2_band_bias_sm90a" in [k.name for k in Sm90Fwd.default_set()]

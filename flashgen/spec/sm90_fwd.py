@@ -80,9 +80,9 @@ class Sm90Fwd(Sm90Tile):
              lambda k: k.bias and k.max_k not in (64, 128)),
         Rule("bias instances keep the default two stages: a third never won by more than noise",
              lambda k: k.bias and k.stages != 2),
-        Rule("bias at head dim 64 takes 128 query rows: a 192-row tile's 160 registers per consumer spill "
-             "(4 bytes with the bias read from shared memory, 312 when it was held in registers)",
-             lambda k: k.bias and k.block_m == 192),
+        Rule("band bias at head dim 64 takes 128 query rows: the 192-row band tile spills 4 bytes (a value "
+             "reloaded once per tile) at 160 registers per consumer",
+             lambda k: k.bias and k.band and k.block_m == 192),
     )
 
     @property

@@ -347,11 +347,11 @@ struct FwdKernel {
         Barrier::arrive(empty);
       }
     };
+    // Scores become log2-domain exponents times scale_log2 in softmax(); kBias puts them in that
+    // domain first (the bias is added after the scale), so its row_max is in log2 units.
+    auto to_log2 = [&](float score) { return kBias ? score : score * p.scale_log2; };
     // Block t's scores in tSrS become exp2(scaled score - running max) in place (soft-capped and
     // masked first); the row sums follow, and `correction` is what O must be scaled by.
-    // Scores become log2-domain exponents times scale_log2 below; kBias puts them in that domain
-    // first (the bias is added after the scale), so its row_max is in log2 units.
-    auto to_log2 = [&](float score) { return kBias ? score : score * p.scale_log2; };
     auto softmax = [&](int t, float (&correction)[2]) {
       if (p.softcap_in != 0.f) {
         CUTE_UNROLL
