@@ -154,12 +154,25 @@ def reference(q, k, v, *, bias=None, causal=None, scale=None, keep=None, p=0.0, 
 
 def grouped_reference(q, k, v, grad_out, **options):
     """Grouped-query attention (k/v with H / group heads) as ``reference`` on k/v repeated per
-    query head, dk and dv summed back over each group: (out, lse, (dq, dk, dv))."""
+    query head, dk and dv summed back over each group: (out, lse, (dq, dk, dv, dbias)); dbias is
+    the gradient of the biased scores, [B, H, M, N] per query head, as the kernels return it."""
     group = q.shape[2] // k.shape[2]
     k_rep, v_rep = (cupy.repeat(x, group, axis=2) for x in (k, v))
-    out, lse, (dq, dk, dv, _) = reference(q, k_rep, v_rep, grad_out=grad_out, **options)
+    out, lse, (dq, dk, dv, dbias) = reference(q, k_rep, v_rep, grad_out=grad_out, **options)
     fold = lambda g: g.reshape(*g.shape[:2], k.shape[2], group, g.shape[3]).sum(axis=3)  # noqa: E731 (K may differ from Kv)
-    return out, lse, (dq, fold(dk), fold(dv))
+    return out, lse, (dq, fold(dk), fold(dv), dbias)
+
+
+# Which dims of a [B, H, M, N] attention bias are broadcast (extent 1, stride 0 once validated):
+# every combination of batch, heads and query rows ("": a full bias; "M": one row per head, a
+# key-padding mask)
+BIAS_BROADCASTS = ("", "B", "H", "M", "BH", "BM", "HM", "BHM")
+
+
+def make_bias(rng, dtype, B, H, M, N, broadcast="", scale=2.0):
+    """A random bias of [B, H, M, N] with extent 1 in the dims named in ``broadcast``."""
+    shape = tuple(1 if dim in broadcast else n for dim, n in zip("BHMN", (B, H, M, N)))
+    return randn(rng, shape, dtype, scale)
 
 
 def assert_same_bits(grads, again):

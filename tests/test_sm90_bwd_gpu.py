@@ -13,7 +13,8 @@ cupy = pytest.importorskip("cupy")
 import flashgen  # noqa: E402
 from attention_reference import (  # noqa: E402
     assert_same_bits,
-    BWD_TOL, grouped_reference, make_input, poisoned_allocations, randn, rel_err, gpu_marks, hopper_kernels,
+    BWD_TOL, grouped_reference, make_bias, make_input, poisoned_allocations, randn, rel_err, gpu_marks,
+    hopper_kernels,
 )
 from flashgen.runtime import plans, validate  # noqa: E402
 from flashgen.runtime.families import sm90_bwd  # noqa: E402
@@ -96,22 +97,27 @@ def test_grouped_query_attention(group, causal):
 @pytest.mark.parametrize("binary", KERNELS, ids=[b.name for b in KERNELS])
 def test_every_instance(binary):
     """Each built kernel (not only the ones the priority order picks) on odd sizes, M != N: band
-    kernels with a causal mask and a sliding window, softcap kernels with soft-capping."""
+    kernels with a causal mask and a sliding window, softcap kernels with soft-capping, bias kernels
+    with a bias (broadcast in a different way in each case) and its gradient."""
     spec = binary.spec
     rng = np.random.default_rng(abs(hash(spec.name)) % 2**32)
     causal = "bottom_right" if spec.band else None
     options = {"softcap": 8.0} if spec.softcap else {}
-    cases = (((129, 1000), spec.max_k, None), ((1000, 300), spec.max_k - 24, None), ((7, 7), spec.max_k, None),
-             ((700, 1000), spec.max_k, (300, 77) if spec.band else None))
-    for (M, N), K, window in cases:
+    cases = (((129, 1000), spec.max_k, None, ""), ((1000, 300), spec.max_k - 24, None, "HM"),
+             ((7, 7), spec.max_k, None, "B"), ((700, 1000), spec.max_k, (300, 77) if spec.band else None, "M"))
+    for (M, N), K, window, broadcast in cases:
         q, k, v, do = inputs(rng, spec.dtype, B=2, M=M, N=N, H=4, K=K, Hk=2)
-        out, lse = flashgen.attention_forward(q, k, v, causal=causal, window=window, **options)
-        call = validate.backward_call(do, q, k, v, out, lse, dict(causal=causal, window=window, **options),
+        bias = make_bias(rng, spec.dtype, 2, 4, M, N, broadcast) if spec.bias else None
+        out, lse = flashgen.attention_forward(q, k, v, causal=causal, window=window, attn_bias=bias, **options)
+        call = validate.backward_call(do, q, k, v, out, lse, dict(causal=causal, window=window, attn_bias=bias,
+                                                                  bias_requires_grad=spec.bias, **options),
                                       flashgen.attention_backward)
         with poisoned_allocations():
             grads = sm90_bwd.RUNTIME.launch(call, binary)
-        for name, g, r in zip(("dq", "dk", "dv"), grads, gqa_reference(q, k, v, causal, do, window=window, **options)):
-            assert rel_err(g, r) < BWD_TOL[spec.dtype], (name, M, N, K, window)
+        assert len(grads) == 3 + spec.bias
+        expected = gqa_reference(q, k, v, causal, do, window=window, bias=bias, **options)
+        for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, expected):
+            assert rel_err(g, r) < BWD_TOL[spec.dtype], (name, M, N, K, window, broadcast)
 
 
 @needs_sm90
@@ -167,12 +173,14 @@ def test_lse_with_a_row_stride():
 
 @needs_sm90
 def test_falls_back_where_the_family_has_no_kernel():
-    """bias gradients, dropout, float32, head dims over 256 and TMA-hostile strides go to the
-    example-41 backward."""
+    """bias above head dim 128 (a bias up to 128 has bias instances), dropout, float32, head dims
+    over 256 and TMA-hostile strides go to the example-41 backward."""
     rng = np.random.default_rng(5)
     q, k, v = (randn(rng, (1, 130, 2, 64), "f16") for _ in range(3))
     bias = randn(rng, (1, 2, 130, 130), "f16")
-    assert selected_backward(q, k, v, attn_bias=bias).startswith("mem_eff_bwd")
+    assert selected_backward(q, k, v, attn_bias=bias).startswith("sm90_bwd_f16_k64_q128x128_s2_bias")
+    wide = randn(rng, (1, 130, 2, 192), "f16")
+    assert selected_backward(wide, wide, wide, attn_bias=bias).startswith("mem_eff_bwd")
     assert selected_backward(q, k, v, dropout_p=0.1).startswith("mem_eff_bwd")
     assert selected_backward(*(x.astype(cupy.float32) for x in (q, k, v))).startswith("mem_eff_bwd")
     assert selected_backward(*(randn(rng, (1, 64, 2, 136), "f16") for _ in range(3))).startswith("sm90_bwd_f16_k256")

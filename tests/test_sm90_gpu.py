@@ -13,8 +13,8 @@ import pytest
 cupy = pytest.importorskip("cupy")
 import flashgen  # noqa: E402
 from attention_reference import (  # noqa: E402
-    BWD_TOL, FWD_TOL, grouped_reference, lse_err, make_input, poisoned_allocations, randn, reference, rel_err,
-    gpu_marks, hopper_kernels,
+    BWD_TOL, FWD_TOL, grouped_reference, lse_err, make_bias, make_input, poisoned_allocations, randn, reference,
+    rel_err, gpu_marks, hopper_kernels,
 )
 from flashgen.runtime import plans, validate  # noqa: E402
 from flashgen.runtime.families import sm90_bwd, sm90_fwd  # noqa: E402
@@ -101,19 +101,22 @@ def test_persistent_ctas_walk_many_tiles(dtype, K, M, N, causal, window):
 @pytest.mark.parametrize("binary", KERNELS, ids=[b.name for b in KERNELS])
 def test_every_instance(binary):
     """Each built kernel (not only the ones the priority order picks) on odd sizes, M != N; band
-    kernels with a causal mask, then a sliding window; soft-capping (a run-time option) on one size."""
+    kernels with a causal mask, then a sliding window; soft-capping (a run-time option) on one size;
+    bias kernels with a bias, broadcast in a different way in each case."""
     spec = binary.spec
     rng = np.random.default_rng(abs(hash(spec.name)) % 2**32)
     causal = "bottom_right" if spec.band else None
-    cases = (((129, 1000), spec.max_k, None, 0.0), ((1000, 1000), spec.max_k - 24, None, 0.0),
-             ((7, 7), spec.max_k, None, 0.0), ((300, 700), spec.max_k, (200, 33) if spec.band else None, 8.0))
-    for (M, N), K, window, softcap in cases:
+    cases = (((129, 1000), spec.max_k, None, 0.0, ""), ((1000, 1000), spec.max_k - 24, None, 0.0, "M"),
+             ((7, 7), spec.max_k, None, 0.0, "BH"),
+             ((300, 700), spec.max_k, (200, 33) if spec.band else None, 8.0, "B"))
+    for (M, N), K, window, softcap, broadcast in cases:
         q, k, v = (randn(rng, (2, S, 3, K), spec.dtype) for S in (M, N, N))
-        call = validate.forward_call(q, k, v, {"causal": causal, "window": window, "softcap": softcap},
-                                     flashgen.attention_forward)
+        bias = make_bias(rng, spec.dtype, 2, 3, M, N, broadcast) if spec.bias else None
+        call = validate.forward_call(q, k, v, {"causal": causal, "window": window, "softcap": softcap,
+                                               "attn_bias": bias}, flashgen.attention_forward)
         with poisoned_allocations():  # the family allocates out and lse
             out, lse = sm90_fwd.RUNTIME.launch(call, binary)
-        ref_out, ref_lse = reference(q, k, v, causal=causal, window=window, softcap=softcap)
+        ref_out, ref_lse = reference(q, k, v, bias=bias, causal=causal, window=window, softcap=softcap)
         assert rel_err(out, ref_out) < FWD_TOL[spec.dtype], (M, N, K)
         assert lse_err(lse, ref_lse) < FWD_TOL[spec.dtype], (M, N, K)
         padded = lse.base  # lse is a view of the rows the kernel writes, padded to 32

@@ -49,10 +49,10 @@ def test_default_set_sizes_are_what_the_readme_says():
     assert len(Sm80Bwd.default_set()) == 6
     sm80 = [k for k in default_kernels() if k.runs_on("sm80")]
     assert len(sm80) == 68 + 4 + 6
-    assert len(Sm90Fwd.default_set()) == 40
-    assert len(Sm90Bwd.default_set()) == 24
+    assert len(Sm90Fwd.default_set()) == 40 + 10  # + bias: 2 dtypes x (tiers 64, 128 x band, and q192 at 64)
+    assert len(Sm90Bwd.default_set()) == 24 + 12  # + bias: 2 dtypes x 2 bands x (64, 128, 128 + softcap)
     # sm90a: the wgmma families beside example 41; the sm80 ones are not built there (sm90_* serve their calls)
-    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 40 + 24
+    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 50 + 36
     assert len([k for k in default_kernels() if k.runs_on("sm90")]) == 68 + 4 + 6, "plain sm90 cannot build wgmma code"
 
 
@@ -78,7 +78,30 @@ def test_sm90_backward_covers_dtypes_head_dims_masks_and_softcap():
                          if k.dtype == dtype and k.band == band and k.softcap == softcap}
                 assert tiles == {(64, 128, 128), (128, 64, 128), (256, 64, 64)}
     assert all(k.runs_on("sm90a") and not k.runs_on("sm90") for k in kernels)
-    assert Sm90Bwd.params_dtype().itemsize == 768, "four 128-byte-aligned tensor maps round Params up to 128"
+    assert Sm90Bwd.params_dtype().itemsize == 896, "four 128-byte-aligned tensor maps round Params up to 128"
+
+
+def test_sm90_bias_instances_are_the_tiles_the_plain_calls_pick():
+    """Bias is compiled in on the tiles the plain calls select, tiers 64 and 128 only, with and
+    without the band mask (head dim 64: the 128-row tile, and the 192-row one without a band, whose
+    band twin spills)."""
+    for cls in (Sm90Fwd, Sm90Bwd):
+        for dtype in ("f16", "bf16"):
+            for band in (False, True):
+                biased = [k for k in cls.default_set() if k.bias and k.dtype == dtype and k.band == band]
+                assert {k.max_k for k in biased} == {64, 128}
+                for k in biased:
+                    twin = dataclasses.replace(k, bias=False)
+                    assert twin in cls.default_set(), f"{k.name} has no plain twin"
+    fwd = {(k.max_k, k.block_m, k.block_n, k.stages) for k in Sm90Fwd.default_set() if k.bias}
+    assert fwd == {(64, 128, 128, 2), (64, 192, 128, 2), (128, 128, 128, 2)}
+    assert not any(k.bias and k.band and k.block_m == 192 for k in Sm90Fwd.default_set())
+    bwd = {(k.max_k, k.softcap) for k in Sm90Bwd.default_set() if k.bias}
+    assert bwd == {(64, False), (128, False), (128, True)}
+    assert "sm90_fwd_f16_k64_q128x128_s2_band_bias_sm90a" in [k.name for k in Sm90Fwd.default_set()]
+    assert "sm90_bwd_bf16_k128_q64x128_s2_band_softcap_bias_sm90a" in [k.name for k in Sm90Bwd.default_set()]
+    bias = Sm90Bwd.default_set()[-1]
+    assert bias.cpp_type.endswith(", true, true, true>") and bias.name.endswith("_band_softcap_bias_sm90a")
 
 
 @pytest.mark.parametrize("cls", [MemEffFwd, MemEffBwd])

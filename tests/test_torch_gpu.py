@@ -126,8 +126,8 @@ def test_packed_sequences_match_each_sequence_alone():
         qs, ks = slice(int(cu_q[s]), int(cu_q[s + 1])), slice(int(cu_k[s]), int(cu_k[s + 1]))
         if lengths_q[s] == 0:
             continue
-        ref_out, _, (rq, rk, rv) = grouped_reference(cp(q[qs])[None], cp(k[ks])[None], cp(v[ks])[None],
-                                                     cp(do[qs])[None], causal="top_left")
+        ref_out, _, (rq, rk, rv, _) = grouped_reference(cp(q[qs])[None], cp(k[ks])[None], cp(v[ks])[None],
+                                                        cp(do[qs])[None], causal="top_left")
         assert rel_err(cp(out[qs])[None], ref_out) < FWD_TOL["f16"], s
         for g, r in zip((dq[qs], dk[ks], dv[ks]), (rq, rk, rv)):
             assert rel_err(cp(g)[None], r, 8.0) < BWD_TOL["f16"], s

@@ -36,6 +36,9 @@ class Request:
     seq_multiples: Tuple[int, int] = (0, 0)
     band: bool = False  # a causal mask or sliding window: families that compile it in (sm90) must match
     softcap: bool = False  # soft-capping: families with a softcap axis (sm90_bwd) must match
+    # bias compiled in or not (sm90): the kernel's bias axis must match ``bias`` both ways; else a
+    # kernel with bias (example 41: a null-pointer branch) also serves calls without one
+    compiled_bias: bool = False
 
 
 def seq_multiples(num_queries: int, num_keys: int, varlen: bool) -> Tuple[int, int]:
@@ -66,6 +69,8 @@ def rejection(binary: KernelBinary, req: Request) -> Optional[str]:
         return "built without dropout"
     if req.bias and not getattr(spec, "bias", True):
         return "built without bias"
+    if req.compiled_bias and spec.bias and not req.bias:
+        return "built with bias (compiled in): a call without one takes a kernel without"
     if getattr(spec, "band", req.band) != req.band:
         return f"built {'with' if spec.band else 'without'} the band mask (causal, sliding window)"
     if getattr(spec, "softcap", req.softcap) != req.softcap:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Sequence
+from typing import NamedTuple, Sequence, Tuple
 
 import numpy as np
 
@@ -70,6 +70,24 @@ def bmhk_problem(x) -> str:
             return (f"its {name} stride is {x.strides[dim] // itemsize} elements; TMA needs a positive multiple "
                     f"of {16 // itemsize} elements below 2**40 bytes")
     return ""
+
+
+class View(NamedTuple):
+    """What ``bmhk_problem`` and ``encode_bmhk`` read of an array: [batch, seq, heads, cols], the
+    strides in bytes, the element size, and ``data.ptr``."""
+
+    shape: Tuple[int, int, int, int]
+    strides: Tuple[int, int, int, int]
+    itemsize: int
+    data: object
+
+
+def bias_view(bias) -> View:
+    """The validated attention bias [B, H, M, N] as the sm90 bias tensor map reads it: [batch, query
+    rows, heads, keys], each dim the bias broadcasts (stride 0) cut to extent 1, so that the kernels
+    read it at coordinate 0 (a zero stride is no valid TMA stride)."""
+    (B, H, M, N), (sb, sh, sm, sn) = bias.shape, bias.strides
+    return View((B if sb else 1, M if sm else 1, H if sh else 1, N), (sb, sm, sh, sn), bias.itemsize, bias.data)
 
 
 def encode_bmhk(out: np.ndarray, x, dtype: str, box_cols: int, box_rows: int, swizzle_bytes: int) -> None:

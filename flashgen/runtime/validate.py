@@ -227,7 +227,8 @@ def bias(cupy, attn_bias, c: Problem, q, rows: int, cols: int):
     if attn_bias is None:
         return None
     if c.seqstart_q is not None:
-        raise UnsupportedError("attn_bias with cu_seqlens is not supported by the example-41 kernels")
+        raise UnsupportedError("attn_bias with cu_seqlens is not supported: neither the sm90 nor the example-41 "
+                               "kernels read a bias for packed sequences")
     b = as_array(attn_bias, "attn_bias")
     if b.dtype != q.dtype:
         raise TypeError(f"attn_bias has dtype {b.dtype}, expected {q.dtype} like q")

@@ -44,7 +44,7 @@ _CTYPES = {
     "i64": "<i8",
     "u64": "<u8",
     "f32": "<f4",
-    "tensor_map": "V128",  # CUtensorMap: 128 opaque bytes, alignas(128) in cuda.h (placed first in Params)
+    "tensor_map": "V128",  # CUtensorMap: 128 opaque bytes, alignas(128) in cuda.h (params_dtype places it)
 }
 
 
@@ -85,16 +85,18 @@ class Constant:
 
 
 def params_dtype(abi: Tuple[Field, ...]) -> np.dtype:
-    """The NumPy structured dtype that mirrors ``Params`` (C alignment rules; a struct holding
-    a ``CUtensorMap`` is 128-byte aligned, so its size rounds up to 128)."""
-    names, formats = [f.numpy_name for f in abi], [_CTYPES[f.ctype] for f in abi]
-    dtype = np.dtype({"names": names, "formats": formats}, align=True)
-    maps = [dtype.fields[f.numpy_name][1] for f in abi if f.ctype == "tensor_map"]
-    if not maps:
-        return dtype
-    assert all(offset % 128 == 0 for offset in maps), "tensor maps must sit at 128-byte offsets: declare them first"
-    offsets = [dtype.fields[n][1] for n in names]
-    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": -(-dtype.itemsize // 128) * 128})
+    """The NumPy structured dtype that mirrors ``Params`` (C alignment rules; a ``CUtensorMap`` is
+    alignas(128), so it sits at a 128-byte offset and a struct holding one rounds up to 128)."""
+    names, formats, offsets, end, align = [], [], [], 0, 1
+    for f in abi:
+        fmt = np.dtype(_CTYPES[f.ctype])
+        field_align = 128 if f.ctype == "tensor_map" else fmt.alignment
+        at = -(-end // field_align) * field_align
+        names.append(f.numpy_name)
+        formats.append(fmt)
+        offsets.append(at)
+        end, align = at + fmt.itemsize, max(align, field_align)
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": -(-end // align) * align})
 
 
 def cpp_bool(value: bool) -> str:

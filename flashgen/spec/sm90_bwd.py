@@ -1,7 +1,7 @@
 """``sm90_bwd``: flashgen's own Hopper backward (``flashgen/csrc/flashgen/sm90_bwd.h``).
 
 Template: ``flashgen::sm90::BwdKernel<Element, kHeadDim, kBlockM, kBlockN,
-kStages, kBand, kSoftcap>`` -- one CTA per ``block_n`` keys of one (sequence, k/v head),
+kStages, kBand, kSoftcap, kBias>`` -- one CTA per ``block_n`` keys of one (sequence, k/v head),
 one consumer warpgroup per 64 of them, Q/dO/lse/delta streamed by a producer
 warpgroup through a ``kStages``-deep ring of ``block_m``-query tiles.  Each instance
 holds three entry points, launched in order on one stream:
@@ -23,6 +23,11 @@ aligned pointers and strides, head dim a multiple of 8, up to ``max_k``); O as a
 pointer with the same alignment.  dq, dk, dv are written with the strides given.
 Masks and soft-capping as in ``sm90_fwd`` (the same ``band_lo``/``band_hi`` and
 ``softcap_in``/``softcap_out`` fields), but soft-capping needs a ``softcap`` instance.
+A ``bias`` instance reads the bias through ``bias_map`` and the ``bias_*_step`` fields as the
+forward does (a step's tile into the dS buffer the step writes later: no extra shared memory)
+and, where ``dbias_ptr`` is not null, writes dS (the gradient of the biased score, in the input
+dtype) into dbias [B, H, M, N] (rows of ``dbias_row_stride`` elements, packed otherwise) at every
+(query, key) its CTAs visit; the rest is the caller's.
 """
 from __future__ import annotations
 
@@ -35,13 +40,14 @@ from flashgen.spec.sm90_tile import Sm90Tile, tile_constants
 @dataclass(frozen=True)
 class Sm90Bwd(Sm90Tile):
     softcap: bool  # soft-capping compiled in: it needs registers the plain path spares (BwdKernel::kSoftcap)
+    bias: bool     # an additive attention bias, and dbias, compiled in (BwdKernel::kBias)
 
     FAMILY = "sm90_bwd"
     DIRECTION = "bwd"
     TEMPLATE = "sm90_bwd.cu.j2"
     HEADER = "flashgen/sm90_bwd.h"
     KERNEL = "flashgen::sm90::BwdKernel"
-    FLAGS = ("band", "softcap")
+    FLAGS = ("band", "softcap", "bias")
     AXES = {
         "arch": ("sm90a",),
         "dtype": ("f16", "bf16"),
@@ -51,6 +57,7 @@ class Sm90Bwd(Sm90Tile):
         "stages": (2,),
         "band": (False, True),
         "softcap": (False, True),
+        "bias": (False, True),
     }
     RULES = (
         Rule("a 64-query step of head dim 64 would split dQ into 32-column halves, less than one "
@@ -65,11 +72,18 @@ class Sm90Bwd(Sm90Tile):
         Rule("64-key CTAs are for the split head dim only: below 256 two warpgroups of 64 keys each "
              "share one K/V load",
              lambda k: k.block_n == 64 and k.max_k != 256),
+        Rule("bias up to head dim 128 (as in the forward): the split head dim would load and write a step's "
+             "bias twice, once per warpgroup; such calls stay on example 41",
+             lambda k: k.bias and k.max_k == 256),
+        Rule("no soft-capping with bias at head dim 64: tanh's slope beside a 128-query step's bias and dbias "
+             "spills 284 bytes; such calls run on the 128 tier's instance (TMA reads zeros past head dim 64)",
+             lambda k: k.bias and k.softcap and k.max_k == 64),
     )
 
     @property
     def priority(self) -> tuple:
-        return (tuple(DTYPES).index(self.dtype), self.band, self.softcap, self.max_k, self.block_m, self.stages, self.block_n)
+        return (tuple(DTYPES).index(self.dtype), self.band, self.softcap, self.bias, self.max_k, self.block_m,
+                self.stages, self.block_n)
 
     # `flashgen::sm90::BwdParams`
     ABI = (
@@ -117,6 +131,12 @@ class Sm90Bwd(Sm90Tile):
         Field("scale_log2", "f32"),
         Field("softcap_in", "f32"),
         Field("softcap_out", "f32"),
+        Field("dbias_ptr", "ptr"),
+        Field("dbias_row_stride", "i64"),
+        Field("bias_batch_step", "i32"),
+        Field("bias_head_step", "i32"),
+        Field("bias_row_step", "i32"),
+        Field("bias_map", "tensor_map"),
     )
 
     # prep and convert run aux_threads threads

@@ -1,7 +1,7 @@
 """``sm90_fwd``: flashgen's own Hopper forward (``flashgen/csrc/flashgen/sm90_fwd.h``).
 
 Template: ``flashgen::sm90::FwdKernel<Element, kHeadDim, kBlockM, kBlockN,
-kStages, kBand>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
+kStages, kBand, kBias>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
 K/V streamed by TMA through a ``kStages``-deep shared-memory ring, one
 producer warpgroup.  Launch: block (threads_per_block, 1, 1), a persistent
 grid (min(tiles, SMs), 1, 1) over the ceil(M / block_m) x heads x (batch or
@@ -27,6 +27,13 @@ the int32 [S+1] offsets of S sequences packed along dim 1 of a batch of 1
 (nullptr: fixed length), M is the longest sequence's length and the lse is
 [S, H, rows]; with ``band_from_end`` every sequence's band is shifted onto its
 own bottom-right diagonal (the runtime then passes the top-left bounds).
+
+A ``bias`` instance adds a bias [B, H, M, N] to the scaled, soft-capped scores before the mask
+and the softmax.  It reads it through the tensor map ``bias_map`` (``runtime/tensormap.bias_view``:
+extent 1 in each dim the bias broadcasts, boxes of 64 keys x 64 rows, 128-byte swizzle), a tile
+per key block through a shared-memory ring beside K/V's; ``bias_batch_step``, ``bias_head_step``
+and ``bias_row_step`` are 0 for a broadcast dim (read at coordinate 0), else 1.  It is compiled
+in: the plain instances do not carry its ring.  No packed batches.
 """
 from __future__ import annotations
 
@@ -38,11 +45,14 @@ from flashgen.spec.sm90_tile import Sm90Tile, tile_constants
 
 @dataclass(frozen=True)
 class Sm90Fwd(Sm90Tile):
+    bias: bool  # an additive attention bias compiled in (FwdKernel::kBias)
+
     FAMILY = "sm90_fwd"
     DIRECTION = "fwd"
     TEMPLATE = "sm90_fwd.cu.j2"
     HEADER = "flashgen/sm90_fwd.h"
     KERNEL = "flashgen::sm90::FwdKernel"
+    FLAGS = ("band", "bias")
     AXES = {
         "arch": ("sm90a",),
         "dtype": ("f16", "bf16"),
@@ -51,16 +61,28 @@ class Sm90Fwd(Sm90Tile):
         "block_n": (128, 112, 80),
         "stages": (2, 3),
         "band": (False, True),
+        "bias": (False, True),
     }
     RULES = (
         Rule("192 query rows are three consumer warpgroups beside the producer's: at most 160 registers "
              "each, which only head dim 64 fits without spilling",
              lambda k: k.block_m == 192 and k.max_k > 64),
-        Rule("the Q tile and the K and V rings exceed the 227 KB of shared memory of a Hopper block",
-             lambda k: 2 * k.max_k * (k.block_m + 2 * k.stages * k.block_n) + 1024 + 256 > 227 * 1024),
+        Rule("the Q tile, the K and V rings (and the bias ring with its 1 KB of barriers) exceed the 227 KB of "
+             "shared memory of a Hopper block",
+             lambda k: 2 * k.max_k * (k.block_m + 2 * k.stages * k.block_n) + 1024 + 256
+             + k.bias * (2 * k.stages * k.block_m * k.block_n + 1024) > 227 * 1024),
         Rule("one key-tile width per head-dim tier: 128 up to head dim 128, else the widest whose two "
              "K/V stages fit beside the Q tile (112 for 192, 80 for 256)",
              lambda k: k.block_n != {192: 112, 256: 80}.get(k.max_k, 128)),
+        # bias: only the tiles the priority order picks, on three tiers (each instance is a build job)
+        Rule("bias on tiers 64 and 128 only: 96 runs on 128 (TMA zero-fills); 192 and 256 leave no room for a "
+             "bias ring beside their K/V rings, and such calls stay on example 41",
+             lambda k: k.bias and k.max_k not in (64, 128)),
+        Rule("bias instances keep the default two stages: a third never won by more than noise",
+             lambda k: k.bias and k.stages != 2),
+        Rule("band bias at head dim 64 takes 128 query rows: the 192-row band tile spills 4 bytes (a value "
+             "reloaded once per tile) at 160 registers per consumer",
+             lambda k: k.bias and k.band and k.block_m == 192),
     )
 
     @property
@@ -68,7 +90,8 @@ class Sm90Fwd(Sm90Tile):
         # the smallest head-dim tier that fits, then the default tile (tuning tables pick per bucket):
         # 192 query rows where they exist (head dim 64: +5-15% from 512 to 16k tokens on an H200,
         # within noise of 128 for causal 1k), two stages (a third never won by more than noise)
-        return (tuple(DTYPES).index(self.dtype), self.band, self.max_k, -self.block_m, self.stages, self.block_n)
+        return (tuple(DTYPES).index(self.dtype), self.band, self.bias, self.max_k, -self.block_m, self.stages,
+                self.block_n)
 
     # `flashgen::sm90::FwdParams`
     ABI = (
@@ -97,6 +120,10 @@ class Sm90Fwd(Sm90Tile):
         Field("scale_log2", "f32"),
         Field("softcap_in", "f32"),
         Field("softcap_out", "f32"),
+        Field("bias_batch_step", "i32"),
+        Field("bias_head_step", "i32"),
+        Field("bias_row_step", "i32"),
+        Field("bias_map", "tensor_map"),
     )
 
     CONSTANTS = tile_constants("flashgen::sm90::FwdParams")

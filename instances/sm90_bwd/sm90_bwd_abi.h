@@ -12,7 +12,7 @@
 template <class Params>
 struct FlashgenAbiCheck_sm90_bwd {
   static_assert(std::is_standard_layout<Params>::value, "flashgen ABI: Params is no longer standard-layout");
-  static_assert(sizeof(Params) == 768, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm90_bwd.py");
+  static_assert(sizeof(Params) == 896, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm90_bwd.py");
   static_assert(offsetof(Params, q_map) == 0 && sizeof(((Params*)nullptr)->q_map) == 128,
                 "flashgen ABI: Params::q_map moved or changed size; update flashgen/spec/sm90_bwd.py");
   static_assert(offsetof(Params, k_map) == 128 && sizeof(((Params*)nullptr)->k_map) == 128,
@@ -101,4 +101,16 @@ struct FlashgenAbiCheck_sm90_bwd {
                 "flashgen ABI: Params::softcap_in moved or changed size; update flashgen/spec/sm90_bwd.py");
   static_assert(offsetof(Params, softcap_out) == 732 && sizeof(((Params*)nullptr)->softcap_out) == 4,
                 "flashgen ABI: Params::softcap_out moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, dbias_ptr) == 736 && sizeof(((Params*)nullptr)->dbias_ptr) == 8,
+                "flashgen ABI: Params::dbias_ptr moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, dbias_row_stride) == 744 && sizeof(((Params*)nullptr)->dbias_row_stride) == 8,
+                "flashgen ABI: Params::dbias_row_stride moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, bias_batch_step) == 752 && sizeof(((Params*)nullptr)->bias_batch_step) == 4,
+                "flashgen ABI: Params::bias_batch_step moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, bias_head_step) == 756 && sizeof(((Params*)nullptr)->bias_head_step) == 4,
+                "flashgen ABI: Params::bias_head_step moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, bias_row_step) == 760 && sizeof(((Params*)nullptr)->bias_row_step) == 4,
+                "flashgen ABI: Params::bias_row_step moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, bias_map) == 768 && sizeof(((Params*)nullptr)->bias_map) == 128,
+                "flashgen ABI: Params::bias_map moved or changed size; update flashgen/spec/sm90_bwd.py");
 };

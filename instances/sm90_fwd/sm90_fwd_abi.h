@@ -12,7 +12,7 @@
 template <class Params>
 struct FlashgenAbiCheck_sm90_fwd {
   static_assert(std::is_standard_layout<Params>::value, "flashgen ABI: Params is no longer standard-layout");
-  static_assert(sizeof(Params) == 512, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm90_fwd.py");
+  static_assert(sizeof(Params) == 640, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm90_fwd.py");
   static_assert(offsetof(Params, q_map) == 0 && sizeof(((Params*)nullptr)->q_map) == 128,
                 "flashgen ABI: Params::q_map moved or changed size; update flashgen/spec/sm90_fwd.py");
   static_assert(offsetof(Params, k_map) == 128 && sizeof(((Params*)nullptr)->k_map) == 128,
@@ -63,4 +63,12 @@ struct FlashgenAbiCheck_sm90_fwd {
                 "flashgen ABI: Params::softcap_in moved or changed size; update flashgen/spec/sm90_fwd.py");
   static_assert(offsetof(Params, softcap_out) == 492 && sizeof(((Params*)nullptr)->softcap_out) == 4,
                 "flashgen ABI: Params::softcap_out moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, bias_batch_step) == 496 && sizeof(((Params*)nullptr)->bias_batch_step) == 4,
+                "flashgen ABI: Params::bias_batch_step moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, bias_head_step) == 500 && sizeof(((Params*)nullptr)->bias_head_step) == 4,
+                "flashgen ABI: Params::bias_head_step moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, bias_row_step) == 504 && sizeof(((Params*)nullptr)->bias_row_step) == 4,
+                "flashgen ABI: Params::bias_row_step moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, bias_map) == 512 && sizeof(((Params*)nullptr)->bias_map) == 128,
+                "flashgen ABI: Params::bias_map moved or changed size; update flashgen/spec/sm90_fwd.py");
 };

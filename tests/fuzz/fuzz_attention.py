@@ -15,11 +15,11 @@ Each case is drawn from its own generator seeded with (seed, case), so the
 one-line reproducer printed for a failure reruns exactly that problem.  The
 space: dtype, batch, heads, M, N (1 to 1000), head dims (multiples of 4 up to
 512, K != Kv), layouts (contiguous, heads-major, padded slices, element offsets
-that leave only 4-element alignment), causal kinds, bias (full or broadcast),
+that leave only 4-element alignment), causal kinds, bias (full or broadcast over any of B, H, M),
 dropout (checked through the mask recovered with an identity V), varlen
 batches with empty sequences, the softmax scale (of either sign), and on flashgen's own
-kernels' path (sm90, sm80) sliding windows and soft-capping.  Outputs come from poisoned
-memory, so an unwritten element fails.
+kernels' path (sm90, sm80) sliding windows and soft-capping, and on the sm90 path bias (the
+sm90 bias instances).  Outputs come from poisoned memory, so an unwritten element fails.
 
 A gradient passes if it matches the exact float64 gradient, or the exact
 gradient of the kernel's own rounded output: every flash-style backward takes
@@ -44,13 +44,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shar
 
 import cupy  # noqa: E402
 from attention_reference import (  # noqa: E402
-    BWD_TOL, FWD_TOL, lse_err, poisoned_allocations, randn, recover_keep_mask, reference, rel_err,
-    rel_err_to_summands,
+    BIAS_BROADCASTS, BWD_TOL, FWD_TOL, lse_err, make_bias, poisoned_allocations, randn, recover_keep_mask, reference,
+    rel_err, rel_err_to_summands,
 )
 
 import flashgen  # noqa: E402
 
 FORWARD_ONLY = False  # --forward-only: no backward call, out and lse checked
+BIAS_PATTERNS = tuple(b or "full" for b in BIAS_BROADCASTS)  # the dims a drawn bias broadcasts ("full": none)
 
 
 def draw(seed: int, case: int) -> dict:
@@ -70,7 +71,7 @@ def draw(seed: int, case: int) -> dict:
             lens = [(min(m, n), n) for m, n in lens]  # the kernels' diagonal offset is unsigned
         p.update(B=1, varlen=lens, layout="contiguous")
     elif kind < 0.35:
-        p["bias"] = pick(["full", "broadcast"])
+        p["bias"] = pick(BIAS_PATTERNS)
     elif kind < 0.5:  # dropout, checked through the recovered mask: keep N small enough for V = I
         p.update(dropout=float(r.uniform(0.05, 0.6)), N=int(r.integers(1, 129)), causal=None, scale=None,
                  seed=int(r.integers(2**40)))
@@ -87,6 +88,8 @@ def draw(seed: int, case: int) -> dict:
         side = lambda: None if r.random() < 0.25 else int(pick([0, 1, int(r.integers(0, 300))]))  # noqa: E731
         p["window"] = (side(), side()) if r.random() < 0.7 else None
         p["softcap"] = float(r.uniform(1, 50)) if r.random() < 0.4 else 0.0
+        if not p["varlen"] and r.random() < 0.3:  # the sm90 bias instances (drawn last: the rest stays)
+            p["bias"] = pick(BIAS_PATTERNS)
     if p["scale"] is not None and r.random() < 0.3:  # drawn after the rest, which stays what it was
         p["scale"] = -p["scale"]  # the largest product becomes the smallest score
     return p
@@ -155,8 +158,7 @@ def run_case(seed: int, case: int) -> dict:
     v, do = make(r, (B, N, H, p["Kv"]), dt, p["layout"]), randn(r, (B, M, H, p["Kv"]), dt)
     bias = None
     if p["bias"]:
-        bias = randn(r, (B, H, M, N) if p["bias"] == "full" else (1, H, 1, N), dt)
-        bias = cupy.broadcast_to(bias, (B, H, M, N))
+        bias = make_bias(r, dt, B, H, M, N, "" if p["bias"] == "full" else p["bias"], scale=1.0)
     opts = dict(causal=p["causal"], scale=p["scale"], attn_bias=bias, window=p["window"], softcap=p["softcap"])
     keep = None
     if p["dropout"]:

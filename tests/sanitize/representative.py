@@ -16,7 +16,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import cupy  # noqa: E402
-from attention_reference import randn  # noqa: E402
+from attention_reference import make_bias, randn  # noqa: E402
 
 import flashgen  # noqa: E402
 
@@ -38,9 +38,9 @@ def call_once(dtype, B, M, N, H, K, Kv=None, offset=False, **opts):
     q, k, v = randn(r, (B, M, H, K), dtype), randn(r, (B, N, Hk, K), dtype), randn(r, (B, N, Hk, Kv), dtype)
     if offset:  # a 4-element offset: only the unaligned kernels accept it
         q = randn(r, (B * M * H * K + 4,), dtype)[4:].reshape(B, M, H, K)
-    bias = opts.pop("bias", None)
+    bias = opts.pop("bias", None)  # True: a full [B, H, M, N] bias; a string: the dims it broadcasts
     if bias:
-        opts["attn_bias"] = randn(r, (B, H, M, N), dtype)
+        opts["attn_bias"] = make_bias(r, dtype, B, H, M, N, "" if bias is True else bias)
     out, lse = flashgen.attention_forward(q, k, v, **opts)
     grads = flashgen.attention_backward(randn(r, out.shape, dtype), q, k, v, out, lse,
                                         bias_requires_grad=bias is not None and bias, deterministic=deterministic,
@@ -75,6 +75,13 @@ for dtype in ("f16", "bf16"):
     # a time, or causal pairs with an odd count), carrying its K/V ring, Q buffer and turns over
     call(dtype, 2, 700, 500, 40, 64)
     call(dtype, 2, 700, 500, 40, 128, causal="top_left")
+    # the bias instances: odd key counts (partial TMA boxes of bias, dbias chunks into the row
+    # padding), rows past M, grouped-query dbias per query head, windows with soft-capping, a head
+    # dim below its tier, broadcast dims
+    call(dtype, 1, 300, 259, 4, 64, heads_kv=2, causal="bottom_right", bias=True)
+    call(dtype, 2, 129, 201, 2, 128, window=(50, 10), softcap=5.0, bias="M")   # one bias row per head
+    call(dtype, 2, 77, 130, 2, 96, deterministic=True, bias="BH")
+    call(dtype, 1, 130, 200, 2, 64, softcap=3.0, bias="H")                     # backward on the 128 tier
 # packed batches: example 41 (float32) and, on a 9.0 GPU, sm90 (a sequence without keys, one
 # without queries, rows past the last sequence, a band per sequence, the deterministic order)
 cu_q, cu_k = np.array([0, 5, 5, 40], np.int32), np.array([0, 0, 30, 70], np.int32)

@@ -23,6 +23,10 @@
 //                                            fp32 accumulator by a TMA bulk reduce-add that
 //                                            leaves at the top of the next step, beside
 //                                            that step's S^T / dP^T, issued first
+// kBias instances add a bias (natural-log units) to the scaled scores before the exp2, as
+// the forward did, and, when the caller wants dbias, write dS (before soft-capping's slope:
+// the gradient of the biased score) for every (query, key) the CTA visits.  A step's bias
+// tile comes by TMA into the dS buffer that step later writes (see consume()).
 // Transposing S rather than dQ keeps every per-row softmax quantity a column
 // broadcast (one smem read per column) and dK/dV in registers for the whole
 // CTA.  The dQ product is split between the warpgroups by query rows when a
@@ -97,9 +101,20 @@ struct BwdParams {
   float scale_log2;           // scale * log2(e)
   float softcap_in;           // kSoftcap: scale / softcap (see FwdParams)
   float softcap_out;          // softcap / scale
+  // kBias: dbias [batch, heads, num_queries, keys] (rows of dbias_row_stride elements, a multiple
+  // of 8, packed otherwise; nullptr: not wanted), written for every visited element (16 bytes at
+  // a time: the row padding takes what lies past the last key), and the bias as a tensor map as
+  // in FwdParams (steps 0 where it broadcasts)
+  void* dbias_ptr;
+  long long dbias_row_stride;
+  int bias_batch_step;
+  int bias_head_step;
+  int bias_row_step;
+  CUtensorMap bias_map;
 };
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBand_, bool kSoftcap_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBand_, bool kSoftcap_,
+          bool kBias_>
 struct BwdKernel {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -110,6 +125,9 @@ struct BwdKernel {
   // Soft-capping is compiled in (not a run-time branch as in the forward): its P / dS path keeps
   // tanh's slope in registers, and a kernel holding both paths spilled ~300 bytes at head dim 64.
   static constexpr bool kSoftcap = kSoftcap_;
+  // So is the bias: its loads, barriers and a step's bias values in registers are no cost of the
+  // plain path.
+  static constexpr bool kBias = kBias_;
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
   static_assert(kBlockN % 64 == 0 && kBlockM % 64 == 0 && kHeadDim % 32 == 0, "wgmma tile shapes");
@@ -120,6 +138,7 @@ struct BwdKernel {
   static constexpr int kWarpGroups = kSplitCols ? 2 : kBlockN / 64;
   static constexpr int kKvCols = kSplitCols ? kHeadDim / kWarpGroups : kHeadDim;
   static_assert(!kSplitCols || (kBlockN == 64 && kBlockM == 64), "the split head dim is laid out for 64 x 64 steps");
+  static_assert(!(kSplitCols && kBias), "bias is built up to head dim 128 (spec/sm90_bwd.py): one warpgroup per key");
   static constexpr int kConsumerThreads = 128 * kWarpGroups;
   // The producer is a whole warpgroup (one lane of it issues the loads) so that
   // setmaxnreg can hand its registers to the consumers: 240 each instead of the
@@ -144,6 +163,9 @@ struct BwdKernel {
   // dQ leaves through a tile in shared memory (add_dq_tile) where the tile fits beside the rest;
   // the split head dim adds its parts with atomics instead.
   static constexpr bool kDqTile = !kSplitCols;
+  // Named barriers: 0 all consumers, 1 + w warpgroup w's dQ part, kBiasBarrier + w its bias and
+  // dbias tiles (consume()).
+  static constexpr int kBiasBarrier = 1 + kWarpGroups;
 
   using AtomK = std::conditional_t<kSwizzleBytes == 128, cute::GMMA::Layout_K_SW128_Atom<Element>,
                                    cute::GMMA::Layout_K_SW64_Atom<Element>>;
@@ -183,7 +205,15 @@ struct BwdKernel {
                                  cute::Shape<cute::_64, cute::Int<kDqCols>, cute::Int<kBlockN>>,
                                  cute::GMMA::Major::MN, cute::GMMA::Major::MN>()));
 
-  struct SharedStorage {
+  // kBias: the bias tile of step t arrives in dS buffer t % 2 (bias_full) once the dQ product two
+  // steps back has read that buffer (ds_free, every consumer thread).  Plain instances derive from
+  // the empty NoBias instead, which takes no room.
+  struct BiasBarriers {
+    uint64_t bias_full[2];
+    uint64_t ds_free[2];
+  };
+  struct NoBias {};
+  struct SharedStorage : std::conditional_t<kBias, BiasBarriers, NoBias> {
     alignas(1024) Element k[kBlockN * kHeadDim];
     alignas(1024) Element v[kBlockN * kHeadDim];
     alignas(1024) Element q[kStages * kBlockM * kHeadDim];
@@ -250,6 +280,16 @@ struct BwdKernel {
       load(&p.do_map, &s.full[stage], s.dout + stage * kBlockM * kHeadDim, kBlockM, query0, head);
       cute::SM90_BULK_COPY_G2S::copy(p.lse_log2_ptr + row, &s.full[stage], s.lse_log2[stage], kBlockM * 4);
       cute::SM90_BULK_COPY_G2S::copy(p.delta_ptr + row, &s.full[stage], s.delta[stage], kBlockM * 4);
+      if constexpr (kBias) {  // into the dS buffer of step t, query box after query box (consume())
+        int const buf = t % 2;
+        if (t >= 2) {
+          Barrier::wait(&s.ds_free[buf], (t / 2 - 1) & 1);
+        }
+        TxBarrier::arrive_and_expect_tx(&s.bias_full[buf], kBlockM * kBlockN * int(sizeof(Element)));
+        tma_load_bias<kBlockM / kBiasBox, kBlockN / kBiasBox, kBlockN / kBiasBox, 1>(
+            p, &s.bias_full[buf], s.ds + buf * kBlockM * kBlockN, query0, seq.k0 + n_block * kBlockN, head,
+            seq.batch);
+      }
     }
   }
 
@@ -339,6 +379,73 @@ struct BwdKernel {
         add_dq_tile(p, seq, s, head_of(t - 1), m_block_of(t - 1), n_block);
       }
     };
+
+    // kBias: the bias tile of step t and the dbias tile it yields are both staged in shared memory
+    // as boxes of 64 query rows x 64 keys (sm90_common.h: kBiasBox), [query][key], 128-byte rows
+    // with the 128-byte swizzle.  S^T is [key][query]: ldmatrix.trans (stmatrix.trans for dbias)
+    // moves an 8 x 8 matrix (8 queries, 8 keys) as the register pair of one key and two queries.
+    // One x4 moves the pairs of query groups j and j + 1 (j even) for keys +0 and +8 (pairs 2j ..
+    // 2j + 3): lane l addresses query 8 * (j + l / 16) + l % 8, in the 16-byte chunk 2 * warp +
+    // (l / 8) % 2 of its row (of this warpgroup's 64 keys), swizzled by the row's l % 8.
+    // box_lane_bytes is that for j = 0, with rows 8 * row_step apart (0: every query reads row 0,
+    // a query-broadcast bias's only row); query group j is group_bytes further when query boxes
+    // are query_box_bytes apart.
+    auto box_lane_bytes = [&](int row_step) {
+      int const row = (8 * (lane / 16) + lane % 8) * row_step;
+      return row * 128 + 16 * ((2 * warp_in_wg + (lane / 8) % 2) ^ (row % 8));
+    };
+    auto group_bytes = [](int j, int query_box_bytes) { return j / 8 * query_box_bytes + j % 8 * 1024; };
+    // The producer put step t's bias tile into dS buffer t % 2 with query box i, key box w at box
+    // i * kBlockN / 64 + w: exactly the bytes of that buffer that warpgroup w writes its dS^T into,
+    // so no other warpgroup's write can reach a bias value this one has yet to read (within the
+    // warpgroup a named barrier orders the reads before the writes).  Rows past the sequence and
+    // keys past its end read as TMA's zeros: their P is 0 (lse is +inf there, the keys are masked).
+    // Register r's value comes with the ldmatrix at r - r % 8, read as the P^T loop reaches it:
+    // the scheduler hoists what registers allow.
+    int const bias_lane_bytes = kBias ? wg * kBiasBoxBytes + box_lane_bytes(p.bias_row_step) : 0;
+    uint32_t bias_pairs[4];  // pairs r / 2 - (r / 2) % 4 .. + 3
+    auto bias_value = [&](int buf, int r) {
+      if (r % 8 == 0) {
+        char const* tile = reinterpret_cast<char const*>(s.ds + buf * kBlockM * kBlockN) + bias_lane_bytes;
+        int const query_box_bytes = kBlockN / kBiasBox * kBiasBoxBytes;
+        load_matrix_x4<true>(tile + group_bytes(r / 4, query_box_bytes) * p.bias_row_step, bias_pairs);
+      }
+      return unpack_half<Element>(bias_pairs[(r / 2) % 4], r % 2);
+    };
+    // dS (before soft-capping's slope: the gradient of the biased score) is staged pair by pair as
+    // the dS loop makes it, in this warpgroup's part of the dQ tile, free from the read of the
+    // last step's dQ part (tile_free) until this step's dQ enters it; query box i at i *
+    // kBiasBoxBytes.  Staged whether the caller wants dbias or not: a test in the loop costs more.
+    static_assert(!kBias || kBlockM * kBiasBox * 2 <= kDqPartFloats * 4, "a warpgroup's dbias fits its dQ part");
+    char* const dbias_tile = reinterpret_cast<char*>(s.dq + wg * kDqPartFloats);
+    int const dbias_lane_bytes = kBias ? box_lane_bytes(1) : 0;
+    uint32_t dbias_pairs[4];
+    auto stage_dbias = [&](int r, uint32_t pair) {  // r odd: the pair of registers r - 1 and r
+      if constexpr (kBias) {
+        dbias_pairs[(r / 2) % 4] = pair;
+        if (r % 8 == 7) {
+          store_matrix_x4<true>(dbias_tile + dbias_lane_bytes + group_bytes(r / 4 - 1, kBiasBoxBytes), dbias_pairs);
+        }
+      }
+    };
+    // The staged dbias leaves in 16-byte chunks: chunk c = tid % 128 + 128 k of the tile is its
+    // row c / 8 (in query box c / 512), keys 8 * (c % 8) of the warpgroup's (at chunk (c % 8) ^
+    // (c / 8 % 8) of the row), so a warp writes four whole 128-byte rows of dbias.  Rows past the
+    // sequence and chunks past the last key are not written.
+    auto dbias_out = [&](int head, int query0) {
+      int const c = tid % 128;
+      int const row = c / 8;  // and row + 16 k, 2048 bytes on
+      int const key = key0 + 64 * wg + 8 * (c % 8);
+      char const* from = dbias_tile + row * 128 + 16 * ((c % 8) ^ (row % 8));
+      long long const first_row = ((long long)seq.batch * p.num_heads + head) * p.num_queries + query0 + row;
+      Element* to = static_cast<Element*>(p.dbias_ptr) + first_row * p.dbias_row_stride + key;
+      CUTE_UNROLL
+      for (int k = 0; k < kBlockM / 16; ++k) {
+        if (query0 + row + 16 * k < seq.num_queries && key < seq.num_keys) {
+          *reinterpret_cast<uint4*>(to + 16 * k * p.dbias_row_stride) = *reinterpret_cast<uint4 const*>(from + k * 2048);
+        }
+      }
+    };
     for (int t = 0; t < total; ++t) {
       int const stage = t % kStages;
       int const buf = t % 2;
@@ -351,6 +458,9 @@ struct BwdKernel {
       previous_dq_out(t);
       warpgroup_wait<1>();  // S^T
       warpgroup_fence_operand(tSrS);
+      if constexpr (kBias) {  // read under this step's dP^T GEMM
+        Barrier::wait(&s.bias_full[buf], (t / 2) & 1);
+      }
 
       // P^T.  Queries past num_queries have lse_log2 = +inf (P = 0); keys past
       // num_keys or outside the band are masked here.
@@ -373,12 +483,29 @@ struct BwdKernel {
       };
       float const* lse_log2 = s.lse_log2[stage];
       float const* delta = s.delta[stage];
+      // The exponent's offset for register r: -lse_log2 of its query, plus (kBias) its bias in log2 units.
+      auto offset = [&](int r) {
+        if constexpr (kBias) {
+          return fmaf(bias_value(buf, r), kLog2e, -column_value(lse_log2, r));
+        } else {
+          return -column_value(lse_log2, r);
+        }
+      };
+      bool const want_dbias = kBias && p.dbias_ptr != nullptr;
+      // kBias: this warpgroup's dQ part is free for the dbias tile once its thread 0 has seen the
+      // TMA unit read the last step's dQ part (issued at the top of this step: done by now)
+      auto free_dq_part = [&]() {
+        if constexpr (kBias) {
+          tile_free();
+          cutlass::arch::NamedBarrier::sync(128, kBiasBarrier + wg);
+        }
+      };
       // The mask is applied in a loop of its own: tested per element inside the exp2 loop,
       // it became 64 branches between the MUFU ops and cost 10-15% at head dim 64.
       if constexpr (!kSoftcap) {
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {  // P^T in place of S^T
-          tSrS(r) = exp2_approx(fmaf(tSrS(r), p.scale_log2, -column_value(lse_log2, r)));
+          tSrS(r) = exp2_approx(fmaf(tSrS(r), p.scale_log2, offset(r)));
         }
         if (masked) {
           CUTE_UNROLL
@@ -386,28 +513,38 @@ struct BwdKernel {
             tSrS(r) = hidden(r, (r / 4) * 8 + col0 + r % 2) ? 0.f : tSrS(r);
           }
         }
+        free_dq_part();
         warpgroup_wait<0>();
         warpgroup_fence_operand(tPrDp);
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {
           tVrP(r) = static_cast<Element>(tSrS(r));
           tKrDs(r) = static_cast<Element>(tSrS(r) * (tPrDp(r) - column_value(delta, r)));
+          if (r % 2 == 1) {
+            stage_dbias(r, pack_pair(tKrDs(r - 1), tKrDs(r)));
+          }
         }
       } else {
+        float previous_ds = 0.f;
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {  // P^T into its A operand, tanh's slope 1 - t^2 into dS^T's
           int const col = (r / 4) * 8 + col0 + r % 2;
           float const t = tanh_approx(tSrS(r) * p.softcap_in);
-          float const prob = exp2_approx(fmaf(t * p.softcap_out, p.scale_log2, -column_value(lse_log2, r)));
+          float const prob = exp2_approx(fmaf(t * p.softcap_out, p.scale_log2, offset(r)));
           tVrP(r) = static_cast<Element>(masked && hidden(r, col) ? 0.f : prob);
           tKrDs(r) = static_cast<Element>(1.f - t * t);
         }
+        free_dq_part();
         warpgroup_wait<0>();
         warpgroup_fence_operand(tPrDp);
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {  // d(softcap_out * t) / dS = scale (1 - t^2); scale comes at the end
-          tKrDs(r) = static_cast<Element>(static_cast<float>(tVrP(r)) * (tPrDp(r) - column_value(delta, r)) *
-                                          static_cast<float>(tKrDs(r)));
+          float const ds = static_cast<float>(tVrP(r)) * (tPrDp(r) - column_value(delta, r));  // d/d(capped score)
+          if (r % 2 == 1) {
+            stage_dbias(r, pack_pair(static_cast<Element>(previous_ds), static_cast<Element>(ds)));
+          }
+          previous_ds = ds;
+          tKrDs(r) = static_cast<Element>(ds * static_cast<float>(tKrDs(r)));
         }
       }
       // dS^T -> dS in shared memory, for the dQ product (with a split head dim both warpgroups
@@ -415,6 +552,9 @@ struct BwdKernel {
       // adjacent queries) in the order stmatrix takes them, and a key's 8 queries are one
       // 16-byte chunk of sDs: one stmatrix stores registers r .. r + 7, the tiles of keys +0
       // and +8 for queries r / 4 * 8 and 8 more, lane l addressing row l % 8 of tile l / 8.
+      if constexpr (kBias) {  // every warp of the warpgroup has read its bias here and staged its dbias
+        cutlass::arch::NamedBarrier::sync(128, kBiasBarrier + wg);
+      }
       if (!kSplitCols || wg == 0) {
         int const tile = lane / 8;
         int const key = key_row - lane / 4 + (tile % 2) * 8 + lane % 8;
@@ -464,8 +604,17 @@ struct BwdKernel {
       warpgroup_fence_operand(tKrDs);
       // every thread arrives: an arrive releases only its own thread's reads (lse, delta)
       Barrier::arrive(&s.empty[stage]);
+      if (want_dbias) {  // under the dQ GEMM
+        dbias_out(head, query0);
+      }
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_dq);
+      if constexpr (kBias) {  // dS buffer `buf` is free for step t + 2's bias tile
+        Barrier::arrive(&s.ds_free[buf]);
+      }
+      if (want_dbias) {  // the whole dbias tile has left before the dQ part is written over
+        cutlass::arch::NamedBarrier::sync(128, kBiasBarrier + wg);
+      }
       if constexpr (kDqTile) {
         dq_to_tile(s, acc_dq);  // leaves under the next step's S^T and dP^T
       } else {
@@ -643,6 +792,12 @@ struct BwdKernel {
       for (int i = 0; i < kStages; ++i) {
         Barrier::init(&s.full[i], 1);
         Barrier::init(&s.empty[i], kConsumerThreads);
+      }
+      if constexpr (kBias) {
+        for (int i = 0; i < 2; ++i) {
+          Barrier::init(&s.bias_full[i], 1);
+          Barrier::init(&s.ds_free[i], kConsumerThreads);
+        }
       }
       cutlass::arch::fence_barrier_init();
     }

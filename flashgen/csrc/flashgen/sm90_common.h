@@ -15,6 +15,19 @@
 namespace flashgen {
 namespace sm90 {
 
+constexpr float kLog2e = 1.44269504088896341f;  // log2(e): natural-log units to the kernels' log2 ones
+
+// Two 16-bit values (half or bfloat16) in one register, low half first, by bit operations: a
+// reinterpret_cast of a local array element put the whole array in local memory (spills).
+template <class Element>
+__device__ __forceinline__ float unpack_half(uint32_t bits, int half) {
+  return static_cast<float>(Element::bitcast(static_cast<uint16_t>(bits >> (16 * half))));
+}
+template <class Element>
+__device__ __forceinline__ uint32_t pack_pair(Element low, Element high) {
+  return uint32_t(low.raw()) | (uint32_t(high.raw()) << 16);
+}
+
 // The wgmma instructions of one warpgroup-wide GEMM over the K modes of a and b, accumulating
 // into c (or overwriting it when kZeroInit), as one commit group, not waited for.  The caller
 // fences the register operands and issues warpgroup_arrive() before (once for all the GEMMs
@@ -99,14 +112,22 @@ __device__ __forceinline__ Storage& shared_storage(char* smem_raw) {
 }
 
 // Four 8 x 8 tiles of 16-bit values into shared memory (stmatrix): this thread holds the pair
-// (row lane / 4, columns 2 * (lane % 4) and + 1) of tile j in values[j], and addresses row
-// lane % 8 of tile lane / 8 (16 contiguous bytes) at `smem` -- an address cute computed, whose
-// swizzled pointers are integers to the compiler, hence the explicit shared state space.
+// (row lane / 4, columns 2 * (lane % 4) and + 1) of tile j in values[j] -- or, kTransposed,
+// the pair (rows 2 * (lane % 4) and + 1, column lane / 4) -- and addresses row lane % 8 of tile
+// lane / 8 (16 contiguous bytes) at `smem` -- an address cute computed, whose swizzled pointers
+// are integers to the compiler, hence the explicit shared state space.
+template <bool kTransposed = false>
 __device__ __forceinline__ void store_matrix_x4(void* smem, uint32_t const (&values)[4]) {
-  asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
-                   static_cast<uint32_t>(__cvta_generic_to_shared(smem))),
-               "r"(values[0]), "r"(values[1]), "r"(values[2]), "r"(values[3])
-               : "memory");
+  uint32_t const address = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  if constexpr (kTransposed) {
+    asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(address),
+                 "r"(values[0]), "r"(values[1]), "r"(values[2]), "r"(values[3])
+                 : "memory");
+  } else {
+    asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(address),
+                 "r"(values[0]), "r"(values[1]), "r"(values[2]), "r"(values[3])
+                 : "memory");
+  }
 }
 
 // Two adjacent floats from shared memory in one 8-byte load (the compiler split the same load
@@ -148,6 +169,58 @@ __device__ __forceinline__ void tma_load_tile(CUtensorMap const* map, uint64_t* 
   CUTE_UNROLL
   for (int c = 0; c < kBoxes; ++c) {
     cute::SM90_TMA_LOAD_4D::copy(map, full, kHint, smem + c * rows * kBoxCols, c * kBoxCols, row0, head, batch);
+  }
+}
+
+// The kBias instances stage the additive bias through shared memory.  The producer's TMA loads
+// a (query rows x keys) tile of it as boxes of kBiasBox keys x kBiasBox query rows: 128-byte
+// rows of keys with the 128-byte swizzle (16-byte chunk c of row r lands at chunk c ^ (r % 8)
+// of its row, boxes 1024-byte aligned).  The consumers read their accumulator-layout pairs from
+// it with ldmatrix, each 8 x 8 matrix being 16 bytes of eight consecutive rows, which the
+// swizzle puts in eight different chunk columns: all 32 banks, no conflict.  The tensor map
+// (the runtime's sm90_common.bias_fields) is [batch, heads, queries, keys], with extent 1 in
+// each dim the bias broadcasts; such a dim is read at coordinate 0 (its Params step is 0), and
+// a query-broadcast bias has one row, which the consumers read for every query (TMA fills the
+// box's other rows with zeros).  Rows and keys past the tensor's end are zeros too.
+constexpr int kBiasBox = 64;
+constexpr int kBiasBoxBytes = kBiasBox * kBiasBox * 2;
+
+// One bias tile: query rows row0 .. row0 + 64 * kRowBoxes - 1, keys key0 .. key0 + 64 * kKeyBoxes
+// - 1, into `smem` (1024-byte aligned), box (i, j) -- the i-th 64 rows, the j-th 64 keys -- at
+// box number i * kRowBoxStride + j * kKeyBoxStride.  Its bytes count toward `full`; the caller
+// expects them.
+template <int kRowBoxes, int kKeyBoxes, int kRowBoxStride, int kKeyBoxStride, class Params, class Element>
+__device__ __forceinline__ void tma_load_bias(Params const& p, uint64_t* full, Element* smem, int row0, int key0,
+                                              int head, int batch) {
+  constexpr uint64_t kHint = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+  static_assert(sizeof(Element) == 2, "a box row is one 128-byte swizzle span of 16-bit values");
+  CUTE_UNROLL
+  for (int i = 0; i < kRowBoxes; ++i) {
+    CUTE_UNROLL
+    for (int j = 0; j < kKeyBoxes; ++j) {
+      Element* box = smem + (i * kRowBoxStride + j * kKeyBoxStride) * kBiasBox * kBiasBox;
+      cute::SM90_TMA_LOAD_4D::copy(&p.bias_map, full, kHint, box, key0 + j * kBiasBox,
+                                   (row0 + i * kBiasBox) * p.bias_row_step, head * p.bias_head_step,
+                                   batch * p.bias_batch_step);
+    }
+  }
+}
+
+// Four 8 x 8 matrices of 16-bit values from shared memory (ldmatrix), lane l addressing row
+// l % 8 of matrix l / 8 (16 contiguous bytes).  values[i] gets matrix i's (row l / 4, columns
+// 2 * (l % 4) and + 1) -- a wgmma accumulator's register pair -- or, kTransposed, its (rows
+// 2 * (l % 4) and + 1, column l / 4), low half first.
+template <bool kTransposed>
+__device__ __forceinline__ void load_matrix_x4(void const* smem, uint32_t (&values)[4]) {
+  uint32_t const address = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  if constexpr (kTransposed) {
+    asm volatile("ldmatrix.sync.aligned.x4.trans.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(values[0]), "=r"(values[1]), "=r"(values[2]), "=r"(values[3])
+                 : "r"(address));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.x4.m8n8.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(values[0]), "=r"(values[1]), "=r"(values[2]), "=r"(values[3])
+                 : "r"(address));
   }
 }
 

@@ -19,7 +19,10 @@
 // num_keys and, in kBand instances, outside the band (causal diagonal, sliding
 // window) are masked to -inf, and key blocks wholly outside it are never
 // loaded.  With soft-capping the scores pass through
-// softcap * tanh(score / softcap) first.
+// softcap * tanh(score / softcap) first.  kBias instances then add an additive
+// bias (natural-log units, like the scaled scores): the producer loads each key
+// block's bias tile by TMA into a ring beside the K/V ring (same stage, barriers
+// of its own), and the softmax reads it from there (sm90_common.h: kBiasBox).
 //
 // The output is written from registers; the log-sum-exp (natural log, of the
 // scaled scores) goes to lse[sequence, head, row] like the example-41 forward, so
@@ -75,9 +78,15 @@ struct FwdParams {
   float scale_log2;       // softmax scale * log2(e)
   float softcap_in;       // scale / softcap (0: no soft-capping): scores become
   float softcap_out;      //   softcap_out * tanh(softcap_in * q.k), softcap_out = softcap / scale
+  // kBias: the bias added to the scaled, soft-capped scores, as a tensor map of [batch, heads,
+  // queries, keys] (see kBiasBox); a step is 0 where the bias broadcasts that dim, else 1
+  int bias_batch_step;
+  int bias_head_step;
+  int bias_row_step;
+  CUtensorMap bias_map;
 };
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBand_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBand_, bool kBias_>
 struct FwdKernel {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -85,6 +94,9 @@ struct FwdKernel {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr bool kBand = kBand_;
+  // An additive bias is compiled in, not a run-time branch: its ring of tiles takes shared memory
+  // and its loads a place in the softmax that the plain instances must not pay for.
+  static constexpr bool kBias = kBias_;
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 32 == 0, "wgmma tile shapes");
@@ -131,7 +143,16 @@ struct FwdKernel {
                                  cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
       cute::Layout<cute::Shape<cute::Int<kConsumerWarpGroups>, cute::_1, cute::_1>>{}));
 
-  struct SharedStorage {
+  // kBias: a bias tile per K/V stage, key box after key box (kBiasBox: each 64 keys wide, kBlockM
+  // rows), filled with the stage's K tile and released once the softmax has read it.  Plain
+  // instances derive from the empty NoBias instead, which takes no room.
+  struct BiasRing {
+    alignas(1024) Element bias[kStages * kBlockM * kBlockN];
+    uint64_t bias_full[kStages];
+    uint64_t bias_empty[kStages];
+  };
+  struct NoBias {};
+  struct SharedStorage : std::conditional_t<kBias, BiasRing, NoBias> {
     alignas(1024) Element q[kBlockM * kHeadDim];
     alignas(1024) Element k[kStages * kBlockN * kHeadDim];
     alignas(1024) Element v[kStages * kBlockN * kHeadDim];
@@ -145,7 +166,8 @@ struct FwdKernel {
   // Dynamic shared memory is only guaranteed 16-byte aligned; the swizzled
   // layouts need 1024, so the kernel rounds its base up inside this slack.
   static constexpr int kSharedBytes = int(sizeof(SharedStorage)) + 1024;
-  static_assert(kSharedBytes <= 227 * 1024, "the Q tile and K/V rings exceed the shared memory of a Hopper block");
+  static_assert(kSharedBytes <= 227 * 1024,
+                "the Q tile and K/V (and bias) rings exceed the shared memory of a Hopper block");
 
   // Key blocks this query block visits: all, or those the band reaches; none past the
   // sequence's queries (a packed batch's grid is sized for its longest sequence).
@@ -244,6 +266,16 @@ struct FwdKernel {
           Barrier::wait(&s.k_empty[stage], (round_of_ring - 1) & 1);
         }
         load_tile(&p.k_map, &s.k_full[stage], s.k + stage * kBlockN * kHeadDim, kBlockN, key0, head_kv, seq.batch);
+        if constexpr (kBias) {  // needed right after K (by the softmax), before V
+          if (round_of_ring > 0) {
+            Barrier::wait(&s.bias_empty[stage], (round_of_ring - 1) & 1);
+          }
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.bias_full[stage],
+                                                                         kBlockM * kBlockN * int(sizeof(Element)));
+          tma_load_bias<kBlockM / kBiasBox, kBlockN / kBiasBox, 1, kBlockM / kBiasBox>(
+              p, &s.bias_full[stage], s.bias + stage * kBlockM * kBlockN, seq.q0 + tile.m_block * kBlockM, key0,
+              tile.head, seq.batch);
+        }
         if (round_of_ring > 0) {
           Barrier::wait(&s.v_empty[stage], (round_of_ring - 1) & 1);
         }
@@ -288,6 +320,20 @@ struct FwdKernel {
     float row_max[2] = {-INFINITY, -INFINITY};
     float row_sum[2] = {0.f, 0.f};
 
+    // kBias: where this lane's ldmatrix row sits in a bias tile (sm90_common.h: kBiasBox).  One
+    // ldmatrix.x4 reads the register pairs of key groups j and j + 1 (8 keys each, j even) for
+    // rows +0 and +8: lane l addresses row l % 8 (+ 8 for odd l / 8) of the warp's 16, in key
+    // group j + l / 16, whose swizzled chunk is (j % 8) ^ (l / 16) ^ (row % 8) of key box j / 8.
+    // A query-broadcast bias (row step 0) has its one row in row 0.
+    int bias_row_bytes = 0;
+    int bias_chunk_xor = 0;  // 16 * ((l / 16) ^ (row % 8)): the bytes XORed into 16 * (j % 8)
+    if constexpr (kBias) {
+      int const warp_row0 = 64 * (tid / 128) + 16 * ((tid / 32) % 4);
+      int const row = (warp_row0 + 8 * ((lane / 8) % 2) + lane % 8) * p.bias_row_step;
+      bias_row_bytes = row * 128;
+      bias_chunk_xor = 16 * ((lane / 16) ^ (row % 8));
+    }
+
     // Block t's S = Q K^T is issued together with block t - 1's O += P V; its softmax runs
     // while that P V is still on the tensor cores (exponentials kept in S's registers until
     // P V has read P), and the warpgroups take turns issuing (TurnTaking).  Block 0 is peeled
@@ -301,6 +347,9 @@ struct FwdKernel {
         Barrier::arrive(empty);
       }
     };
+    // Scores become log2-domain exponents times scale_log2 in softmax(); kBias puts them in that
+    // domain first (the bias is added after the scale), so its row_max is in log2 units.
+    auto to_log2 = [&](float score) { return kBias ? score : score * p.scale_log2; };
     // Block t's scores in tSrS become exp2(scaled score - running max) in place (soft-capped and
     // masked first); the row sums follow, and `correction` is what O must be scaled by.
     auto softmax = [&](int t, float (&correction)[2]) {
@@ -309,6 +358,21 @@ struct FwdKernel {
         for (int r = 0; r < size(tSrS); ++r) {
           tSrS(r) = p.softcap_out * tanh_approx(tSrS(r) * p.softcap_in);
         }
+      }
+      if constexpr (kBias) {  // S * scale * log2(e) + bias * log2(e): the exponent in log2 units
+        int const stage = stage_of(t);
+        Barrier::wait(&s.bias_full[stage], phase_of(t));
+        char const* tile = reinterpret_cast<char const*>(s.bias + stage * kBlockM * kBlockN) + bias_row_bytes;
+        CUTE_UNROLL
+        for (int j = 0; j < kBlockN / 8; j += 2) {
+          uint32_t pairs[4];  // pair 2j + i: registers 4j + 2i and + 1
+          load_matrix_x4<false>(tile + (j / 8) * kBlockM * 128 + ((16 * (j % 8)) ^ bias_chunk_xor), pairs);
+          CUTE_UNROLL
+          for (int r = 4 * j; r < 4 * j + 8; ++r) {
+            tSrS(r) = fmaf(tSrS(r), p.scale_log2, unpack_half<Element>(pairs[r / 2 - 2 * j], r % 2) * kLog2e);
+          }
+        }
+        release(&s.bias_empty[stage]);
       }
       int const key0 = (blocks.begin + t) * kBlockN;
       int const block_row0 = m_block * kBlockM;
@@ -335,15 +399,15 @@ struct FwdKernel {
         }
         m = quad_max(m);
         // a row that has seen no key yet keeps max -inf: subtract 0 so exp2 gives 0, not NaN
-        scaled_max[h] = m == -INFINITY ? 0.f : m * p.scale_log2;
-        correction[h] = exp2_approx(row_max[h] * p.scale_log2 - scaled_max[h]);
+        scaled_max[h] = m == -INFINITY ? 0.f : to_log2(m);
+        correction[h] = exp2_approx(to_log2(row_max[h]) - scaled_max[h]);
         row_max[h] = m;
         row_sum[h] *= correction[h];
       }
       CUTE_UNROLL
       for (int r = 0; r < size(tSrS); ++r) {
         int const h = (r / 2) % 2;
-        tSrS(r) = exp2_approx(fmaf(tSrS(r), p.scale_log2, -scaled_max[h]));
+        tSrS(r) = exp2_approx(kBias ? tSrS(r) - scaled_max[h] : fmaf(tSrS(r), p.scale_log2, -scaled_max[h]));
         row_sum[h] += tSrS(r);
       }
     };
@@ -442,7 +506,8 @@ struct FwdKernel {
           *reinterpret_cast<cutlass::Array<Element, 2>*>(out_row + col) = pair;
         }
         if (lane % 4 == 0) {
-          lse[row] = sum > 0.f ? (row_max[h] * p.scale_log2 + __log2f(sum)) * 0.69314718055994531f : -INFINITY;
+          float const max_log2 = kBias ? row_max[h] : row_max[h] * p.scale_log2;  // see consume()'s to_log2
+          lse[row] = sum > 0.f ? (max_log2 + __log2f(sum)) * 0.69314718055994531f : -INFINITY;
         }
       } else if (row < p.lse_rows && lane % 4 == 0) {
         lse[row] = INFINITY;
@@ -464,6 +529,10 @@ struct FwdKernel {
         Barrier::init(&s.v_full[i], 1);
         Barrier::init(&s.k_empty[i], kConsumerWarps);
         Barrier::init(&s.v_empty[i], kConsumerWarps);
+        if constexpr (kBias) {
+          Barrier::init(&s.bias_full[i], 1);
+          Barrier::init(&s.bias_empty[i], kConsumerWarps);
+        }
       }
       cutlass::arch::fence_barrier_init();
     }

@@ -13,7 +13,8 @@ from typing import Tuple
 
 from flashgen.runtime import plans
 from flashgen.runtime.arrays import cupy_module, elem_strides
-from flashgen.runtime.families.sm90_common import HopperFamily, band_fields, encode_maps, zero_unpacked_rows
+from flashgen.runtime.families.sm90_common import (HopperFamily, band_fields, bias_fields, check_compiled_bias,
+                                                   dbias_fields, encode_bias_map, encode_maps, zero_unpacked_rows)
 from flashgen.runtime.launch import fill, handle, launch, on_device, packed_offsets, params_buffer
 from flashgen.runtime.memory import CupyMemory
 from flashgen.runtime.limits import check_int32
@@ -57,8 +58,9 @@ class ThreeKernelBackward:
     """Launch and replay of a backward with this file's contract, shared by sm90_bwd and sm80_bwd
     (whose kernels keep it): prep, main and convert kernels over one allocation carved by
     ``layout`` and ``buffers``, and a launch plan of the three.  A family says what its Params
-    has beyond the shared fields (``own_fields``, ``encode``) and in what order its plan takes
-    the caller's arrays (``replay_pointers``)."""
+    has beyond the shared fields (``own_fields``, ``encode``), what its kernels write beyond dq,
+    dk, dv (``own_outputs``), which of its kernels a call must not reach (``check_launch``) and
+    in what order its plan takes the caller's arrays (``replay_pointers``)."""
 
     POINTERS: Tuple[str, ...] = ()  # per-call pointers after the tensor maps', in Params order
     MAPS: Tuple[str, ...] = ()      # Params fields holding tensor maps (encoded per call)
@@ -66,6 +68,15 @@ class ThreeKernelBackward:
     def own_fields(self, call: Call) -> Tuple[dict, dict]:
         """(int32 fields, other fields) that only this family's Params has."""
         return {}, {}
+
+    def check_launch(self, call: Call, binary: KernelBinary) -> None:
+        """Raise where ``binary`` must not run ``call`` (selection keeps them apart; this guards a
+        launch that names its kernel itself), before anything touches the GPU."""
+
+    def own_outputs(self, call: Call) -> Tuple[tuple, dict]:
+        """(arrays, their Params fields) of what only this family's kernels write beside dq, dk, dv
+        (sm90_bwd: dbias); ``launch`` returns them after dq, dk, dv, and plans none of those calls."""
+        return (), {}
 
     def encode(self, params, call: Call, kc: dict) -> None:
         """Write what ``fill`` cannot (tensor maps) into the filled ``params``."""
@@ -75,7 +86,8 @@ class ThreeKernelBackward:
         raise NotImplementedError
 
     def launch(self, call: Call, binary: KernelBinary):
-        """(dq, dk, dv) on ``binary`` (on the call's device, api.py makes it current)."""
+        """(dq, dk, dv) and ``own_outputs``' on ``binary`` (on the call's device, api.py makes it current)."""
+        self.check_launch(call, binary)
         cupy, p, q, k, v = cupy_module(), call.p, call.q, call.k, call.v
         out, grad_out, lse, plan_key = call.out, call.grad_out, call.lse, call.plan_key
         kc = binary.constants
@@ -88,6 +100,7 @@ class ThreeKernelBackward:
                                                                           memory.stream(call.stream, p.device))
         os_, gos, ls = elem_strides(out), elem_strides(grad_out), elem_strides(lse)
         own_int32, own = self.own_fields(call)
+        extra, extra_fields = self.own_outputs(call)
         strides = dict(out_stride_m=os_[1], out_stride_h=os_[2], dout_stride_m=gos[1], dout_stride_h=gos[2],
                        dq_stride_m=p.H * p.K, dq_stride_h=p.K, dkv_stride_n=k.shape[2] * p.K, dkv_stride_h=p.K,
                        lse_stride_b=ls[0], lse_stride_h=ls[1], **own_int32)
@@ -98,7 +111,8 @@ class ThreeKernelBackward:
              dv_ptr=dv.data.ptr, out_stride_b=os_[0], dout_stride_b=gos[0], dq_stride_b=q.shape[1] * p.H * p.K,
              dkv_stride_b=k.shape[1] * k.shape[2] * p.K, num_queries=p.M, num_keys=p.N, num_heads=p.H, head_dim=p.K,
              head_group=p.H // k.shape[2], rows_padded=rows,
-             deterministic=int(call.options["deterministic"]), scale=p.scale, **strides, **own, **band_fields(p))
+             deterministic=int(call.options["deterministic"]), scale=p.scale, **strides, **own, **extra_fields,
+             **band_fields(p))
         self.encode(params, call, kc)
         aux_grid, aux_block = (-(-p.M // kc["block_m"]), p.H, p.batches), (kc["aux_threads"], 1, 1)
         grid, block = (-(-p.N // kc["block_n"]), k.shape[2], p.batches), (kc["threads_per_block"], 1, 1)
@@ -106,7 +120,9 @@ class ThreeKernelBackward:
         launch(call.registry, binary, p.device, grid, block, params, call.stream)
         launch(call.registry, binary, p.device, aux_grid, aux_block, params, call.stream, "_convert")
         zero_unpacked_rows(p, dq, dk, dv)
-        if plan_key is not None:
+        if extra:  # never planned: a replay returns dq, dk, dv only
+            return (dq, dk, dv) + extra
+        if plan_key is not None:  # never with a bias: api.py finds no plan for those calls
             entry = lambda name: handle(call.registry, binary, p.device, name)  # noqa: E731
             plans.remember(plan_key, plans.LaunchPlan.from_params(
                 entry(""), p.device, grid, block, kc["shared_memory_bytes"], params, self.POINTERS, False,
@@ -130,9 +146,32 @@ class Sm90BwdRuntime(ThreeKernelBackward, HopperFamily):
     POINTERS = POINTERS
     MAPS = MAPS
 
+    def check_launch(self, call: Call, binary: KernelBinary) -> None:
+        check_compiled_bias(binary, call)
+
+    def own_fields(self, call: Call):
+        return {}, bias_fields(call.bias)
+
+    def own_outputs(self, call: Call):
+        dbias = self.dbias(call)
+        return ((), {}) if dbias is None else ((dbias,), dbias_fields(dbias))
+
+    @staticmethod
+    def dbias(call: Call):
+        """dbias [B, H, M, N] in q's dtype as example 41 returns it (rows padded to 8 elements), or None
+        when not asked for.  The kernel writes every (query, key) it visits: all of them without a
+        band mask, so only band calls pay for zeros where no query sees a key."""
+        if not call.options["bias_requires_grad"]:
+            return None
+        cupy, p = cupy_module(), call.p
+        band = p.mask != 0 or p.window is not None
+        shape = (p.B, p.H, call.q.shape[1], -(-call.k.shape[1] // 8) * 8)
+        return (cupy.zeros if band else cupy.empty)(shape, dtype=call.q.dtype)[..., :call.k.shape[1]]
+
     def encode(self, params, call: Call, kc: dict) -> None:
         encode_maps(params, MAPS, (call.q, call.k, call.v, call.grad_out),
                     (kc["block_m"], kc["block_n"], kc["block_n"], kc["block_m"]), call.p, kc)
+        encode_bias_map(params, call.bias, call.p)
 
     def replay_pointers(self, ptr, q, k, v, out, grad_out, lse) -> tuple:
         # tensor maps (q, k, v, grad_out), then POINTERS' out, dout, lse

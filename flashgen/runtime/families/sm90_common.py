@@ -7,8 +7,10 @@ refuse and how they request and refuse; ``HopperFamily`` adds the 9.0 GPU and TM
 ``sm90_fwd`` and ``sm90_bwd`` (``flashgen/csrc/flashgen/sm90_*.h``) take the
 same run-time options (band mask, soft-capping, packed batches) through the
 same ``Params`` fields, and read q, k, v (and grad_out) through TMA tensor maps.
-A call reaches them when it needs nothing only example 41 has; otherwise they
-refuse it with the reason, and the next family is asked.
+An attention bias is compiled in (``bias`` instances, head dims up to 128): a call
+with one is served by those, one without by the others.  A call reaches them when
+it needs nothing only example 41 has; otherwise they refuse it with the reason,
+and the next family is asked.
 """
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ import numpy as np
 
 from flashgen.errors import UnsupportedError
 from flashgen.runtime import tensormap
-from flashgen.runtime.arrays import alignment, cupy_module
+from flashgen.runtime.arrays import alignment, cupy_module, elem_strides
 from flashgen.runtime.device import device_info
 from flashgen.runtime.families import RuntimeFamily, planned_forward_outputs, selector, visible_lse
 from flashgen.runtime.launch import on_device
+from flashgen.runtime.registry import KernelBinary
 from flashgen.runtime.select import Request
 from flashgen.runtime.validate import MASKS, Call, Problem
 
@@ -63,6 +66,52 @@ def band_fields(p: Problem) -> dict:
             "seqstart_k": p.seqstart_k.data.ptr if p.seqstart_k is not None else 0, **softcap}
 
 
+# A bias TMA box: 64 keys (one 128-byte swizzle span of 16-bit values) x 64 query rows, as the
+# kernels lay the tiles out in shared memory (flashgen::sm90::kBiasBox)
+BIAS_BOX = 64
+BIAS_SWIZZLE_BYTES = 128
+
+
+def bias_fields(bias) -> dict:
+    """The steps of the validated [B, H, M, N] bias: 0 for a dim it broadcasts (read at coordinate
+    0 of the tensor map, ``tensormap.bias_view``), else 1; nothing for a call without a bias."""
+    if bias is None:
+        return {}
+    sb, sh, sm, _ = bias.strides
+    return {"bias_batch_step": int(sb != 0), "bias_head_step": int(sh != 0), "bias_row_step": int(sm != 0)}
+
+
+def encode_bias_map(params: np.ndarray, bias, p: Problem) -> None:
+    """Encode the bias's tensor map into ``params``' ``bias_map`` (after ``fill``, which zeroes it),
+    for a call with a bias."""
+    if bias is not None:
+        raw = params.view(np.uint8)
+        at = params.dtype.fields["bias_map"][1]
+        tensormap.encode_bmhk(raw[at:at + tensormap.TENSOR_MAP_BYTES], tensormap.bias_view(bias), p.dtype,
+                              BIAS_BOX, BIAS_BOX, BIAS_SWIZZLE_BYTES)
+
+
+def dbias_fields(dbias) -> dict:
+    """The Params fields of the backward's dbias output [B, H, M, N] (``Sm90BwdRuntime.dbias``: rows
+    padded, packed otherwise): pointer and row stride, or nothing when it is not wanted (dbias_ptr
+    stays null)."""
+    if dbias is None:
+        return {}
+    sb, sh, sm, _ = elem_strides(dbias)
+    assert (sb, sh) == (dbias.shape[1] * dbias.shape[2] * sm, dbias.shape[2] * sm), "dbias rows are packed"
+    return {"dbias_ptr": dbias.data.ptr, "dbias_row_stride": sm}
+
+
+def check_compiled_bias(binary: KernelBinary, call: Call) -> None:
+    """A bias instance reads the bias for every tile it computes (without one it would fault on the
+    GPU) and a plain one ignores ``attn_bias`` (the result would be wrong).  Selection keeps them
+    apart (``Request.compiled_bias``); this stops a launch that names the kernel itself."""
+    if binary.spec.bias != (call.bias is not None):
+        built = "with" if binary.spec.bias else "without"
+        raise ValueError(f"{binary.name} is built {built} an attention bias (compiled in); "
+                         f"the call has {'none' if binary.spec.bias else 'one'}")
+
+
 def zero_unpacked_rows(p: Problem, *arrays) -> None:
     """Rows past the last sequence of a packed batch belong to no sequence, so no sm90 kernel
     writes them: zeros (arrays given as q-row, then k-row shaped: out or dq, dk, dv)."""
@@ -88,6 +137,10 @@ class OwnKernelFamily(RuntimeFamily):
     they share (band masks, soft-capping, packed batches through the same Params fields), what
     none of them takes, their request, and their refusal.  A subclass adds its GPU in ``unfit``."""
 
+    # an attention bias compiled into some of the family's kernels (a ``bias`` spec axis, which
+    # selection matches both ways); a family without one refuses bias calls
+    compiled_bias = False
+
     def aligned_arrays(self, call: Call) -> Sequence[Tuple[str, object]]:
         """(name, array) of every input whose alignment the kernels' loads need: q, k, v, and a
         backward's out and grad_out, which both backwards read at the same alignment (explain's
@@ -98,7 +151,7 @@ class OwnKernelFamily(RuntimeFamily):
     def unfit(self, call: Call) -> Optional[str]:
         """What the call needs that none of flashgen's own kernels has, or None."""
         p = call.p
-        if call.bias is not None:
+        if call.bias is not None and not self.compiled_bias:
             return "no attn_bias (the example-41 families take it)"
         if p.dropout_p > 0:
             return "no dropout (the example-41 families draw it)"
@@ -114,8 +167,9 @@ class OwnKernelFamily(RuntimeFamily):
     def request(self, call: Call) -> Request:
         p = call.p
         arrays = [x for _, x in self.aligned_arrays(call)]
-        return Request(self.name, p.dtype, p.K, p.Kv, alignment(arrays, (p.K, p.Kv)), False, False,
-                       device_info(p.device), band=p.mask != 0 or p.window is not None, softcap=p.softcap > 0)
+        return Request(self.name, p.dtype, p.K, p.Kv, alignment(arrays, (p.K, p.Kv)), False, call.bias is not None,
+                       device_info(p.device), band=p.mask != 0 or p.window is not None, softcap=p.softcap > 0,
+                       compiled_bias=self.compiled_bias)
 
     def refusal(self, call: Call) -> Optional[str]:
         """``unfit``, or none of the kernels accepts the call (a head dim over the largest tier,
@@ -137,6 +191,8 @@ class HopperFamily(OwnKernelFamily):
     """A family of flashgen's sm90a kernels: a 9.0 GPU, and inputs TMA can read (every one of
     ``aligned_arrays``: those read through a tensor map, or at its alignment)."""
 
+    compiled_bias = True
+
     def unfit(self, call: Call) -> Optional[str]:
         why = super().unfit(call)
         if why is not None:
@@ -148,6 +204,10 @@ class HopperFamily(OwnKernelFamily):
             why = tensormap.bmhk_problem(x)
             if why:
                 return f"TMA cannot read {name}: {why}"
+        if call.bias is not None:  # validation copies a bias whose rows are not 16-byte aligned
+            why = tensormap.bmhk_problem(tensormap.bias_view(call.bias))
+            if why:
+                return f"TMA cannot read attn_bias: {why}"
         return None
 
 

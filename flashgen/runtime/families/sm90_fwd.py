@@ -10,7 +10,8 @@ from flashgen.runtime import plans
 from flashgen.runtime.arrays import cupy_module
 from flashgen.runtime.device import device_info
 from flashgen.runtime.families import visible_lse
-from flashgen.runtime.families.sm90_common import HopperFamily, band_fields, encode_maps, replay_forward, zero_unpacked_rows
+from flashgen.runtime.families.sm90_common import (HopperFamily, band_fields, bias_fields, check_compiled_bias,
+                                                   encode_bias_map, encode_maps, replay_forward, zero_unpacked_rows)
 from flashgen.runtime.launch import fill, handle, launch, params_buffer
 from flashgen.runtime.limits import check_int32, lse_rows
 from flashgen.runtime.registry import KernelBinary
@@ -47,6 +48,7 @@ class Sm90FwdRuntime(HopperFamily):
 
     def launch(self, call: Call, binary: KernelBinary):
         """(out, lse) of the forward on ``binary`` (on the call's device, api.py makes it current)."""
+        check_compiled_bias(binary, call)
         if call.p.scale <= 0:
             call = _positive_scale(call)
         cupy, p, q, k, v = cupy_module(), call.p, call.q, call.k, call.v
@@ -59,8 +61,9 @@ class Sm90FwdRuntime(HopperFamily):
         fill(params, out_ptr=out.data.ptr, lse_ptr=lse.data.ptr, out_stride_b=out.shape[1] * p.H * p.Kv,
              out_stride_m=p.H * p.Kv, out_stride_h=p.Kv, lse_stride_b=p.H * rows, lse_stride_h=rows,
              lse_rows=rows, num_queries=p.M, num_keys=p.N, num_heads=p.H, num_sequences=p.batches, head_dim=p.K,
-             head_group=p.H // k.shape[2], **band_fields(p))
+             head_group=p.H // k.shape[2], **band_fields(p), **bias_fields(call.bias))
         encode_maps(params, MAPS, (q, k, v), (kc["block_m"], kc["block_n"], kc["block_n"]), p, kc)
+        encode_bias_map(params, call.bias, p)
         tiles = -(-p.M // kc["block_m"]) * p.H * p.batches
         # persistent: a CTA per SM (one fits, see the spec), each walking its share of the work units
         # (FwdKernel::Schedule: tiles, or pairs of them); a CTA that finds no unit left exits at once
@@ -68,7 +71,7 @@ class Sm90FwdRuntime(HopperFamily):
         block = (kc["threads_per_block"], 1, 1)
         launch(call.registry, binary, p.device, grid, block, params, call.stream)
         zero_unpacked_rows(p, out)
-        if call.plan_key is not None:
+        if call.plan_key is not None:  # never with a bias: api.py finds no plan for those calls
             plans.remember(call.plan_key, plans.LaunchPlan.from_params(
                 handle(call.registry, binary, p.device), p.device, grid, block, kc["shared_memory_bytes"], params,
                 POINTERS, False, {"out": out.shape, "lse": lse.shape, "M": p.M}, tensor_maps=MAPS,

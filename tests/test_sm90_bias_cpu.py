@@ -1,0 +1,141 @@
+"""The Hopper families' compiled-in attention bias without a GPU: which instances serve a bias call,
+that a bias instance is never launched without a bias (nor a plain one with one), and how the bias
+reaches the kernels (its tensor map and steps, dbias's row pitch).  Nothing here imports CuPy
+(test_runtime_cpu's fakes stand in for arrays)."""
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from flashgen.runtime import tensormap
+from flashgen.runtime.families import sm90_bwd, sm90_common, sm90_fwd
+from flashgen.runtime.select import Request, rejection
+from flashgen.spec.sm90_bwd import Sm90Bwd
+from flashgen.spec.sm90_fwd import Sm90Fwd
+from test_runtime_cpu import H100, FakeArray, fake_call
+
+
+@pytest.fixture(autouse=True)
+def block_cupy(monkeypatch):
+    """`import cupy` raises ImportError inside every test, even where CuPy is installed."""
+    monkeypatch.setitem(sys.modules, "cupy", None)
+
+
+def binary(spec):
+    """What selection and the launch guard read of a built kernel."""
+    return SimpleNamespace(spec=spec, name=spec.name, constants={
+        "max_k": spec.max_k, "alignment": 8, "shared_memory_bytes": 200 * 1024})
+
+
+def request(family, bias, K=64, softcap=False):
+    return Request(family, "f16", K, K, 8, False, bias, H100, softcap=softcap, compiled_bias=True)
+
+
+def first(kernels, req):
+    return next((b.name for b in kernels if rejection(b, req) is None), None)
+
+
+def test_forward_bias_is_compiled_in_and_matched_both_ways():
+    """A Hopper call with a bias takes only a bias instance, one without only a plain one, and a bias
+    call beyond the bias tiers (head dim 256) is refused with the reason, so example 41 takes it."""
+    kernels = [binary(k) for k in Sm90Fwd.default_set() if k.dtype == "f16" and not k.band]
+    assert first(kernels, request("sm90_fwd", True)) == "sm90_fwd_f16_k64_q192x128_s2_bias_sm90a", \
+        "the plain calls' 192-row tile"
+    assert first(kernels, request("sm90_fwd", False)) == "sm90_fwd_f16_k64_q192x128_s2_sm90a"
+    band = [binary(k) for k in Sm90Fwd.default_set() if k.dtype == "f16" and k.band]
+    assert first(band, Request("sm90_fwd", "f16", 64, 64, 8, False, True, H100, band=True, compiled_bias=True)) == \
+        "sm90_fwd_f16_k64_q128x128_s2_band_bias_sm90a", "the 192-row band tile spills with a bias"
+    assert first(kernels, request("sm90_fwd", True, K=96)) == "sm90_fwd_f16_k128_q128x128_s2_bias_sm90a", \
+        "96 runs on the 128 tier"
+    plain = next(b for b in kernels if not b.spec.bias)
+    assert rejection(plain, request("sm90_fwd", True)) == "built without bias"
+    biased = next(b for b in kernels if b.spec.bias)
+    assert "built with bias" in rejection(biased, request("sm90_fwd", False))
+    assert first(kernels, request("sm90_fwd", True, K=256)) is None, "no bias instance above head dim 128"
+    # example 41's bias kernels (a null-pointer branch) still serve calls without one
+    assert Request("mem_eff_fwd", "f16", 64, 64, 8, False, False, H100).compiled_bias is False
+
+
+def test_backward_bias_with_softcapping_at_head_dim_64_runs_on_the_128_tier():
+    """No backward instance has both at head dim 64 (spec: it spilled); the 128 tier's takes the call
+    (TMA reads zeros past head dim 64), so such a call is served, not refused."""
+    kernels = [binary(k) for k in Sm90Bwd.default_set() if k.dtype == "f16" and not k.band]
+    assert first(kernels, request("sm90_bwd", True)) == "sm90_bwd_f16_k64_q128x128_s2_bias_sm90a"
+    assert first(kernels, request("sm90_bwd", True, softcap=True)) == "sm90_bwd_f16_k128_q64x128_s2_softcap_bias_sm90a"
+    assert first(kernels, request("sm90_bwd", False, softcap=True)) == "sm90_bwd_f16_k64_q128x128_s2_softcap_sm90a"
+    assert first(kernels, request("sm90_bwd", True, K=192)) is None
+
+
+@pytest.mark.parametrize("family,runtime", [(Sm90Fwd, sm90_fwd.RUNTIME), (Sm90Bwd, sm90_bwd.RUNTIME)])
+def test_a_bias_instance_is_never_launched_without_a_bias(family, runtime):
+    """Launching a kernel by hand (tests, benchmarks) with the other kind of call is a ValueError
+    before anything touches the GPU: a bias instance would read through a missing bias."""
+    biased = binary(next(k for k in family.default_set() if k.bias))
+    plain = binary(next(k for k in family.default_set() if not k.bias))
+    direction = family.DIRECTION
+    with pytest.raises(ValueError, match=rf"^{biased.name} is built with an attention bias \(compiled in\); "
+                                         r"the call has none$"):
+        runtime.launch(fake_call(direction), biased)
+    with pytest.raises(ValueError, match=rf"^{plain.name} is built without an attention bias \(compiled in\); "
+                                         r"the call has one$"):
+        runtime.launch(fake_call(direction, bias=FakeArray((2, 3, 5, 7))), plain)
+
+
+@pytest.mark.parametrize("broadcast", ["", "B", "H", "M", "BH", "BM", "HM", "BHM"])
+def test_the_bias_tensor_map_cuts_broadcast_dims_to_one_row_read_at_coordinate_zero(broadcast):
+    """Validation leaves a broadcast dim with stride 0, which no TMA stride can be: the map gets extent 1
+    there (bias_view, as [batch, query rows, heads, keys]) and the kernel a step of 0, so it always
+    reads coordinate 0 of that dim; other dims keep their extent, stride and a step of 1."""
+    B, H, M, N = 2, 3, 5, 7
+    pitch = 8  # validation's rows: padded to 8 elements
+    strides = [H * M * pitch, M * pitch, pitch, 1]
+    for dim in broadcast:
+        strides["BHM".index(dim)] = 0
+    bias = FakeArray((B, H, M, N), strides=strides)
+    view = tensormap.bias_view(bias)
+    assert view.shape == tuple(1 if dim in broadcast else n for dim, n in zip("BMHN", (B, M, H, N)))
+    assert view.strides == tuple(2 * strides["BHMN".index(dim)] for dim in "BMHN")
+    assert tensormap.bmhk_problem(view) == ""
+    assert sm90_common.bias_fields(bias) == {f"bias_{name}_step": int(dim not in broadcast)
+                                             for dim, name in zip("BHM", ("batch", "head", "row"))}
+    assert sm90_common.bias_fields(None) == {}
+
+
+def test_a_bias_tma_cannot_read_is_refused_with_the_reason(monkeypatch):
+    """Validation pads bias rows to 16 bytes, so this cannot happen through the API; a bias whose
+    rows are not 16-byte aligned would be refused, the reason in explain, not read wrong."""
+    monkeypatch.setattr(sm90_common, "device_info", lambda index: H100)
+    hopper = sm90_fwd.RUNTIME
+    assert hopper.unfit(fake_call(bias=FakeArray((2, 3, 5, 8)))) is None
+    odd_rows = FakeArray((2, 3, 5, 7), strides=(3 * 5 * 7, 5 * 7, 7, 1))
+    assert hopper.unfit(fake_call(bias=odd_rows)) == ("TMA cannot read attn_bias: its sequence stride is 7 elements; "
+                                                      "TMA needs a positive multiple of 8 elements below 2**40 bytes")
+
+
+def test_dbias_is_described_by_its_row_pitch():
+    """The kernel derives the batch and head strides of its own dbias allocation from the row pitch."""
+    B, H, M, N = 2, 3, 5, 7
+    dbias = FakeArray((B, H, M, N), strides=(H * M * 8, M * 8, 8, 1), ptr=0x7F2A00001000)
+    assert sm90_common.dbias_fields(dbias) == {"dbias_ptr": 0x7F2A00001000, "dbias_row_stride": 8}
+    assert sm90_common.dbias_fields(None) == {}
+
+
+def test_sm80_bwd_shares_the_backward_launch_but_not_its_bias_hooks():
+    """sm80_bwd launches through sm90_bwd's ThreeKernelBackward; the bias lives in sm90_bwd's hooks
+    alone.  sm80_bwd's spec has no bias axis, so its launch guard, extra outputs and Params fields
+    stay bias-free, and a bias call never reaches it (AmpereFamily refuses it for example 41)."""
+    from flashgen.runtime.families import sm80_bwd
+    from flashgen.spec.sm80_bwd import Sm80Bwd
+
+    ampere, hopper = sm80_bwd.RUNTIME, sm90_bwd.RUNTIME
+    assert isinstance(ampere, sm90_bwd.ThreeKernelBackward) and not hasattr(Sm80Bwd.default_set()[0], "bias")
+    call = fake_call("bwd", bias_requires_grad=True)
+    ampere.check_launch(call, binary(Sm80Bwd.default_set()[0]))  # no bias axis read: nothing raised
+    assert ampere.own_outputs(call) == ((), {})
+    assert not any("bias" in name for fields in ampere.own_fields(call) for name in fields)
+    assert ampere.unfit(fake_call("bwd", bias=FakeArray((2, 3, 5, 7)))).startswith("no attn_bias")
+    # sm90_bwd's hooks: dbias only where it is wanted, the bias's steps only with a bias
+    assert hopper.own_outputs(fake_call("bwd", bias_requires_grad=False)) == ((), {})
+    assert hopper.own_fields(fake_call("bwd")) == ({}, {})
