@@ -158,10 +158,13 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    """The four processes' results, one dict per rank (fork: no second import of torch)."""
+    """The four processes' results, one dict per rank.  Forked (no second import of torch), unless
+    this process has run CUDA work: autograd's device threads then make a forked backward fail
+    (the whole suite on a GPU machine), and the ranks start afresh instead."""
     directory = tmp_path_factory.mktemp("ring")
+    start = "spawn" if torch.cuda.is_available() and torch.cuda.is_initialized() else "fork"
     processes = torch.multiprocessing.start_processes(_worker, args=(_free_port(), str(directory)),
-                                                      nprocs=PROCESSES, join=False, start_method="fork")
+                                                      nprocs=PROCESSES, join=False, start_method=start)
     deadline = time.monotonic() + 180  # a ring that waits forever (a receive nobody sends) fails, not hangs
     while not processes.join(timeout=2):
         if time.monotonic() > deadline:
