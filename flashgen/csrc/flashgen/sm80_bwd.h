@@ -219,40 +219,6 @@ struct BwdKernel {
     return band_blocks<kBlockM, kBlockN>(m_block, seq.num_keys, seq.band_lo, seq.band_hi);
   }
 
-  // acc += A B over the K mode, both operands from shared memory by ldmatrix; the next k-slice's
-  // fragments load while this one's MMAs run.
-  template <class Mma, class Acc, class CopyA, class SrcA, class RegA, class ViewA, class CopyB, class SrcB,
-            class RegB, class ViewB>
-  static __device__ void gemm_ss(Mma& mma, Acc& acc, CopyA const& copy_a, SrcA const& src_a, RegA& reg_a,
-                                 ViewA& view_a, CopyB const& copy_b, SrcB const& src_b, RegB& reg_b, ViewB& view_b) {
-    using namespace cute;
-    copy(copy_a, src_a(_, _, 0), view_a(_, _, 0));
-    copy(copy_b, src_b(_, _, 0), view_b(_, _, 0));
-    CUTE_UNROLL
-    for (int kk = 0; kk < size<2>(reg_a); ++kk) {
-      if (kk + 1 < size<2>(reg_a)) {
-        copy(copy_a, src_a(_, _, kk + 1), view_a(_, _, kk + 1));
-        copy(copy_b, src_b(_, _, kk + 1), view_b(_, _, kk + 1));
-      }
-      gemm(mma, reg_a(_, _, kk), reg_b(_, _, kk), acc);
-    }
-  }
-
-  // acc += A B with A in registers, B from shared memory.
-  template <class Mma, class Acc, class RegA, class CopyB, class SrcB, class RegB, class ViewB>
-  static __device__ void gemm_rs(Mma& mma, Acc& acc, RegA const& reg_a, CopyB const& copy_b, SrcB const& src_b,
-                                 RegB& reg_b, ViewB& view_b) {
-    using namespace cute;
-    copy(copy_b, src_b(_, _, 0), view_b(_, _, 0));
-    CUTE_UNROLL
-    for (int kk = 0; kk < size<2>(reg_a); ++kk) {
-      if (kk + 1 < size<2>(reg_a)) {
-        copy(copy_b, src_b(_, _, kk + 1), view_b(_, _, kk + 1));
-      }
-      gemm(mma, reg_a(_, _, kk), reg_b(_, _, kk), acc);
-    }
-  }
-
   // grid (ceil(N / kBlockN), k/v heads, batch or sequences), kThreads threads, kSharedBytes of
   // dynamic shared memory.  Key blocks run in order along x: the deterministic dQ order waits
   // only for CTAs launched earlier.

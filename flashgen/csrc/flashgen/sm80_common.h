@@ -1,6 +1,7 @@
-// The parts of the Ampere forward (sm80_fwd.h) that are not attention: whole tiles moved
-// between global and swizzled shared memory in 16-byte chunks, and views of mma.sync
-// accumulators (rows and columns; reused as the A operand of the next MMA).
+// The parts of the Ampere kernels (sm80_fwd.h, sm80_bwd.h) that are not attention: whole tiles
+// moved between global and swizzled shared memory in 16-byte chunks, views of mma.sync
+// accumulators (rows and columns; reused as the A operand of the next MMA), and the k-loops
+// of a GEMM whose next k-slice's fragments load while this one's MMAs run.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -119,6 +120,40 @@ __device__ auto convert(cute::Tensor<Engine, Layout> const& from) {
   *reinterpret_cast<cutlass::Array<To, kSize>*>(to.data()) =
       converter(*reinterpret_cast<cutlass::Array<From, kSize> const*>(from.data()));
   return to;
+}
+
+// acc += A B over the K mode, both operands from shared memory by ldmatrix; the next k-slice's
+// fragments load while this one's MMAs run.
+template <class Mma, class Acc, class CopyA, class SrcA, class RegA, class ViewA, class CopyB, class SrcB,
+          class RegB, class ViewB>
+__device__ void gemm_ss(Mma& mma, Acc& acc, CopyA const& copy_a, SrcA const& src_a, RegA& reg_a, ViewA& view_a,
+                        CopyB const& copy_b, SrcB const& src_b, RegB& reg_b, ViewB& view_b) {
+  using namespace cute;
+  copy(copy_a, src_a(_, _, 0), view_a(_, _, 0));
+  copy(copy_b, src_b(_, _, 0), view_b(_, _, 0));
+  CUTE_UNROLL
+  for (int kk = 0; kk < size<2>(reg_a); ++kk) {
+    if (kk + 1 < size<2>(reg_a)) {
+      copy(copy_a, src_a(_, _, kk + 1), view_a(_, _, kk + 1));
+      copy(copy_b, src_b(_, _, kk + 1), view_b(_, _, kk + 1));
+    }
+    gemm(mma, reg_a(_, _, kk), reg_b(_, _, kk), acc);
+  }
+}
+
+// acc += A B with A in registers, B from shared memory.
+template <class Mma, class Acc, class RegA, class CopyB, class SrcB, class RegB, class ViewB>
+__device__ void gemm_rs(Mma& mma, Acc& acc, RegA const& reg_a, CopyB const& copy_b, SrcB const& src_b,
+                        RegB& reg_b, ViewB& view_b) {
+  using namespace cute;
+  copy(copy_b, src_b(_, _, 0), view_b(_, _, 0));
+  CUTE_UNROLL
+  for (int kk = 0; kk < size<2>(reg_a); ++kk) {
+    if (kk + 1 < size<2>(reg_a)) {
+      copy(copy_b, src_b(_, _, kk + 1), view_b(_, _, kk + 1));
+    }
+    gemm(mma, reg_a(_, _, kk), reg_b(_, _, kk), acc);
+  }
 }
 
 }  // namespace sm80

@@ -249,21 +249,10 @@ struct FwdKernel {
       __syncthreads();
       issue(2 * i + kStages - 1);
 
-      // S = Q K^T, the next k-slice's fragments loaded while this one's MMAs run
+      // S = Q K^T
       clear(tSrS);
-      {
-        Tensor tSsK = load_b.partition_S(tile_k((2 * i) % kStages));
-        copy(copy_a, tSsQ(_, _, 0), tSrQ_view(_, _, 0));
-        copy(copy_b, tSsK(_, _, 0), tSrK_view(_, _, 0));
-        CUTE_UNROLL
-        for (int kk = 0; kk < size<2>(tSrQ); ++kk) {
-          if (kk + 1 < size<2>(tSrQ)) {
-            copy(copy_a, tSsQ(_, _, kk + 1), tSrQ_view(_, _, kk + 1));
-            copy(copy_b, tSsK(_, _, kk + 1), tSrK_view(_, _, kk + 1));
-          }
-          gemm(mma, tSrQ(_, _, kk), tSrK(_, _, kk), tSrS);
-        }
-      }
+      gemm_ss(mma, tSrS, copy_a, tSsQ, tSrQ, tSrQ_view, copy_b, load_b.partition_S(tile_k((2 * i) % kStages)), tSrK,
+              tSrK_view);
 
       // Scores reach the log2 domain through `multiplier` (scale_log2, or softcap_out *
       // scale_log2 on tanh's output): folded into the exponent's FMA when positive, so the
@@ -347,17 +336,7 @@ struct FwdKernel {
       issue(2 * i + kStages);
 
       // O += P V
-      {
-        Tensor tOsVt = load_bt.partition_S(tile_vt((2 * i + 1) % kStages));
-        copy(copy_bt, tOsVt(_, _, 0), tOrVt_view(_, _, 0));
-        CUTE_UNROLL
-        for (int kk = 0; kk < size<2>(tOrP); ++kk) {
-          if (kk + 1 < size<2>(tOrP)) {
-            copy(copy_bt, tOsVt(_, _, kk + 1), tOrVt_view(_, _, kk + 1));
-          }
-          gemm(mma, tOrP(_, _, kk), tOrVt(_, _, kk), tOrO);
-        }
-      }
+      gemm_rs(mma, tOrO, tOrP, copy_bt, load_bt.partition_S(tile_vt((2 * i + 1) % kStages)), tOrVt, tOrVt_view);
     }
   }
 
