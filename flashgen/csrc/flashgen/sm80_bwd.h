@@ -455,24 +455,36 @@ struct BwdKernel {
       }
       __syncthreads();
     }
-    // (query, column) of each accumulator element; elements 2i and 2i + 1 are neighbouring columns
+    // (query, column) of each accumulator element; elements 2i and 2i + 1 are neighbouring columns.
+    // An element's place is the thread's first element's plus a constant of the MMA layout, so
+    // the adds go through one per-thread pointer with immediate offsets: an address computed per
+    // add into the same registers made each add wait for the previous one to read them.
     Tensor tQcQ = thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kDqCols>>{}));
-    float* accum = p.dq_accum_ptr + block_row0 * kHeadDim + part * kDqCols;
+    int const row0 = get<0>(tQcQ(0)), col0 = get<1>(tQcQ(0));
+    float* thread_accum = p.dq_accum_ptr + block_row0 * kHeadDim + part * kDqCols + row0 * kHeadDim + col0;
+    asm("" : "+l"(thread_accum));  // opaque to the compiler, which would otherwise rebuild each address
+    __builtin_assume(__isGlobal(thread_accum));
+    auto add_pairs = [&](auto keep) {
+      CUTE_UNROLL
+      for (int e = 0; e < size(acc); e += 2) {
+        int const row = get<0>(tQcQ(e)), col = get<1>(tQcQ(e));
+        if (keep(row, col)) {
+          float* to = thread_accum + ((row - row0) * kHeadDim + (col - col0));
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+          atomicAdd(reinterpret_cast<float2*>(to), make_float2(acc(e), acc(e + 1)));
+#else
+          atomicAdd(to, acc(e));
+          atomicAdd(to + 1, acc(e + 1));
+#endif
+        }
+      }
+    };
     int const rows = seq.num_queries - m_block * kBlockM;
     int const cols = p.head_dim - part * kDqCols;
-    CUTE_UNROLL
-    for (int e = 0; e < size(acc); e += 2) {
-      int const row = get<0>(tQcQ(e));
-      int const col = get<1>(tQcQ(e));
-      if (row < rows && col < cols) {  // the rest are zeros (zero-filled Q rows and columns)
-        float* to = accum + row * kHeadDim + col;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        atomicAdd(reinterpret_cast<float2*>(to), make_float2(acc(e), acc(e + 1)));
-#else
-        atomicAdd(to, acc(e));
-        atomicAdd(to + 1, acc(e + 1));
-#endif
-      }
+    if (rows >= kBlockM && cols >= kDqCols) {  // the whole tile: no check per element
+      add_pairs([](int, int) { return true; });
+    } else {  // the rest are zeros (zero-filled Q rows and columns)
+      add_pairs([rows, cols](int row, int col) { return row < rows && col < cols; });
     }
     if (p.deterministic) {
       __threadfence();  // this CTA's adds, before the release below
