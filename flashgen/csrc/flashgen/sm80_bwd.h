@@ -25,8 +25,8 @@
 //   dV  += P^T dO,  dK += dS^T Q              (P^T, dS^T straight from the accumulators: the
 //                                             register layout of a 16x8 MMA pair is the A
 //                                             operand of one 16x16; dO^T, Q^T by ldmatrix.trans)
-//   dQ   = dS K                               (dS^T through shared memory; each warp 16 query
-//                                             rows x kDqCols head-dim columns), added into the
+//   dQ   = dS K                               (dS^T through shared memory; each warp 16 or 32
+//                                             query rows x kDqCols head-dim columns), added into the
 //                                             accumulator with red.global.add (float2 on sm_90)
 // Computing S transposed keeps a warp's dK and dV rows its own, so P never goes through shared
 // memory (FlashAttention-2's layout writes P and dS there and reads them back transposed).
@@ -135,8 +135,16 @@ struct BwdKernel {
   // queries (64 accumulators) beside dK and dV (128) spilled on sm_80.
   static constexpr int kQueryChunk = kHeadDim > 64 && kQuerySlice > 32 ? 32 : kQuerySlice;
   static constexpr int kChunks = kQuerySlice / kQueryChunk;
-  // dQ: 16 query rows per warp, the head dim split among the warps that share the rows.
-  static constexpr int kDqRowWarps = kBlockM / 16 < kWarps ? kBlockM / 16 : kWarps;
+  // dQ (kBlockM queries x kHeadDim columns): kDqRowWarps warps along the queries, each 16 rows of
+  // every 16 * kDqRowWarps, and the head dim split among the warps that share rows.  A warp's
+  // ldmatrix count per step is proportional to its rows plus its columns, so the squarest split
+  // of the tile wins: at 64 x 128, 32 x 32 per warp (32 LDSM a step) rather than 16 x 64 (40).
+  static constexpr int kDqRowWarpsMax = kBlockM / 16 < kWarps ? kBlockM / 16 : kWarps;
+  static constexpr int kDqRowWarps =  // halve the row warps where rows + columns shrink (the columns double)
+      kDqRowWarpsMax > 1 && 2 * kBlockM / kDqRowWarpsMax + kHeadDim * kDqRowWarpsMax / 2 / kWarps <
+                                kBlockM / kDqRowWarpsMax + kHeadDim * kDqRowWarpsMax / kWarps
+          ? kDqRowWarpsMax / 2
+          : kDqRowWarpsMax;
   static constexpr int kDqColWarps = kWarps / kDqRowWarps;
   static constexpr int kDqCols = kHeadDim / kDqColWarps;
 
@@ -144,7 +152,7 @@ struct BwdKernel {
   static_assert(kHeadDim % 64 == 0, "swizzle atoms are 64 columns wide");
   static_assert(kBlockN == 64 || kBlockN == 128, "16 keys per warp, and at most two query slices");
   static_assert(kQueryChunk % 16 == 0 && kBlockM % 32 == 0, "a query chunk is whole 16-query MMA steps");
-  static_assert(kDqRowWarps * 16 == kBlockM && kDqCols % 16 == 0, "dQ tiles whole 16 x 16 ldmatrix tiles");
+  static_assert(kBlockM % (kDqRowWarps * 16) == 0 && kDqCols % 16 == 0, "dQ tiles whole 16 x 16 ldmatrix tiles");
 
   // Q, dO, K and V: 8 x 64-element atoms (128-byte rows), 16-byte chunks XOR-ed by the row, so
   // the 8 rows one ldmatrix (plain or transposed) reads fall in 8 different bank groups.
@@ -463,9 +471,9 @@ struct BwdKernel {
   }
 
   // dQ = dS K of one step into the accumulator: warp w computes query rows 16 (w % kDqRowWarps)
-  // .. +15, head-dim columns of part w / kDqRowWarps, and adds them with atomics (float pairs on
-  // sm_90, where red.global.add.v2.f32 exists).  When deterministic, after the key blocks before
-  // this one: the query block's counter counts the CTAs that are in.
+  // .. +15 of every 16 * kDqRowWarps, head-dim columns of part w / kDqRowWarps, and adds them
+  // with atomics (float pairs on sm_90, where red.global.add.v2.f32 exists).  When deterministic,
+  // after the key blocks before this one: the query block's counter counts the CTAs that are in.
   static __device__ void add_dq(BwdParams const& p, SharedStorage& s, Element* ds, Sequence const& seq, int head,
                                 int m_block, int n_block) {
     using namespace cute;
