@@ -4,6 +4,7 @@ SDPA drop-in and packed sequences."""
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ cupy = pytest.importorskip("cupy")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+import flashgen  # noqa: E402
 import flashgen.torch as ft  # noqa: E402
 from attention_reference import BWD_TOL, FWD_TOL, grouped_reference, lse_err, reference, rel_err  # noqa: E402
 from flashgen.errors import UnsupportedError  # noqa: E402
@@ -145,6 +147,34 @@ def test_torch_tensors_take_launch_plans_and_torchs_memory():
     q2 = randn((2, 256, 4, 64), "bf16", 7)
     ref_out, _ = reference(cp(q2), cp(k), cp(v), causal="top_left")
     assert rel_err(cp(ft.attention(q2, k, v, causal="top_left")), ref_out) < FWD_TOL["bf16"]
+
+
+def test_plans_made_on_one_thread_replay_on_a_fresh_one():
+    """Autograd runs backwards on its own thread, whose first call may find a plan the main thread
+    made (an eval pass, a direct call); a fresh thread has no CUDA context bound until a runtime
+    call binds one, and the replay's driver-API launch must not depend on having made one."""
+    plans.clear()
+    q, k, v, do = (randn((1, 128, 2, 64), "f16", s, requires_grad=False) for s in (1, 2, 3, 4))
+    out, lse = flashgen.attention_forward(q, k, v)
+    grads = flashgen.attention_backward(do, q, k, v, out, lse)  # both plans made here
+    assert {key[0] for key in plans._plans} == {"fwd", "bwd"}
+    got = {}
+
+    def replay():
+        try:
+            again, again_lse = flashgen.attention_forward(q, k, v)
+            got["out"], got["grads"] = again, flashgen.attention_backward(do, q, k, v, again, again_lse)
+            torch.cuda.synchronize()
+        except Exception as e:  # reported below, on the test's thread
+            got["error"] = e
+
+    worker = threading.Thread(target=replay)
+    worker.start()
+    worker.join()
+    assert "error" not in got, got.get("error")
+    assert torch.equal(got["out"], out)
+    for g, want in zip(got["grads"], grads):
+        assert rel_err(cp(g), cp(want)) < BWD_TOL["f16"]
 
 
 class TinyBlock(torch.nn.Module):

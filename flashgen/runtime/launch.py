@@ -36,8 +36,17 @@ def handle(registry: Registry, binary: KernelBinary, device: int, entry: str = "
 
 
 def on_device(cupy, device: int):
-    """A context that makes ``device`` current (a no-op when it already is)."""
-    return _NO_SWITCH if cupy.cuda.runtime.getDevice() == device else cupy.cuda.Device(device)
+    """A context that makes ``device`` current (a no-op when it already is).
+
+    A thread that has made no runtime call yet (torch's autograd engine thread, whose first
+    backward replays a plan made on the main thread, say) reports device 0 with no CUDA context
+    bound, and a driver-API launch there fails with CUDA_ERROR_INVALID_CONTEXT: setting the device
+    binds its primary context."""
+    if cupy.cuda.runtime.getDevice() != device:
+        return cupy.cuda.Device(device)
+    if not cupy.cuda.driver.ctxGetCurrent():
+        cupy.cuda.runtime.setDevice(device)
+    return _NO_SWITCH
 
 
 _NO_SWITCH = contextlib.nullcontext()  # stateless, so one instance serves every call
