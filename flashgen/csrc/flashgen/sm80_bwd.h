@@ -399,14 +399,17 @@ struct BwdKernel {
         gemm_ss(mma, tSrS, copy_a, tSsK, tSrK, tSrK_view, copy_b, load_b.partition_S(chunk_rows(s.qdo[buf][0], part)),
                 tSrQ, tSrQ_view);
         clear(tSrDp);
-        gemm_ss(mma, tSrDp, copy_a, tSsV, tSrK, tSrK_view, copy_b,
-                load_b.partition_S(chunk_rows(s.qdo[buf][1], part)), tSrQ, tSrQ_view);
+        auto gemm_dp = [&] {
+          gemm_ss(mma, tSrDp, copy_a, tSsV, tSrK, tSrK_view, copy_b,
+                  load_b.partition_S(chunk_rows(s.qdo[buf][1], part)), tSrQ, tSrQ_view);
+        };
 
         // P^T and dS^T in place of S^T and dP^T.  lse_log2 and delta are per query: per column.
         // Soft-capping is decided once per chunk, not per element.
         float const* lse_log2 = s.lse_log2[buf] + part * kQueryChunk;
         float const* delta = s.delta[buf] + part * kQueryChunk;
         if (softcap) {  // d(softcap_out * t) / dS = scale (1 - t^2); scale comes at the end
+          gemm_dp();
           CUTE_UNROLL
           for (int c = 0; c < size<1>(S); ++c) {
             int const query = get<1>(tScS(0, c));
@@ -421,16 +424,25 @@ struct BwdKernel {
             }
           }
         } else {
+          // P^T before dP^T's GEMM and in the same basic block, so that the exp2s (MUFU, a
+          // quarter-rate pipe: 8 cycles a warp instruction) issue between its MMAs instead of
+          // after them, while the tensor cores would otherwise wait.  Same registers: P^T
+          // replaces S^T in place, as before.
           CUTE_UNROLL
           for (int c = 0; c < size<1>(S); ++c) {
-            int const query = get<1>(tScS(0, c));
-            float const row_lse = lse_log2[query];
-            float const row_delta = delta[query];
+            float const row_lse = lse_log2[get<1>(tScS(0, c))];
             CUTE_UNROLL
             for (int r = 0; r < size<0>(S); ++r) {
-              float const prob = exp2_approx(fmaf(S(r, c), p.scale_log2, -row_lse));
-              S(r, c) = prob;
-              dP(r, c) = prob * (dP(r, c) - row_delta);
+              S(r, c) = exp2_approx(fmaf(S(r, c), p.scale_log2, -row_lse));
+            }
+          }
+          gemm_dp();
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(S); ++c) {
+            float const row_delta = delta[get<1>(tScS(0, c))];
+            CUTE_UNROLL
+            for (int r = 0; r < size<0>(S); ++r) {
+              dP(r, c) = S(r, c) * (dP(r, c) - row_delta);
             }
           }
         }
