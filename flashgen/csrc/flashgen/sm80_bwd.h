@@ -135,6 +135,9 @@ struct BwdKernel {
   // queries (64 accumulators) beside dK and dV (128) spilled on sm_80.
   static constexpr int kQueryChunk = kHeadDim > 64 && kQuerySlice > 32 ? 32 : kQuerySlice;
   static constexpr int kChunks = kQuerySlice / kQueryChunk;
+  // The warp's 16 rows of K and V as A fragments in registers for the whole CTA (2 x 16 of them)
+  // where dK and dV leave room (head dim 64), rather than by ldmatrix at every step.
+  static constexpr bool kKVInRegisters = kHeadDim == 64;
   // dQ (kBlockM queries x kHeadDim columns): kDqRowWarps warps along the queries, each 16 rows of
   // every 16 * kDqRowWarps, and the head dim split among the warps that share rows.  A warp's
   // ldmatrix count per step is proportional to its rows plus its columns, so the squarest split
@@ -373,6 +376,9 @@ struct BwdKernel {
     Tensor tSsV = load_a.partition_S(sV);
     Tensor tSrK = thr.partition_fragment_A(sK);  // K, then V: (MMA, 1, head dim / 16)
     Tensor tSrK_view = load_a.retile_D(tSrK);
+    // At head dim 64 the warp's K and V rows stay in registers as A fragments (16 each), read
+    // once: 8 fewer ldmatrix a step, and S^T, dP^T take B alone from shared memory.
+    Tensor tSrV = thr.partition_fragment_A(sV);
     Tensor tSrQ = thr.partition_fragment_B(chunk_rows(s.qdo[0][0], 0));  // Q, then dO
     Tensor tSrQ_view = load_b.retile_D(tSrQ);
     Tensor tKrQt = thr.partition_fragment_B(chunk_cols(s.qdo[0][0], 0));  // dO^T, then Q^T: (MMA, head dim / 8, queries / 16)
@@ -388,6 +394,10 @@ struct BwdKernel {
     bool const softcap = p.softcap_in != 0.f;
     cp_async_wait<1>();  // step 0 (and K, V) landed; step 1 may still be in flight
     __syncthreads();
+    if constexpr (kKVInRegisters) {
+      copy(copy_a, tSsK, tSrK_view);
+      copy(copy_a, tSsV, load_a.retile_D(tSrV));
+    }
     for (int t = 0; t < total; ++t) {
       int const buf = t % 2;
 
@@ -396,12 +406,20 @@ struct BwdKernel {
         int const part = slice + chunk;  // one of them is 0 (static_assert above)
         int const query0 = at.m_block * kBlockM + part * kQueryChunk;  // the chunk's first query
         clear(tSrS);
-        gemm_ss(mma, tSrS, copy_a, tSsK, tSrK, tSrK_view, copy_b, load_b.partition_S(chunk_rows(s.qdo[buf][0], part)),
-                tSrQ, tSrQ_view);
+        if constexpr (kKVInRegisters) {
+          gemm_rs(mma, tSrS, tSrK, copy_b, load_b.partition_S(chunk_rows(s.qdo[buf][0], part)), tSrQ, tSrQ_view);
+        } else {
+          gemm_ss(mma, tSrS, copy_a, tSsK, tSrK, tSrK_view, copy_b,
+                  load_b.partition_S(chunk_rows(s.qdo[buf][0], part)), tSrQ, tSrQ_view);
+        }
         clear(tSrDp);
         auto gemm_dp = [&] {
-          gemm_ss(mma, tSrDp, copy_a, tSsV, tSrK, tSrK_view, copy_b,
-                  load_b.partition_S(chunk_rows(s.qdo[buf][1], part)), tSrQ, tSrQ_view);
+          if constexpr (kKVInRegisters) {
+            gemm_rs(mma, tSrDp, tSrV, copy_b, load_b.partition_S(chunk_rows(s.qdo[buf][1], part)), tSrQ, tSrQ_view);
+          } else {
+            gemm_ss(mma, tSrDp, copy_a, tSsV, tSrK, tSrK_view, copy_b,
+                    load_b.partition_S(chunk_rows(s.qdo[buf][1], part)), tSrQ, tSrQ_view);
+          }
         };
 
         // P^T and dS^T in place of S^T and dP^T.  lse_log2 and delta are per query: per column.
