@@ -529,11 +529,14 @@ struct BwdKernel {
             tQrKt_view);
 
     long long const block_row0 = workspace_row0<kBlockM>(p, seq, head) + m_block * kBlockM;
-    cuda::atomic_ref<int, cuda::thread_scope_device> counter(p.dq_counter_ptr[block_row0 / kBlockM]);
+    // (the counter's address only where it is used: out of the non-deterministic steps' path)
+    auto counter = [&] {
+      return cuda::atomic_ref<int, cuda::thread_scope_device>(p.dq_counter_ptr[block_row0 / kBlockM]);
+    };
     if (p.deterministic) {
       if (tid == 0) {
         int const earlier = n_block - dq_key_blocks(seq, m_block).begin;  // CTAs before this one
-        while (counter.load(cuda::memory_order_acquire) < earlier) {
+        while (counter().load(cuda::memory_order_acquire) < earlier) {
         }
       }
       __syncthreads();
@@ -573,7 +576,7 @@ struct BwdKernel {
       __threadfence();  // this CTA's adds, before the release below
       __syncthreads();
       if (tid == 0) {
-        counter.fetch_add(1, cuda::memory_order_release);
+        counter().fetch_add(1, cuda::memory_order_release);
       }
     }
   }
