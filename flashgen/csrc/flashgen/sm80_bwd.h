@@ -553,9 +553,9 @@ struct BwdKernel {
     auto add_pairs = [&](auto keep) {
       CUTE_UNROLL
       for (int e = 0; e < size(acc); e += 2) {
-        int const row = get<0>(tQcQ(e)), col = get<1>(tQcQ(e));
-        if (keep(row, col)) {
-          float* to = thread_accum + ((row - row0) * kHeadDim + (col - col0));
+        int const dr = get<0>(tQcQ(e)) - row0, dc = get<1>(tQcQ(e)) - col0;  // constants
+        if (keep(dr, dc)) {
+          float* to = thread_accum + (dr * kHeadDim + dc);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
           atomicAdd(reinterpret_cast<float2*>(to), make_float2(acc(e), acc(e + 1)));
 #else
@@ -570,7 +570,10 @@ struct BwdKernel {
     if (rows >= kBlockM && cols >= kDqCols) {  // the whole tile: no check per element
       add_pairs([](int, int) { return true; });
     } else {  // the rest are zeros (zero-filled Q rows and columns)
-      add_pairs([rows, cols](int row, int col) { return row < rows && col < cols; });
+      // compared relative to the thread's first element, against constants: comparing each
+      // element's own row and column kept one register per element live through the main loop
+      int const rows_left = rows - row0, cols_left = cols - col0;
+      add_pairs([rows_left, cols_left](int dr, int dc) { return dr < rows_left && dc < cols_left; });
     }
     if (p.deterministic) {
       __threadfence();  // this CTA's adds, before the release below
