@@ -135,6 +135,9 @@ struct BwdKernel {
   // queries (64 accumulators) beside dK and dV (128) spilled on sm_80.
   static constexpr int kQueryChunk = kHeadDim > 64 && kQuerySlice > 32 ? 32 : kQuerySlice;
   static constexpr int kChunks = kQuerySlice / kQueryChunk;
+  // The warp's 16 rows of K and V as A fragments in registers for the whole CTA (2 x 16 of them)
+  // where dK and dV leave room (head dim 64), rather than by ldmatrix at every step.
+  static constexpr bool kKVInRegisters = kHeadDim == 64;
   // dQ (kBlockM queries x kHeadDim columns): kDqRowWarps warps along the queries, each 16 rows of
   // every 16 * kDqRowWarps, and the head dim split among the warps that share rows.  A warp's
   // ldmatrix count per step is proportional to its rows plus its columns, so the squarest split
@@ -373,6 +376,9 @@ struct BwdKernel {
     Tensor tSsV = load_a.partition_S(sV);
     Tensor tSrK = thr.partition_fragment_A(sK);  // K, then V: (MMA, 1, head dim / 16)
     Tensor tSrK_view = load_a.retile_D(tSrK);
+    // At head dim 64 the warp's K and V rows stay in registers as A fragments (16 each), read
+    // once: 8 fewer ldmatrix a step, and S^T, dP^T take B alone from shared memory.
+    Tensor tSrV = thr.partition_fragment_A(sV);
     Tensor tSrQ = thr.partition_fragment_B(chunk_rows(s.qdo[0][0], 0));  // Q, then dO
     Tensor tSrQ_view = load_b.retile_D(tSrQ);
     Tensor tKrQt = thr.partition_fragment_B(chunk_cols(s.qdo[0][0], 0));  // dO^T, then Q^T: (MMA, head dim / 8, queries / 16)
@@ -388,6 +394,10 @@ struct BwdKernel {
     bool const softcap = p.softcap_in != 0.f;
     cp_async_wait<1>();  // step 0 (and K, V) landed; step 1 may still be in flight
     __syncthreads();
+    if constexpr (kKVInRegisters) {
+      copy(copy_a, tSsK, tSrK_view);
+      copy(copy_a, tSsV, load_a.retile_D(tSrV));
+    }
     for (int t = 0; t < total; ++t) {
       int const buf = t % 2;
 
@@ -396,17 +406,28 @@ struct BwdKernel {
         int const part = slice + chunk;  // one of them is 0 (static_assert above)
         int const query0 = at.m_block * kBlockM + part * kQueryChunk;  // the chunk's first query
         clear(tSrS);
-        gemm_ss(mma, tSrS, copy_a, tSsK, tSrK, tSrK_view, copy_b, load_b.partition_S(chunk_rows(s.qdo[buf][0], part)),
-                tSrQ, tSrQ_view);
+        if constexpr (kKVInRegisters) {
+          gemm_rs(mma, tSrS, tSrK, copy_b, load_b.partition_S(chunk_rows(s.qdo[buf][0], part)), tSrQ, tSrQ_view);
+        } else {
+          gemm_ss(mma, tSrS, copy_a, tSsK, tSrK, tSrK_view, copy_b,
+                  load_b.partition_S(chunk_rows(s.qdo[buf][0], part)), tSrQ, tSrQ_view);
+        }
         clear(tSrDp);
-        gemm_ss(mma, tSrDp, copy_a, tSsV, tSrK, tSrK_view, copy_b,
-                load_b.partition_S(chunk_rows(s.qdo[buf][1], part)), tSrQ, tSrQ_view);
+        auto gemm_dp = [&] {
+          if constexpr (kKVInRegisters) {
+            gemm_rs(mma, tSrDp, tSrV, copy_b, load_b.partition_S(chunk_rows(s.qdo[buf][1], part)), tSrQ, tSrQ_view);
+          } else {
+            gemm_ss(mma, tSrDp, copy_a, tSsV, tSrK, tSrK_view, copy_b,
+                    load_b.partition_S(chunk_rows(s.qdo[buf][1], part)), tSrQ, tSrQ_view);
+          }
+        };
 
         // P^T and dS^T in place of S^T and dP^T.  lse_log2 and delta are per query: per column.
         // Soft-capping is decided once per chunk, not per element.
         float const* lse_log2 = s.lse_log2[buf] + part * kQueryChunk;
         float const* delta = s.delta[buf] + part * kQueryChunk;
         if (softcap) {  // d(softcap_out * t) / dS = scale (1 - t^2); scale comes at the end
+          gemm_dp();
           CUTE_UNROLL
           for (int c = 0; c < size<1>(S); ++c) {
             int const query = get<1>(tScS(0, c));
@@ -421,16 +442,25 @@ struct BwdKernel {
             }
           }
         } else {
+          // P^T before dP^T's GEMM and in the same basic block, so that the exp2s (MUFU, a
+          // quarter-rate pipe: 8 cycles a warp instruction) issue between its MMAs instead of
+          // after them, while the tensor cores would otherwise wait.  Same registers: P^T
+          // replaces S^T in place, as before.
           CUTE_UNROLL
           for (int c = 0; c < size<1>(S); ++c) {
-            int const query = get<1>(tScS(0, c));
-            float const row_lse = lse_log2[query];
-            float const row_delta = delta[query];
+            float const row_lse = lse_log2[get<1>(tScS(0, c))];
             CUTE_UNROLL
             for (int r = 0; r < size<0>(S); ++r) {
-              float const prob = exp2_approx(fmaf(S(r, c), p.scale_log2, -row_lse));
-              S(r, c) = prob;
-              dP(r, c) = prob * (dP(r, c) - row_delta);
+              S(r, c) = exp2_approx(fmaf(S(r, c), p.scale_log2, -row_lse));
+            }
+          }
+          gemm_dp();
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(S); ++c) {
+            float const row_delta = delta[get<1>(tScS(0, c))];
+            CUTE_UNROLL
+            for (int r = 0; r < size<0>(S); ++r) {
+              dP(r, c) = S(r, c) * (dP(r, c) - row_delta);
             }
           }
         }
@@ -499,11 +529,14 @@ struct BwdKernel {
             tQrKt_view);
 
     long long const block_row0 = workspace_row0<kBlockM>(p, seq, head) + m_block * kBlockM;
-    cuda::atomic_ref<int, cuda::thread_scope_device> counter(p.dq_counter_ptr[block_row0 / kBlockM]);
+    // (the counter's address only where it is used: out of the non-deterministic steps' path)
+    auto counter = [&] {
+      return cuda::atomic_ref<int, cuda::thread_scope_device>(p.dq_counter_ptr[block_row0 / kBlockM]);
+    };
     if (p.deterministic) {
       if (tid == 0) {
         int const earlier = n_block - dq_key_blocks(seq, m_block).begin;  // CTAs before this one
-        while (counter.load(cuda::memory_order_acquire) < earlier) {
+        while (counter().load(cuda::memory_order_acquire) < earlier) {
         }
       }
       __syncthreads();
@@ -520,9 +553,9 @@ struct BwdKernel {
     auto add_pairs = [&](auto keep) {
       CUTE_UNROLL
       for (int e = 0; e < size(acc); e += 2) {
-        int const row = get<0>(tQcQ(e)), col = get<1>(tQcQ(e));
-        if (keep(row, col)) {
-          float* to = thread_accum + ((row - row0) * kHeadDim + (col - col0));
+        int const dr = get<0>(tQcQ(e)) - row0, dc = get<1>(tQcQ(e)) - col0;  // constants
+        if (keep(dr, dc)) {
+          float* to = thread_accum + (dr * kHeadDim + dc);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
           atomicAdd(reinterpret_cast<float2*>(to), make_float2(acc(e), acc(e + 1)));
 #else
@@ -537,13 +570,16 @@ struct BwdKernel {
     if (rows >= kBlockM && cols >= kDqCols) {  // the whole tile: no check per element
       add_pairs([](int, int) { return true; });
     } else {  // the rest are zeros (zero-filled Q rows and columns)
-      add_pairs([rows, cols](int row, int col) { return row < rows && col < cols; });
+      // compared relative to the thread's first element, against constants: comparing each
+      // element's own row and column kept one register per element live through the main loop
+      int const rows_left = rows - row0, cols_left = cols - col0;
+      add_pairs([rows_left, cols_left](int dr, int dc) { return dr < rows_left && dc < cols_left; });
     }
     if (p.deterministic) {
       __threadfence();  // this CTA's adds, before the release below
       __syncthreads();
       if (tid == 0) {
-        counter.fetch_add(1, cuda::memory_order_release);
+        counter().fetch_add(1, cuda::memory_order_release);
       }
     }
   }
