@@ -8,6 +8,7 @@ broadcast.  Nothing here imports CuPy.
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -201,16 +202,15 @@ def test_to_dense_is_the_additive_mask(dtype):
     assert np.isneginf(bias[:, :, ::5]).all(), "rows without a key stay all -inf in to_dense"
 
 
-def test_the_fallback_bias_opens_empty_rows_and_folds_the_causal_diagonal():
-    """What the runtime's dense fallback runs on: rows without a key get 0s (the kernel computes a
-    finite softmax, thrown away), and ``empty`` says which rows those are, the causal mask included."""
+def test_the_fallback_bias_folds_the_causal_diagonal_and_names_the_empty_rows():
+    """What the runtime's dense fallback runs on: the mask and a causal diagonal in one bias, and
+    which rows see no key once both apply."""
     mask = MASKS["window"]  # keys q - 37 .. q + 5
     bm = block_mask(mask, 1, 1, 50, 30, block=(16, 16), device="cpu")
-    bias, empty = bm.additive(np.float32, diagonal=-20, open_empty_rows=True)  # also kv <= q - 20
+    bias, empty = bm.additive(np.float32, diagonal=-20)  # also kv <= q - 20
     visible = dense(mask, 1, 1, 50, 30) & (np.arange(30) <= np.arange(50)[:, None] - 20)
     assert (empty == ~visible.any(-1)).all() and empty[0, 0, :20].all() and not empty[0, 0, 20:].any()
-    assert (bias[0, 0, :20] == 0).all()
-    assert (bias[visible] == 0).all() and np.isneginf(bias[~visible & ~empty[..., None]]).all()
+    assert (bias[visible] == 0).all() and np.isneginf(bias[~visible]).all()
     assert bias.strides[2] == 32 * 4, "rows padded to 8 elements, as example 41 reads a bias"
 
 
@@ -262,3 +262,95 @@ def test_without_cupy_a_gpu_mask_says_how_to_install_it():
 
     with pytest.raises(UnsupportedError, match="needs CuPy"):
         block_mask(causal, 1, 1, 4, 4)
+
+
+# --- the runtime's dense fallback (block_fallback) over NumPy ---------------------------------
+# CuPy's part in block_fallback is a handful of array functions and a stream; NumPy stands in for
+# them, and an emulated example-41 kernel (which divides 0 by 0 on a row of -inf scores, as the
+# real one does) stands in for the families.  The GPU tests run the real thing.
+
+class HostStream:
+    """A stream that is always finished: what block_fallback asks of CuPy's."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def record(self):
+        return "event"
+
+    def wait_event(self, event):
+        assert event == "event"
+
+
+HOST_CUPY = SimpleNamespace(float32=np.float32, uint16=np.uint16, uint32=np.uint32, where=np.where, empty=np.empty,
+                            cuda=SimpleNamespace(get_current_stream=HostStream))
+
+
+def example41(call):
+    """Forward (out [B, M, H, K], lse) or backward (dq, dk, dv) as example 41 computes them with
+    a bias and a causal mask, in float64: P = exp(s - lse), so lse = +inf makes a row's P 0."""
+    q, k, v = (x.astype(np.float64) for x in (call.q, call.k, call.v))
+    s = np.einsum("bmhk,bnhk->bhmn", q, k) * call.p.scale + call.bias
+    if call.p.mask:
+        M, N = s.shape[2:]
+        s = np.where(np.arange(N) <= np.arange(M)[:, None] + (N - M if call.p.mask == 2 else 0), s, -np.inf)
+    with np.errstate(all="ignore"):
+        if call.direction == "fwd":
+            top = s.max(-1, keepdims=True)
+            e = np.exp(s - np.where(np.isfinite(top), top, 0))
+            out = np.einsum("bhmn,bnhk->bmhk", e / e.sum(-1, keepdims=True), v)  # 0/0 on rows of -inf
+            lse = np.log(e.sum(-1)) + top[..., 0]
+            return out.astype(call.q.dtype), lse.astype(np.float32)
+        prob = np.exp(s - call.lse[..., None])
+        do = call.grad_out.astype(np.float64)
+        ds = prob * (np.einsum("bmhk,bnhk->bhmn", do, v) - np.einsum("bmhk,bmhk->bhm", do, call.out)[..., None])
+        return (np.einsum("bhmn,bnhk->bmhk", ds, k) * call.p.scale, np.einsum("bhmn,bmhk->bnhk", ds, q) * call.p.scale,
+                np.einsum("bhmn,bmhk->bnhk", prob, do))
+
+
+def reference(q, k, v, do, visible, scale):
+    """Attention over the visible keys in float64; a row without any: out 0, lse -inf, no gradient."""
+    s = np.where(visible, np.einsum("bmhk,bnhk->bhmn", q, k) * scale, -np.inf)
+    top = s.max(-1, keepdims=True)
+    with np.errstate(all="ignore"):
+        e = np.exp(s - np.where(np.isfinite(top), top, 0))
+        prob = np.nan_to_num(e / e.sum(-1, keepdims=True))
+        lse = np.log(e.sum(-1)) + top[..., 0]
+    out = np.einsum("bhmn,bnhk->bmhk", prob, v)
+    ds = prob * (np.einsum("bmhk,bnhk->bhmn", do, v) - np.einsum("bmhk,bmhk->bhm", do, out)[..., None])
+    return out, lse, (np.einsum("bhmn,bnhk->bmhk", ds, k) * scale, np.einsum("bhmn,bmhk->bnhk", ds, q) * scale,
+                      np.einsum("bhmn,bmhk->bnhk", prob, do))
+
+
+@pytest.mark.parametrize("name,M,N,causal", [("empty-rows", 70, 50, None), ("window", 40, 90, 1), ("causal", 90, 40, 2),
+                                             ("nothing", 9, 9, None), ("per-head", 33, 65, 1)])
+def test_the_dense_fallback_gives_rows_without_keys_zeros_and_no_gradient(monkeypatch, name, M, N, causal):
+    from flashgen.runtime import block_fallback
+    from flashgen.runtime.validate import Call, Problem
+
+    monkeypatch.setattr(block_fallback, "validated_bias", lambda cupy, bias, *args: bias)  # CuPy's checks
+    monkeypatch.setattr(block_fallback, "_warned", True)
+    B, H, K, scale = 2, 3, 8, 0.4
+    r = np.random.default_rng(M)
+    q, do = (r.standard_normal((B, M, H, K)).astype(np.float32) for _ in range(2))
+    k, v = (r.standard_normal((B, N, H, K)).astype(np.float32) for _ in range(2))
+    bm = block_mask(MASKS[name], B, H, M, N, block=(16, 32), device="cpu")
+    p = Problem(B, M, N=N, H=H, K=K, Kv=K, dtype="f32", device=0, mask=causal or 0, scale=scale, dropout_p=0.0,
+                seed=0, offset=0, seqstart_q=None, seqstart_k=None, batches=B)
+    call = Call("fwd", p, q, k, v, None, {"stream": None}, None, block_mask=bm)
+    out, lse = block_fallback.forward(HOST_CUPY, call, lambda cupy, c: example41(c))
+    visible = dense(MASKS[name], B, H, M, N)
+    if causal:
+        visible = visible & (np.arange(N) <= np.arange(M)[:, None] + (N - M if causal == 2 else 0))
+    ro, rl, (rdq, rdk, rdv) = reference(*(x.astype(np.float64) for x in (q, k, v, do)), visible, scale)
+    assert not np.isnan(out).any() and np.allclose(out, ro, atol=1e-5) and (np.isneginf(lse) == np.isneginf(rl)).all()
+    assert np.allclose(lse[np.isfinite(rl)], rl[np.isfinite(rl)], rtol=1e-5)
+    assert (out.transpose(0, 2, 1, 3)[np.isneginf(rl)] == 0).all()
+    back = Call("bwd", p, q, k, v, None, {"stream": None}, None, out=out, grad_out=do, lse=lse, block_mask=bm)
+    dq, dk, dv = block_fallback.backward(HOST_CUPY, back, lambda cupy, c: example41(c))
+    for g, ref in ((dq, rdq), (dk, rdk), (dv, rdv)):
+        assert not np.isnan(g).any() and np.allclose(g, ref, atol=1e-5)
+    assert (dq.transpose(0, 2, 1, 3)[np.isneginf(rl)] == 0).all()

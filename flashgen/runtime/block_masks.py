@@ -79,13 +79,10 @@ class BlockMask:
         bias, _ = self.additive(dtype)
         return self.xp.ascontiguousarray(bias)
 
-    def additive(self, dtype, diagonal: Optional[int] = None, open_empty_rows: bool = False):
+    def additive(self, dtype, diagonal: Optional[int] = None):
         """(bias, empty): the additive bias as ``to_dense`` makes it, in rows padded to 8 elements (the
         alignment example 41 reads a bias with), and which (b, h, query) rows see no key [B, H, M].
-
-        ``diagonal``: also hide key j from query i where j > i + diagonal (a causal mask folded in).
-        ``open_empty_rows``: a row without a visible key gets 0s instead of -infs, so that a kernel
-        computes a finite (discarded) softmax there rather than 0/0: the dense fallback's bias."""
+        ``diagonal``: also hide key j from query i where j > i + diagonal (a causal mask folded in)."""
         if dtype_name(dtype) is None:
             raise TypeError(f"dtype must be float32, float16 or bfloat16; got {dtype!r}")
         xp, (B, H, M, N) = self.xp, self.shape
@@ -96,10 +93,7 @@ class BlockMask:
                 visible = _visible(self.mask, xp, self.shape, start, stop)
                 if diagonal is not None:
                     visible = visible & (xp.arange(N)[None, :] <= xp.arange(start, stop)[:, None] + diagonal)
-                none = ~visible.any(axis=-1)
-                empty[:, :, start:stop] = none
-                if open_empty_rows:
-                    visible = visible | none[..., None]
+                empty[:, :, start:stop] = ~visible.any(axis=-1)
                 bias[:, :, start:stop] = xp.where(visible, np.float32(0), np.float32(-np.inf)).astype(dtype)
         return bias, empty
 
