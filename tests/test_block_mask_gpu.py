@@ -181,3 +181,24 @@ def test_a_mask_for_other_shapes_is_refused_with_both_shapes():
                                          r"\(2, 2, 100, 100\)"):
         flashgen.attention_forward(q, q, q, block_mask=block_mask(MASKS["causal"], 1, 1, 100, 99))
 
+
+def test_torch_attention_takes_a_block_mask_eagerly():
+    """Eager only for now: under torch.compile it is refused (test_torch_ops_cpu)."""
+    torch = pytest.importorskip("torch")
+    import flashgen.torch as ft
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, M, N, H, K = 2, 300, 400, 4, 64
+    q = torch.randn(B, M, H, K, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    k, v = (torch.randn(B, N, 2, K, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+            for _ in range(2))
+    bm = block_mask(MASKS["empty-rows"], 1, H, M, N, block=(64, 64))
+    out = ft.attention(q, k, v, block_mask=bm, causal="bottom_right")
+    do = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    as_cupy = lambda t: cupy.from_dlpack(t.detach())  # noqa: E731
+    ro, _, (rdq, rdk, rdv, _) = grouped_reference(as_cupy(q), as_cupy(k), as_cupy(v), as_cupy(do),
+                                                  bias=bm.to_dense(cupy.float32), causal="bottom_right")
+    assert rel_err(as_cupy(out), ro) < FWD_TOL["bf16"]
+    for g_, ref in ((dq, rdq), (dk, rdk), (dv, rdv)):
+        assert rel_err(as_cupy(g_), ref, zero_scale=np.sqrt(K)) < BWD_TOL["bf16"]
