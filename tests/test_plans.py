@@ -150,7 +150,8 @@ gpu = pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU")
 
 if HAVE_GPU:
     import flashgen
-    from attention_reference import BWD_TOL, FWD_TOL, lse_err, poisoned_allocations, randn, reference, rel_err
+    from attention_reference import (BWD_TOL, FWD_TOL, lse_err, make_bias, poisoned_allocations, randn, reference,
+                                     rel_err)
 
 
 def run(dtype, B, M, N, H, K, seed=None, causal=None, dropout_p=0.0, offset_elems=0, r=None):
@@ -235,6 +236,72 @@ def test_pointer_alignment_is_part_of_the_signature():
     ref_out, ref_lse, ref_grads = reference(q, k, v, grad_out=do)
     assert rel_err(out, ref_out) < FWD_TOL["f16"]
     for g, want in zip((dq, dk, dv), ref_grads):
+        assert rel_err(g, want) < BWD_TOL["f16"]
+
+
+BIAS_CASES = [  # dtype, B, M, N, H, K, the bias's broadcast dims, causal
+    ("f16", 2, 256, 384, 2, 64, "", None),
+    ("bf16", 1, 129, 200, 4, 128, "B", "top_left"),
+    ("f16", 3, 7, 1000, 2, 64, "BM", None),      # one row for every query
+    ("bf16", 2, 300, 136, 2, 128, "H", "bottom_right"),
+]
+
+
+@gpu
+@pytest.mark.parametrize("case", BIAS_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_bias_calls_take_plans_that_match_the_full_path(case):
+    """A repeated call with attn_bias replays a plan (sm90_fwd/sm90_bwd make them) with the new
+    bias's address: new data gives the reference's results, bitwise the full path's forward."""
+    dtype, B, M, N, H, K, broadcast, causal = case
+    r = np.random.default_rng(11)
+    plans.clear()
+
+    def inputs():
+        q, k, v, do = (randn(r, shape, dtype) for shape in ((B, M, H, K), (B, N, H, K), (B, N, H, K), (B, M, H, K)))
+        return q, k, v, do, make_bias(r, dtype, B, H, M, N, broadcast)
+
+    def call(q, k, v, do, bias):
+        with poisoned_allocations():
+            out, lse = flashgen.attention_forward(q, k, v, attn_bias=bias, causal=causal)
+            grads = flashgen.attention_backward(do, q, k, v, out, lse, attn_bias=bias, causal=causal)
+        return (out, lse) + tuple(grads)
+
+    first = inputs()
+    call(*first)  # the full path
+    made = {key[0]: plan.family for key, plan in plans._plans.items()}
+    served = {d: next(n for n, _, w in flashgen.explain(*first[:3], attn_bias=first[4], causal=causal,
+                                                          backward=d == "bwd") if w == "selected")
+              for d in ("fwd", "bwd")}
+    for direction, family in (("fwd", "sm90_fwd"), ("bwd", "sm90_bwd")):  # the families that plan bias calls
+        assert (made.get(direction) == family) == served[direction].startswith(family + "_"), (made, served)
+    args = inputs()
+    planned = call(*args)
+    ref_out, ref_lse, ref_grads = reference(*args[:3], bias=args[4], causal=causal, grad_out=args[3])
+    assert rel_err(planned[0], ref_out) < FWD_TOL[dtype] and lse_err(planned[1], ref_lse) < FWD_TOL[dtype]
+    for g, want in zip(planned[2:], ref_grads):
+        assert rel_err(g, want) < BWD_TOL[dtype]
+    plans.clear()
+    fresh = call(*args)
+    np.testing.assert_array_equal(cupy.asnumpy(planned[0]), cupy.asnumpy(fresh[0]))
+    np.testing.assert_array_equal(cupy.asnumpy(planned[1]), cupy.asnumpy(fresh[1]))
+
+
+@gpu
+def test_bias_copies_and_bias_gradients_leave_no_plan():
+    """A bias whose rows validation re-pads (7 keys a row: not 16-byte rows) is a per-call copy, and
+    a dbias output is never replayed: neither call leaves a plan, and both stay right."""
+    r = np.random.default_rng(12)
+    q, do = randn(r, (1, 40, 2, 64), "f16"), randn(r, (1, 40, 2, 64), "f16")
+    k, v = randn(r, (1, 7, 2, 64), "f16"), randn(r, (1, 7, 2, 64), "f16")
+    bias = make_bias(r, "f16", 1, 2, 40, 7)
+    plans.clear()
+    for _ in range(2):
+        out, lse = flashgen.attention_forward(q, k, v, attn_bias=bias)
+        grads = flashgen.attention_backward(do, q, k, v, out, lse, attn_bias=bias, bias_requires_grad=True)
+    assert not plans._plans
+    ref_out, _, ref_grads = reference(q, k, v, bias=bias, grad_out=do)
+    assert rel_err(out, ref_out) < FWD_TOL["f16"]
+    for g, want in zip(grads, ref_grads):
         assert rel_err(g, want) < BWD_TOL["f16"]
 
 

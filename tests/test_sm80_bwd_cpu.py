@@ -54,8 +54,8 @@ def test_default_set_has_per_tier_a_tile_within_sm86s_shared_memory():
                        and shared_bytes(k.max_k, k.block_m, k.block_n) <= SM86_SHARED]
             assert fitting, (dtype, tier)
     # the sizes the kernels' SharedStorage has (the build reads kSharedBytes back; tests on a GPU compare)
-    assert shared_bytes(64, 64, 128) == 82944 and shared_bytes(128, 64, 128) == 148480
-    assert shared_bytes(128, 32, 64) == 70144 and SM86_SHARED <= SM86_OPTIN < shared_bytes(128, 64, 128)
+    assert shared_bytes(64, 64, 128) == 99328 and shared_bytes(128, 64, 128) == 164864
+    assert shared_bytes(128, 32, 64) == 74240 and SM86_SHARED <= SM86_OPTIN < shared_bytes(128, 64, 128)
     assert kernels[0].cpp_type == "flashgen::sm80::BwdKernel<cutlass::half_t, 64, 64, 128>"
 
 
@@ -112,7 +112,7 @@ def test_sm86_and_sm89_skip_the_tile_above_their_shared_memory_with_the_reason(r
     for device in (RTX3090, RTX4090):
         verdicts = {name: why for name, _, why in sel.explain(request(device))}
         assert verdicts["sm80_bwd_f16_k128_q64x128_sm80"] == \
-            f"needs 148480 B of shared memory; {device.name} allows {SM86_OPTIN} B per block"
+            f"needs 164864 B of shared memory; {device.name} allows {SM86_OPTIN} B per block"
         assert verdicts["sm80_bwd_f16_k128_q32x64_sm80"] == "selected"
         assert sel.select(request(device, head_dim=64)).name == "sm80_bwd_f16_k64_q64x128_sm80"
     assert sel.select(request(A100)).name == "sm80_bwd_f16_k128_q64x128_sm80"  # 163 KB: the bigger tile
@@ -182,13 +182,13 @@ def test_out_and_grad_out_are_read_at_the_inputs_alignment(monkeypatch, registry
 
 
 def test_explain_names_why_a_99_kb_part_skips_the_larger_tile(monkeypatch, registry):
-    """What flashgen.explain lists for this family on an RTX 4090: the 145 KB tile with the shared
-    memory it needs, then the 69 KB one selected."""
+    """What flashgen.explain lists for this family on an RTX 4090: the 161 KB tile with the shared
+    memory it needs, then the 72.5 KB one selected."""
     monkeypatch.setattr(sm90_common, "device_info", lambda index: RTX4090)
     monkeypatch.setattr(families, "device_info", lambda index: RTX4090)
     rows = sm80_bwd.RUNTIME.explain(backward_of(arrays=qkv(K=96), registry=registry, causal="top_left"))
     f16 = [(name, why) for name, target, why in rows if "_f16_" in name and target == "sm80"]
     assert f16 == [("sm80_bwd_f16_k64_q64x128_sm80", "kMaxK 64 < head dim 96"),
-                   ("sm80_bwd_f16_k128_q64x128_sm80", f"needs 148480 B of shared memory; {RTX4090.name} allows "
+                   ("sm80_bwd_f16_k128_q64x128_sm80", f"needs 164864 B of shared memory; {RTX4090.name} allows "
                                                       f"{SM86_OPTIN} B per block"),
                    ("sm80_bwd_f16_k128_q32x64_sm80", "selected")]

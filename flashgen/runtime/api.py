@@ -54,14 +54,13 @@ def attention_forward(q, k, v, *, attn_bias=None, block_mask=None, causal=None, 
     cupy = cupy_module()
     registry = registry or default_registry()
     memory, key = memory_for(q, cupy), None
-    if (memory is not None and attn_bias is None and block_mask is None and cu_seqlens_q is None
-            and cu_seqlens_k is None):
-        key, plan = plans.find(memory.signature, "fwd", (q, k, v),
-                               (causal, scale, dropout_p, window, softcap, registry))
+    if memory is not None and block_mask is None and cu_seqlens_q is None and cu_seqlens_k is None:
+        arrays = (q, k, v) if attn_bias is None else (q, k, v, attn_bias)
+        key, plan = plans.find(memory.signature, "fwd", arrays, (causal, scale, dropout_p, window, softcap, registry))
         if plan is not None:
             if dropout_p or seed is not None or offset:
                 check_rng(dropout_p, seed, offset)
-            return families.replay(plan, memory, (q, k, v), seed, offset, stream)
+            return families.replay(plan, memory, arrays, seed, offset, stream)
     options = dict(attn_bias=attn_bias, block_mask=block_mask, causal=causal, scale=scale, dropout_p=dropout_p,
                    seed=seed, offset=offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window,
                    softcap=softcap, stream=stream, registry=registry)
@@ -118,14 +117,15 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
     cupy = cupy_module()
     registry = registry or default_registry()
     memory, key = memory_for(q, cupy), None
-    if (memory is not None and attn_bias is None and block_mask is None and not bias_requires_grad
-            and cu_seqlens_q is None and cu_seqlens_k is None):
-        key, plan = plans.find(memory.signature, "bwd", (grad_out, q, k, v, out, lse),
+    if (memory is not None and block_mask is None and not bias_requires_grad and cu_seqlens_q is None
+            and cu_seqlens_k is None):
+        arrays = (grad_out, q, k, v, out, lse) + (() if attn_bias is None else (attn_bias,))
+        key, plan = plans.find(memory.signature, "bwd", arrays,
                                (causal, scale, dropout_p, window, softcap, deterministic, registry))
         if plan is not None:
             if dropout_p or seed is not None or offset:
                 check_rng(dropout_p, seed, offset)
-            return families.replay(plan, memory, (grad_out, q, k, v, out, lse), seed, offset, stream)
+            return families.replay(plan, memory, arrays, seed, offset, stream)
     options = dict(attn_bias=attn_bias, bias_requires_grad=bias_requires_grad, block_mask=block_mask, causal=causal,
                    scale=scale, dropout_p=dropout_p, seed=seed, offset=offset, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, window=window, softcap=softcap, deterministic=deterministic,

@@ -366,7 +366,7 @@ def forward_call(q, k, v, options: dict, entry: Callable, plan_key=None) -> Call
     b = bias(cupy, options["attn_bias"], p, q, q.shape[1], k.shape[1])
     bm = check_block_mask(options["block_mask"], p, q, k)
     check_varlen_bottom_right(p)
-    return Call("fwd", p, q, k, v, b, options, entry, plan_key=plan_key, block_mask=bm)
+    return Call("fwd", p, q, k, v, b, options, entry, plan_key=_plan_key(plan_key, b, options), block_mask=bm)
 
 
 def backward_call(grad_out, q, k, v, out, lse, options: dict, entry: Callable, plan_key=None) -> Call:
@@ -395,5 +395,13 @@ def backward_call(grad_out, q, k, v, out, lse, options: dict, entry: Callable, p
     b = bias(cupy, options["attn_bias"], p, q, q.shape[1], k.shape[1])
     bm = check_block_mask(options["block_mask"], p, q, k)
     check_varlen_bottom_right(p)
-    return Call("bwd", p, q, k, v, b, options, entry, out=out, grad_out=grad_out, lse=lse, plan_key=plan_key,
-                block_mask=bm)
+    return Call("bwd", p, q, k, v, b, options, entry, out=out, grad_out=grad_out, lse=lse,
+                plan_key=_plan_key(plan_key, b, options), block_mask=bm)
+
+
+def _plan_key(key, b, options: dict):
+    """``key``, or None where the validated bias ``b`` is a copy of the caller's (rows re-padded):
+    a per-call copy that a plan, which launches on the caller's pointers, would skip."""
+    if key is None or b is None or b.data.ptr == as_array(options["attn_bias"], "attn_bias").data.ptr:
+        return key
+    return None

@@ -3,7 +3,7 @@
 Template: ``flashgen::sm80::BwdKernel<Element, kHeadDim, kBlockM, kBlockN>`` -- eight warps
 with mma.sync, ldmatrix and cp.async.  One CTA per ``block_n`` keys of one (sequence, k/v
 head) keeps K and V in shared memory and walks every query head of the k/v head's group and
-every query block of ``block_m`` rows it meets, Q, dO, lse and delta double-buffered.  Each
+every query block of ``block_m`` rows it meets, Q, dO, lse, delta and dS double-buffered.  Each
 warp owns 16 keys (and, with 64-key CTAs, half of each query block), so dK and dV stay in its
 registers; dQ goes into a float32 accumulator by atomics.  Each instance holds three entry
 points, launched in order on one stream, with the contract of ``sm90_bwd``:
@@ -33,9 +33,9 @@ SM86_SHARED = 99 * KB  # what an sm86/sm89 block may opt into; an A100 block 163
 
 
 def shared_bytes(max_k: int, block_m: int, block_n: int) -> int:
-    """BwdKernel::kSharedBytes: K and V, double-buffered Q and dO, dS, double-buffered lse and delta
-    (tests compare it with the value the build reads back from the cubin)."""
-    return 2 * (2 * block_n * max_k + 4 * block_m * max_k + block_m * block_n) + 4 * 4 * block_m
+    """BwdKernel::kSharedBytes: K and V, double-buffered Q and dO, double-buffered dS, double-buffered
+    lse and delta (tests compare it with the value the build reads back from the cubin)."""
+    return 2 * (2 * block_n * max_k + 4 * block_m * max_k + 2 * block_m * block_n) + 4 * 4 * block_m
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@
 //   main     one CTA of eight warps per kBlockN keys of one (sequence, k/v head): K and V stay
 //            in shared memory while Q, dO, lse_log2 and delta of kBlockM queries stream through
 //            a cp.async double buffer, block after block, for every query head of the k/v
-//            head's group (grouped-query dK and dV are summed in registers, k/v read in place);
+//            head's group (grouped-query dK and dV are summed in registers, k/v read in place),
+//            one barrier per block (see mainloop);
 //   convert  dQ = scale * accumulator, in the input dtype and the caller's strides.
 // (prep and workspace_row0 are attention_common.h's, shared with sm90_bwd.h; convert is this
 // file's own: sm90_bwd.h's dQ accumulator is laid out in wgmma register order, this one's
@@ -24,8 +25,8 @@
 //   dV  += P^T dO,  dK += dS^T Q              (P^T, dS^T straight from the accumulators: the
 //                                             register layout of a 16x8 MMA pair is the A
 //                                             operand of one 16x16; dO^T, Q^T by ldmatrix.trans)
-//   dQ   = dS K                               (dS^T through shared memory; each warp 16 query
-//                                             rows x kDqCols head-dim columns), added into the
+//   dQ   = dS K                               (dS^T through shared memory; each warp 16 or 32
+//                                             query rows x kDqCols head-dim columns), added into the
 //                                             accumulator with red.global.add (float2 on sm_90)
 // Computing S transposed keeps a warp's dK and dV rows its own, so P never goes through shared
 // memory (FlashAttention-2's layout writes P and dS there and reads them back transposed).
@@ -134,8 +135,16 @@ struct BwdKernel {
   // queries (64 accumulators) beside dK and dV (128) spilled on sm_80.
   static constexpr int kQueryChunk = kHeadDim > 64 && kQuerySlice > 32 ? 32 : kQuerySlice;
   static constexpr int kChunks = kQuerySlice / kQueryChunk;
-  // dQ: 16 query rows per warp, the head dim split among the warps that share the rows.
-  static constexpr int kDqRowWarps = kBlockM / 16 < kWarps ? kBlockM / 16 : kWarps;
+  // dQ (kBlockM queries x kHeadDim columns): kDqRowWarps warps along the queries, each 16 rows of
+  // every 16 * kDqRowWarps, and the head dim split among the warps that share rows.  A warp's
+  // ldmatrix count per step is proportional to its rows plus its columns, so the squarest split
+  // of the tile wins: at 64 x 128, 32 x 32 per warp (32 LDSM a step) rather than 16 x 64 (40).
+  static constexpr int kDqRowWarpsMax = kBlockM / 16 < kWarps ? kBlockM / 16 : kWarps;
+  static constexpr int kDqRowWarps =  // halve the row warps where rows + columns shrink (the columns double)
+      kDqRowWarpsMax > 1 && 2 * kBlockM / kDqRowWarpsMax + kHeadDim * kDqRowWarpsMax / 2 / kWarps <
+                                kBlockM / kDqRowWarpsMax + kHeadDim * kDqRowWarpsMax / kWarps
+          ? kDqRowWarpsMax / 2
+          : kDqRowWarpsMax;
   static constexpr int kDqColWarps = kWarps / kDqRowWarps;
   static constexpr int kDqCols = kHeadDim / kDqColWarps;
 
@@ -143,7 +152,7 @@ struct BwdKernel {
   static_assert(kHeadDim % 64 == 0, "swizzle atoms are 64 columns wide");
   static_assert(kBlockN == 64 || kBlockN == 128, "16 keys per warp, and at most two query slices");
   static_assert(kQueryChunk % 16 == 0 && kBlockM % 32 == 0, "a query chunk is whole 16-query MMA steps");
-  static_assert(kDqRowWarps * 16 == kBlockM && kDqCols % 16 == 0, "dQ tiles whole 16 x 16 ldmatrix tiles");
+  static_assert(kBlockM % (kDqRowWarps * 16) == 0 && kDqCols % 16 == 0, "dQ tiles whole 16 x 16 ldmatrix tiles");
 
   // Q, dO, K and V: 8 x 64-element atoms (128-byte rows), 16-byte chunks XOR-ed by the row, so
   // the 8 rows one ldmatrix (plain or transposed) reads fall in 8 different bank groups.
@@ -190,7 +199,7 @@ struct BwdKernel {
     alignas(128) Element k[kBlockN * kHeadDim];
     alignas(128) Element v[kBlockN * kHeadDim];
     alignas(128) Element qdo[2][2][kQTile];  // [buffer][Q, dO]; at the end, the partial dK / dV sums
-    alignas(128) Element ds[kBlockM * kBlockN];
+    alignas(128) Element ds[2][kBlockM * kBlockN];  // [buffer]: see mainloop's pipeline
     alignas(16) float lse_log2[2][kBlockM];
     alignas(16) float delta[2][kBlockM];
   };
@@ -243,6 +252,22 @@ struct BwdKernel {
     epilogue(p, s, seq, n_block, head_kv, acc_dk, acc_dv);
   }
 
+  // The pipeline, one __syncthreads per step t (buffer b = t % 2 of Q/dO, lse/delta and dS^T):
+  //
+  //   compute   S^T, dP^T from Q/dO[b]; P^T, dS^T with lse/delta[b]; dS^T -> ds[b];
+  //             dV, dK from Q/dO[b]
+  //   wait      cp.async.wait_group 0: this thread's part of step t + 1 (issued a step ago) landed
+  //   barrier   (1) all of ds[b] is written, and every thread's part of step t + 1 is visible;
+  //             (2) every warp is past its last read of Q/dO[b] and lse/delta[b] (this step's
+  //                 GEMMs) and of ds[1 - b] (add_dq of step t - 1)
+  //   issue     step t + 2 into Q/dO[b], lse/delta[b]                (free by (2))
+  //   add_dq    reads ds[b] and K; then straight on to step t + 1, which reads Q/dO[1 - b] (landed
+  //             by (1)) and writes ds[1 - b] (free by (2))
+  //
+  // So no cp.async ever writes a buffer that a warp may still read, and a step's tiles are
+  // requested a whole step (and an add_dq) before they are read.  With one barrier a step,
+  // warps that finish their dQ adds early go on to the next step's MMAs while the others
+  // still issue atomics; dS^T is double-buffered for that (two barriers a step needed one).
   template <class Acc>
   static __device__ void mainloop(BwdParams const& p, SharedStorage& s, Sequence const& seq, int n_block,
                                   int head_kv, Steps st, Acc& acc_dk, Acc& acc_dv) {
@@ -250,8 +275,20 @@ struct BwdKernel {
     int const tid = threadIdx.x;
     int const key0 = n_block * kBlockN;
     int const total = p.head_group * st.m_blocks;
-    auto head_of = [&](int t) { return head_kv * p.head_group + t / st.m_blocks; };
-    auto m_block_of = [&](int t) { return st.m_begin + t % st.m_blocks; };
+
+    // Step t is query head head_kv * head_group + t / m_blocks, query block m_begin + t % m_blocks;
+    // a cursor walks them in that order without a division per step.
+    struct Cursor {
+      int head;
+      int m_block;
+    };
+    int const m_end = st.m_begin + st.m_blocks;
+    auto advance = [m_end, &st](Cursor& c) {
+      if (++c.m_block == m_end) {
+        c.m_block = st.m_begin;
+        ++c.head;
+      }
+    };
 
     // K and V once; then step t's Q, dO, lse_log2 and delta into buffer t % 2, one commit group
     // per step (empty past the last, so the waits count alike).
@@ -265,27 +302,29 @@ struct BwdKernel {
         static_cast<Element const*>(p.v_ptr) + seq.batch * p.v_stride_b + (seq.k0 + key0) * (long long)p.v_stride_m +
             head_kv * (long long)p.v_stride_h,
         p.v_stride_m, seq.num_keys - key0, p.head_dim);
-    auto issue = [&](int t) {
+    bool const whole_columns = p.head_dim == kHeadDim;
+    auto issue = [&](int t, Cursor const& c) {
       if (t < total) {
         int const buf = t % 2;
-        int const head = head_of(t);
-        int const query0 = m_block_of(t) * kBlockM;
+        int const query0 = c.m_block * kBlockM;
         long long const row = seq.q0 + query0;
-        LoaderQ::template load<kBlockM>(
-            s.qdo[buf][0],
-            static_cast<Element const*>(p.q_ptr) + seq.batch * p.q_stride_b + row * p.q_stride_m +
-                head * (long long)p.q_stride_h,
-            p.q_stride_m, seq.num_queries - query0, p.head_dim);
-        LoaderQ::template load<kBlockM>(
-            s.qdo[buf][1],
-            static_cast<Element const*>(p.dout_ptr) + seq.batch * p.dout_stride_b + row * p.dout_stride_m +
-                head * (long long)p.dout_stride_h,
-            p.dout_stride_m, seq.num_queries - query0, p.head_dim);
+        Element const* q = static_cast<Element const*>(p.q_ptr) + seq.batch * p.q_stride_b + row * p.q_stride_m +
+                           c.head * (long long)p.q_stride_h;
+        Element const* dout = static_cast<Element const*>(p.dout_ptr) + seq.batch * p.dout_stride_b +
+                              row * p.dout_stride_m + c.head * (long long)p.dout_stride_h;
+        if (whole_columns && query0 + kBlockM <= seq.num_queries) {  // no zero-fill: no check per chunk
+          LoaderQ::template load_whole<kBlockM>(s.qdo[buf][0], q, p.q_stride_m);
+          LoaderQ::template load_whole<kBlockM>(s.qdo[buf][1], dout, p.dout_stride_m);
+        } else {
+          LoaderQ::template load<kBlockM>(s.qdo[buf][0], q, p.q_stride_m, seq.num_queries - query0, p.head_dim);
+          LoaderQ::template load<kBlockM>(s.qdo[buf][1], dout, p.dout_stride_m, seq.num_queries - query0,
+                                          p.head_dim);
+        }
         // a whole block of lse_log2 and delta: prep wrote every row of the blocks visited
         constexpr int kChunks = kBlockM / 4;  // 16-byte chunks of each
         if (tid < 2 * kChunks) {
           bool const is_delta = tid >= kChunks;
-          long long const at = workspace_row0<kBlockM>(p, seq, head) + query0 + tid % kChunks * 4;
+          long long const at = workspace_row0<kBlockM>(p, seq, c.head) + query0 + tid % kChunks * 4;
           cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>::copy(
               *reinterpret_cast<cute::uint128_t const*>((is_delta ? p.delta_ptr : p.lse_log2_ptr) + at),
               *reinterpret_cast<cute::uint128_t*>((is_delta ? s.delta[buf] : s.lse_log2[buf]) + tid % kChunks * 4));
@@ -293,7 +332,12 @@ struct BwdKernel {
       }
       cp_async_fence();
     };
-    issue(0);  // one group with K and V
+    Cursor at{head_kv * p.head_group, st.m_begin};  // step t
+    Cursor ahead = at;                              // the next step to issue
+    issue(0, ahead);  // one group with K and V
+    advance(ahead);
+    issue(1, ahead);
+    advance(ahead);
 
     TiledMmaKeys mma;
     int const mma_tid = tid % kKeyThreads;
@@ -319,8 +363,8 @@ struct BwdKernel {
       return local_tile(make_tensor(make_smem_ptr(tile), SmemLayoutQt{}), Shape<Int<kHeadDim>, Int<kQueryChunk>>{},
                         make_coord(0, part));
     };
-    auto chunk_ds = [&](int part) {
-      return local_tile(make_tensor(make_smem_ptr(s.ds), SmemLayoutDsT{}), Shape<Int<kBlockN>, Int<kQueryChunk>>{},
+    auto chunk_ds = [&](int buf, int part) {
+      return local_tile(make_tensor(make_smem_ptr(s.ds[buf]), SmemLayoutDsT{}), Shape<Int<kBlockN>, Int<kQueryChunk>>{},
                         make_coord(0, part));
     };
     Tensor sK = make_tensor(make_smem_ptr(s.k), SmemLayoutKV{});
@@ -342,20 +386,15 @@ struct BwdKernel {
     Tensor tScS = rows_cols(thr.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kQueryChunk>>{})));
 
     bool const softcap = p.softcap_in != 0.f;
+    cp_async_wait<1>();  // step 0 (and K, V) landed; step 1 may still be in flight
+    __syncthreads();
     for (int t = 0; t < total; ++t) {
       int const buf = t % 2;
-      int const head = head_of(t);
-      int const m_block = m_block_of(t);
-      // Step t landed (K and V with the first); every warp is done with step t - 1, so its
-      // buffer takes step t + 1 and dS may be overwritten.
-      cp_async_wait<0>();
-      __syncthreads();
-      issue(t + 1);
 
 #pragma unroll 1
       for (int chunk = 0; chunk < kChunks; ++chunk) {
         int const part = slice + chunk;  // one of them is 0 (static_assert above)
-        int const query0 = m_block * kBlockM + part * kQueryChunk;  // the chunk's first query
+        int const query0 = at.m_block * kBlockM + part * kQueryChunk;  // the chunk's first query
         clear(tSrS);
         gemm_ss(mma, tSrS, copy_a, tSsK, tSrK, tSrK_view, copy_b, load_b.partition_S(chunk_rows(s.qdo[buf][0], part)),
                 tSrQ, tSrQ_view);
@@ -364,21 +403,31 @@ struct BwdKernel {
                 load_b.partition_S(chunk_rows(s.qdo[buf][1], part)), tSrQ, tSrQ_view);
 
         // P^T and dS^T in place of S^T and dP^T.  lse_log2 and delta are per query: per column.
+        // Soft-capping is decided once per chunk, not per element.
         float const* lse_log2 = s.lse_log2[buf] + part * kQueryChunk;
         float const* delta = s.delta[buf] + part * kQueryChunk;
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(S); ++c) {
-          int const query = get<1>(tScS(0, c));
-          float const row_lse = lse_log2[query];
-          float const row_delta = delta[query];
+        if (softcap) {  // d(softcap_out * t) / dS = scale (1 - t^2); scale comes at the end
           CUTE_UNROLL
-          for (int r = 0; r < size<0>(S); ++r) {
-            if (softcap) {  // d(softcap_out * t) / dS = scale (1 - t^2); scale comes at the end
+          for (int c = 0; c < size<1>(S); ++c) {
+            int const query = get<1>(tScS(0, c));
+            float const row_lse = lse_log2[query];
+            float const row_delta = delta[query];
+            CUTE_UNROLL
+            for (int r = 0; r < size<0>(S); ++r) {
               float const th = tanh_approx(S(r, c) * p.softcap_in);
               float const prob = exp2_approx(fmaf(th * p.softcap_out, p.scale_log2, -row_lse));
               S(r, c) = prob;
               dP(r, c) = prob * (dP(r, c) - row_delta) * (1.f - th * th);
-            } else {
+            }
+          }
+        } else {
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(S); ++c) {
+            int const query = get<1>(tScS(0, c));
+            float const row_lse = lse_log2[query];
+            float const row_delta = delta[query];
+            CUTE_UNROLL
+            for (int r = 0; r < size<0>(S); ++r) {
               float const prob = exp2_approx(fmaf(S(r, c), p.scale_log2, -row_lse));
               S(r, c) = prob;
               dP(r, c) = prob * (dP(r, c) - row_delta);
@@ -403,7 +452,7 @@ struct BwdKernel {
         }
         Tensor rP = sm80::convert<Element>(tSrS);  // (qualified: convert() is also the last kernel)
         Tensor rDs = sm80::convert<Element>(tSrDp);
-        copy(copy_c, store_c.retile_S(rDs), store_c.partition_D(chunk_ds(part)));  // dS^T, for dQ
+        copy(copy_c, store_c.retile_S(rDs), store_c.partition_D(chunk_ds(buf, part)));  // dS^T, for dQ
 
         // dV += P^T dO, dK += dS^T Q: P^T and dS^T as A operands where the accumulators are.
         gemm_rs(mma, acc_dv, make_tensor(rP.data(), accumulator_as_a(rP.layout())), copy_bt,
@@ -412,17 +461,21 @@ struct BwdKernel {
                 load_bt.partition_S(chunk_cols(s.qdo[buf][0], part)), tKrQt, tKrQt_view);
       }
 
-      __syncthreads();  // all of dS^T is in shared memory
-      add_dq(p, s, seq, head, m_block, n_block);
+      cp_async_wait<0>();  // step t + 1, this thread's part
+      __syncthreads();     // see the pipeline above
+      issue(t + 2, ahead);
+      advance(ahead);
+      add_dq(p, s, s.ds[buf], seq, at.head, at.m_block, n_block);
+      advance(at);
     }
   }
 
   // dQ = dS K of one step into the accumulator: warp w computes query rows 16 (w % kDqRowWarps)
-  // .. +15, head-dim columns of part w / kDqRowWarps, and adds them with atomics (float pairs on
-  // sm_90, where red.global.add.v2.f32 exists).  When deterministic, after the key blocks before
-  // this one: the query block's counter counts the CTAs that are in.
-  static __device__ void add_dq(BwdParams const& p, SharedStorage& s, Sequence const& seq, int head, int m_block,
-                                int n_block) {
+  // .. +15 of every 16 * kDqRowWarps, head-dim columns of part w / kDqRowWarps, and adds them
+  // with atomics (float pairs on sm_90, where red.global.add.v2.f32 exists).  When deterministic,
+  // after the key blocks before this one: the query block's counter counts the CTAs that are in.
+  static __device__ void add_dq(BwdParams const& p, SharedStorage& s, Element* ds, Sequence const& seq, int head,
+                                int m_block, int n_block) {
     using namespace cute;
     int const tid = threadIdx.x;
     int const dq_tid = tid % (32 * kDqRowWarps);
@@ -433,7 +486,7 @@ struct BwdKernel {
     auto copy_b = make_tiled_copy_B(LoadOperandT{}, mma);
     auto load_a = copy_a.get_thread_slice(dq_tid);
     auto load_b = copy_b.get_thread_slice(dq_tid);
-    Tensor sDs = make_tensor(make_smem_ptr(s.ds), SmemLayoutDs{});
+    Tensor sDs = make_tensor(make_smem_ptr(ds), SmemLayoutDs{});
     Tensor sKt = local_tile(make_tensor(make_smem_ptr(s.k), SmemLayoutKt{}), Shape<Int<kDqCols>, Int<kBlockN>>{},
                             make_coord(part, 0));
     Tensor tQrDs = thr.partition_fragment_A(sDs);  // (MMA, 1, keys / 16)
@@ -455,24 +508,36 @@ struct BwdKernel {
       }
       __syncthreads();
     }
-    // (query, column) of each accumulator element; elements 2i and 2i + 1 are neighbouring columns
+    // (query, column) of each accumulator element; elements 2i and 2i + 1 are neighbouring columns.
+    // An element's place is the thread's first element's plus a constant of the MMA layout, so
+    // the adds go through one per-thread pointer with immediate offsets: an address computed per
+    // add into the same registers made each add wait for the previous one to read them.
     Tensor tQcQ = thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kDqCols>>{}));
-    float* accum = p.dq_accum_ptr + block_row0 * kHeadDim + part * kDqCols;
+    int const row0 = get<0>(tQcQ(0)), col0 = get<1>(tQcQ(0));
+    float* thread_accum = p.dq_accum_ptr + block_row0 * kHeadDim + part * kDqCols + row0 * kHeadDim + col0;
+    asm("" : "+l"(thread_accum));  // opaque to the compiler, which would otherwise rebuild each address
+    __builtin_assume(__isGlobal(thread_accum));
+    auto add_pairs = [&](auto keep) {
+      CUTE_UNROLL
+      for (int e = 0; e < size(acc); e += 2) {
+        int const row = get<0>(tQcQ(e)), col = get<1>(tQcQ(e));
+        if (keep(row, col)) {
+          float* to = thread_accum + ((row - row0) * kHeadDim + (col - col0));
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+          atomicAdd(reinterpret_cast<float2*>(to), make_float2(acc(e), acc(e + 1)));
+#else
+          atomicAdd(to, acc(e));
+          atomicAdd(to + 1, acc(e + 1));
+#endif
+        }
+      }
+    };
     int const rows = seq.num_queries - m_block * kBlockM;
     int const cols = p.head_dim - part * kDqCols;
-    CUTE_UNROLL
-    for (int e = 0; e < size(acc); e += 2) {
-      int const row = get<0>(tQcQ(e));
-      int const col = get<1>(tQcQ(e));
-      if (row < rows && col < cols) {  // the rest are zeros (zero-filled Q rows and columns)
-        float* to = accum + row * kHeadDim + col;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        atomicAdd(reinterpret_cast<float2*>(to), make_float2(acc(e), acc(e + 1)));
-#else
-        atomicAdd(to, acc(e));
-        atomicAdd(to + 1, acc(e + 1));
-#endif
-      }
+    if (rows >= kBlockM && cols >= kDqCols) {  // the whole tile: no check per element
+      add_pairs([](int, int) { return true; });
+    } else {  // the rest are zeros (zero-filled Q rows and columns)
+      add_pairs([rows, cols](int row, int col) { return row < rows && col < cols; });
     }
     if (p.deterministic) {
       __threadfence();  // this CTA's adds, before the release below

@@ -61,6 +61,25 @@ struct TileLoader {
     }
   }
 
+  // load() of a tile whose kRows rows and kHeadDim columns all lie inside the tensor: no bound
+  // checks, so no compares and selects per chunk.
+  template <int kRows>
+  static __device__ void load_whole(Element* smem, Element const* src, int stride) {
+    static_assert(kRows % kRowsPerPass == 0, "whole passes");
+    Element* to = smem + smem_offset();
+    Element const* from = src + first_row() * (long long)stride + first_column();
+    long long const pass_stride = kRowsPerPass * (long long)stride;
+    CUTE_UNROLL
+    for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
+      CUTE_UNROLL
+      for (int c = 0; c < kChunksPerThread; ++c) {
+        cute::SM80_CP_ASYNC_CACHEGLOBAL<Chunk>::copy(*reinterpret_cast<Chunk const*>(from + c * kThreadsPerRow * kChunk),
+                                                     *reinterpret_cast<Chunk*>(to + pass * kPassStride + c * kChunkStride));
+      }
+      from += pass_stride;
+    }
+  }
+
   // The first `rows_valid` rows and `cols_valid` columns of `smem` (kRows rows of SmemLayout) to `dst`.
   template <int kRows>
   static __device__ void store(Element const* smem, Element* dst, int stride, int rows_valid, int cols_valid) {

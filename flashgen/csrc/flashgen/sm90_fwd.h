@@ -347,9 +347,14 @@ struct FwdKernel {
         Barrier::arrive(empty);
       }
     };
-    // Scores become log2-domain exponents times scale_log2 in softmax(); kBias puts them in that
-    // domain first (the bias is added after the scale), so its row_max is in log2 units.
-    auto to_log2 = [&](float score) { return kBias ? score : score * p.scale_log2; };
+    // Scores become log2-domain exponents times exp_scale in softmax(), one FMA each with the
+    // running max.  Without a bias that is the whole scale (scale_log2), the max taken on q.k; kBias
+    // adds the bias to the scaled score first (natural-log units, one FMA with the bias), so its
+    // max is in natural units and exp_scale is log2(e) (two instructions fewer per score than
+    // moving score and bias into log2 units before the max).
+    float const exp_scale = kBias ? kLog2e : p.scale_log2;
+    float const bias_score_scale = p.scale_log2 * (1.f / kLog2e);  // kBias: the softmax scale
+    auto to_log2 = [&](float score) { return score * exp_scale; };
     // Block t's scores in tSrS become exp2(scaled score - running max) in place (soft-capped and
     // masked first); the row sums follow, and `correction` is what O must be scaled by.
     auto softmax = [&](int t, float (&correction)[2]) {
@@ -359,7 +364,7 @@ struct FwdKernel {
           tSrS(r) = p.softcap_out * tanh_approx(tSrS(r) * p.softcap_in);
         }
       }
-      if constexpr (kBias) {  // S * scale * log2(e) + bias * log2(e): the exponent in log2 units
+      if constexpr (kBias) {  // S * scale + bias: natural-log units (see exp_scale)
         int const stage = stage_of(t);
         Barrier::wait(&s.bias_full[stage], phase_of(t));
         char const* tile = reinterpret_cast<char const*>(s.bias + stage * kBlockM * kBlockN) + bias_row_bytes;
@@ -369,7 +374,7 @@ struct FwdKernel {
           load_matrix_x4<false>(tile + (j / 8) * kBlockM * 128 + ((16 * (j % 8)) ^ bias_chunk_xor), pairs);
           CUTE_UNROLL
           for (int r = 4 * j; r < 4 * j + 8; ++r) {
-            tSrS(r) = fmaf(tSrS(r), p.scale_log2, unpack_half<Element>(pairs[r / 2 - 2 * j], r % 2) * kLog2e);
+            tSrS(r) = fmaf(tSrS(r), bias_score_scale, unpack_half<Element>(pairs[r / 2 - 2 * j], r % 2));
           }
         }
         release(&s.bias_empty[stage]);
@@ -407,7 +412,7 @@ struct FwdKernel {
       CUTE_UNROLL
       for (int r = 0; r < size(tSrS); ++r) {
         int const h = (r / 2) % 2;
-        tSrS(r) = exp2_approx(kBias ? tSrS(r) - scaled_max[h] : fmaf(tSrS(r), p.scale_log2, -scaled_max[h]));
+        tSrS(r) = exp2_approx(fmaf(tSrS(r), exp_scale, -scaled_max[h]));
         row_sum[h] += tSrS(r);
       }
     };
@@ -506,7 +511,7 @@ struct FwdKernel {
           *reinterpret_cast<cutlass::Array<Element, 2>*>(out_row + col) = pair;
         }
         if (lane % 4 == 0) {
-          float const max_log2 = kBias ? row_max[h] : row_max[h] * p.scale_log2;  // see consume()'s to_log2
+          float const max_log2 = row_max[h] * (kBias ? kLog2e : p.scale_log2);  // see consume()'s exp_scale
           lse[row] = sum > 0.f ? (max_log2 + __log2f(sum)) * 0.69314718055994531f : -INFINITY;
         }
       } else if (row < p.lse_rows && lane % 4 == 0) {

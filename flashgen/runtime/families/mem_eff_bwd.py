@@ -173,7 +173,7 @@ class MemEffBwdRuntime(RuntimeFamily):
              gK_strideH=p.K, gV_strideH=p.Kv, gB_strideH=gbs[1])
         grid, block = (splits, p.H, p.batches), (kc["threads_per_block"], 1, 1)
         launch(call.registry, binary, p.device, grid, block, params, call.stream)
-        if call.plan_key is not None:
+        if call.plan_key is not None and bias is None:  # replay passes no bias
             plans.remember(call.plan_key, plans.LaunchPlan.from_params(
                 handle(call.registry, binary, p.device), p.device, grid, block, kc["shared_memory_bytes"], params,
                 POINTERS, p.dropout_p > 0,

@@ -86,7 +86,7 @@ class MemEffFwdRuntime(RuntimeFamily):
         grid = (-(-p.M // kc["queries_per_block"]), p.H, p.batches)
         block = (32, kc["warps_per_block"], 1)
         launch(call.registry, binary, p.device, grid, block, params, call.stream)
-        if call.plan_key is not None and p.seqstart_q is None:
+        if call.plan_key is not None and p.seqstart_q is None and bias is None:  # replay passes no bias
             plans.remember(call.plan_key, plans.LaunchPlan.from_params(
                 handle(call.registry, binary, p.device), p.device, grid, block, kc["shared_memory_bytes"], params,
                 POINTERS, p.dropout_p > 0, {"out": out.shape, "lse": lse.shape, "accum": accum is not None, "M": p.M},

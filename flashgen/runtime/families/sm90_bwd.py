@@ -120,23 +120,27 @@ class ThreeKernelBackward:
         launch(call.registry, binary, p.device, grid, block, params, call.stream)
         launch(call.registry, binary, p.device, aux_grid, aux_block, params, call.stream, "_convert")
         zero_unpacked_rows(p, dq, dk, dv)
-        if extra:  # never planned: a replay returns dq, dk, dv only
+        if extra:  # never planned (api.py plans no call that asks for dbias): a replay returns dq, dk, dv
             return (dq, dk, dv) + extra
-        if plan_key is not None:  # never with a bias: api.py finds no plan for those calls
+        if plan_key is not None:  # a bias's map follows the family's own (replay: the arrays in order)
             entry = lambda name: handle(call.registry, binary, p.device, name)  # noqa: E731
+            maps = self.MAPS + (() if call.bias is None else ("bias_map",))
             plans.remember(plan_key, plans.LaunchPlan.from_params(
                 entry(""), p.device, grid, block, kc["shared_memory_bytes"], params, self.POINTERS, False,
-                {"layout": tuple(offsets)}, tensor_maps=self.MAPS, family=self.name,
+                {"layout": tuple(offsets)}, tensor_maps=maps, family=self.name,
                 before=[(entry("_prep"), aux_grid, aux_block)], after=[(entry("_convert"), aux_grid, aux_block)]))
         return dq, dk, dv
 
     def replay(self, plan, memory, arrays, seed, offset, stream):
-        grad_out, q, k, v, out, lse = arrays
+        grad_out, q, k, v, out, lse, *bias = arrays
         ptr = memory.ptr
+        given = self.replay_pointers(ptr, q, k, v, out, grad_out, lse)
+        if bias:  # its tensor map's address right after the family's own maps'
+            given = given[:len(self.MAPS)] + (ptr(bias[0]),) + given[len(self.MAPS):]
         with on_device(cupy_module(), plan.device):
             handle_ = memory.stream(stream, plan.device)
             dq, dk, dv, carved, workspace = buffers(memory, plan.sizes["layout"], q, k, v, handle_)
-            plan.launch(self.replay_pointers(ptr, q, k, v, out, grad_out, lse) + carved, 0, 0, handle_)
+            plan.launch(given + carved, 0, 0, handle_)
             del workspace  # after the launch: the allocator reuses it in stream order
         return dq, dk, dv
 

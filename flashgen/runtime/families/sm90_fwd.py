@@ -71,11 +71,11 @@ class Sm90FwdRuntime(HopperFamily):
         block = (kc["threads_per_block"], 1, 1)
         launch(call.registry, binary, p.device, grid, block, params, call.stream)
         zero_unpacked_rows(p, out)
-        if call.plan_key is not None:  # never with a bias: api.py finds no plan for those calls
+        if call.plan_key is not None:  # a bias's map follows q's, k's and v's (replay: the arrays in order)
             plans.remember(call.plan_key, plans.LaunchPlan.from_params(
                 handle(call.registry, binary, p.device), p.device, grid, block, kc["shared_memory_bytes"], params,
-                POINTERS, False, {"out": out.shape, "lse": lse.shape, "M": p.M}, tensor_maps=MAPS,
-                family=self.name))
+                POINTERS, False, {"out": out.shape, "lse": lse.shape, "M": p.M},
+                tensor_maps=MAPS + (() if call.bias is None else ("bias_map",)), family=self.name))
         return out, visible_lse(lse, p.M)
 
     def replay(self, plan, memory, arrays, seed, offset, stream):
