@@ -19,7 +19,9 @@ Run the GPU part on a GPU machine with
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import re
 import sys
 import types
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ import pytest
 from flashgen.errors import UnsupportedError
 from flashgen.runtime import api, arrays, families, limits, select, validate
 from flashgen.runtime.arch import DeviceInfo
+from flashgen.runtime.block_masks import block_mask
 from flashgen.runtime.registry import Registry
 
 try:
@@ -211,6 +214,15 @@ class CpuBackend:
     def dlpack_cpu(self, shape):
         return DLPackProducer(1)
 
+    def block_mask(self, shape, device=0):
+        """A causal block mask for [B, H, M, N] = ``shape`` on GPU ``device`` (None: the host); built
+        with NumPy and then said to be on the device (validation reads only its shape and device)."""
+        return dataclasses.replace(block_mask(causal_mask, *shape, device="cpu"), device=device)
+
+
+def causal_mask(b, h, q, kv):
+    return q >= kv
+
 
 class GpuBackend:
     name = "gpu"
@@ -279,6 +291,12 @@ class GpuBackend:
 
     def dlpack_cpu(self, shape):
         return DLPackProducer(1)
+
+    def block_mask(self, shape, device=0):
+        if device is None:
+            return block_mask(causal_mask, *shape, device="cpu")
+        with self.cp.cuda.Device(device):
+            return block_mask(causal_mask, *shape, device=device)
 
 
 # === the table ===============================================================================
@@ -498,6 +516,24 @@ CASES = [
          r"^bias_requires_grad=True without attn_bias$"),
     Case("bias/bwd-not-broadcastable", lambda X: bwd(X, attn_bias=X.randn((3, 1, 1, 48))), V,
          r"^attn_bias of shape \(3, 1, 1, 48\) does not broadcast"),
+    # --- block masks (flashgen.block_mask) ---------------------------------------------------
+    Case("block_mask/array", lambda X: fwd(X, block_mask=X.host((40, 48), "f16") > 0), T,
+         r"^block_mask must be a BlockMask \(build it once with flashgen.block_mask\(mask, B, H, M, N\)\); "
+         r"got ndarray$"),
+    *[Case(f"block_mask/shape-{label}", (lambda shape: lambda X: fwd(X, block_mask=X.block_mask(shape)))(shape), V,
+           rf"^block_mask is for \[B, H, M, N\] = {re.escape(str(shape))}; the call has \(2, 2, 40, 48\) "
+           r"\(B and H may also be 1\)$")
+      for label, shape in (("rows", (2, 2, 39, 48)), ("keys", (1, 1, 40, 47)), ("heads", (2, 3, 40, 48)),
+                           ("batch", (3, 1, 40, 48)), ("transposed", (2, 2, 48, 40)))],
+    Case("block_mask/bwd-rows", lambda X: bwd(X, block_mask=X.block_mask((2, 2, 41, 48))), V,
+         r"^block_mask is for \[B, H, M, N\] = \(2, 2, 41, 48\)"),
+    Case("block_mask/host", lambda X: fwd(X, block_mask=X.block_mask((2, 2, 40, 48), device=None)), V,
+         r"^block_mask was built on the host \(device='cpu'\); build it on q's GPU "
+         r"\(flashgen.block_mask\(..., device=0\)\)$"),
+    Case("block_mask/other-device", lambda X: fwd(X, block_mask=X.block_mask((1, 1, 40, 48), X.other_device())), V,
+         r"^block_mask is on GPU 1, q is on GPU 0$"),
+    Case("block_mask/varlen", lambda X: varlen(X, [0, 20, 40], [0, 24, 48], block_mask=X.block_mask((1, 2, 40, 48))),
+         U, r"^block_mask with cu_seqlens is not supported: pass the batch unpacked"),
     # --- sizes whose offsets overflow the kernels' 32-bit arithmetic (stride tricks only) -----
     Case("int32/q-row-stride", lambda X: fwd(X, q=X.strided((1, 2, 1, 8), (0, 2**31, 8, 1)),
                                              k=broadcast(X, (1, 4, 1, 8)), v=broadcast(X, (1, 4, 1, 8))), V,

@@ -17,6 +17,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,9 +27,10 @@ import pytest
 from flashgen.build import manifest
 from flashgen.build.cubin import sha256_file
 from flashgen.errors import UnsupportedError
-from flashgen.runtime import api, arrays, families, limits, registry, select, validate
+from flashgen.runtime import api, arrays, block_fallback, families, limits, registry, select, validate
 from flashgen.runtime.families import sm90_common
 from flashgen.runtime.arch import DeviceInfo, best_target, runs_on
+from flashgen.runtime.block_masks import block_mask
 from flashgen.runtime.registry import PACKAGE_KERNELS, Registry, search_path
 from flashgen.runtime.select import Request, Selector, num_splits_key, rejection, workspace_bytes
 from flashgen.spec.mem_eff_bwd import MemEffBwd
@@ -841,6 +843,29 @@ def test_families_refuse_with_the_reason_and_dispatch_lists_them_all(direction, 
         assert hopper.unfit(dataclasses.replace(fake_call("bwd"), out=None, grad_out=None)) is None
         skewed = dataclasses.replace(fake_call("bwd"), grad_out=FakeArray((2, 5, 3, 64), ptr=0x7F2A00000004))
         assert hopper.unfit(skewed) == "TMA cannot read grad_out: its address is not 16-byte aligned (4 bytes off)"
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_block_masks_go_to_example_41_until_the_own_kernels_read_the_lists(direction, monkeypatch):
+    """A block-mask call reaches the families with the mask as a dense bias (block_fallback): flashgen's
+    own families refuse it, saying why, and example 41 takes it like any call with a bias."""
+    monkeypatch.setattr(sm90_common, "device_info", lambda index: H100)
+    padded_bias = FakeArray((2, 3, 5, 7), strides=(3 * 5 * 8, 5 * 8, 8, 1))
+    mask = block_mask(lambda b, h, q, kv: q >= kv, 1, 3, 5, 7, device="cpu")
+    call = dataclasses.replace(fake_call(direction, bias=padded_bias), block_mask=mask)
+    *own, example41 = families.serving(direction)
+    for family in own:
+        assert family.unfit(call).startswith("no block masks yet (until these kernels read the block lists"), family
+    assert example41.refusal(call) is None
+
+
+def test_the_dense_fallback_warns_once_per_process(monkeypatch):
+    monkeypatch.setattr(block_fallback, "_warned", False)
+    with pytest.warns(UserWarning, match=r"^flashgen: block_mask runs dense through the example-41 kernels .* slow"):
+        block_fallback.warn_once()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        block_fallback.warn_once()  # no second warning
 
 
 @pytest.mark.parametrize("which,shapes,match", [

@@ -111,3 +111,36 @@ def test_window_and_causal_reach_the_runtime_as_its_options():
         causal="bottom_right", scale=0.5, dropout_p=0.0, seed=None, offset=3, window=(4, None), softcap=2.0)
     assert ops._runtime_options(0, None, 0.1, 7, 0, -1, -1, 0.0)["window"] is None
     assert ops._runtime_options(0, None, 0.1, 7, 0, -1, -1, 0.0)["seed"] == 7
+
+
+def test_a_block_mask_reaches_the_runtime_forward_and_backward_eagerly(monkeypatch):
+    """The eager autograd.Function carries the mask (no operator schema can) to both directions."""
+    from flashgen.runtime.block_masks import block_mask
+
+    bm = block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 5, 5, device="cpu")
+    seen = {}
+
+    def forward(q, k, v, **options):
+        seen["forward"] = options["block_mask"]
+        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    def backward(grad_out, q, k, v, out, lse, **options):
+        seen["backward"] = options["block_mask"]
+        return torch.ones_like(q), torch.ones_like(k), torch.ones_like(v)
+
+    monkeypatch.setattr(ops.api, "attention_forward", forward)
+    monkeypatch.setattr(ops.api, "attention_backward", backward)
+    q, k, v = (torch.zeros(1, 5, 2, 8, requires_grad=True) for _ in range(3))
+    out, _ = ops.forward(q, k, v, None, None, None, 0, 1, None, 0.0, 0, 0, -1, -1, 0.0, False, block_mask=bm)
+    out.sum().backward()
+    assert seen == {"forward": bm, "backward": bm}
+    assert (q.grad == 1).all() and (v.grad == 1).all()
+
+
+def test_a_block_mask_under_torch_compile_is_refused_with_what_to_do(monkeypatch):
+    from flashgen.errors import UnsupportedError
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(UnsupportedError, match=r"^flashgen.torch: block_mask under torch.compile is not supported yet "
+                                               r".*call this attention eagerly"):
+        ops.forward(None, None, None, None, None, None, 0, 1, None, 0.0, 0, 0, -1, -1, 0.0, False, block_mask=object())

@@ -11,7 +11,8 @@ torch's for torch inputs), with no host synchronisation.
 A call takes one of three paths: a repeated signature replays the launch plan its
 first call left (``plans.py``); an empty problem, or rows that see no key, get their
 answer here (it is the same for every family); anything else goes to the first
-family, in the spec's order, that accepts it (``families``).
+family, in the spec's order, that accepts it (``families``).  A call with a block mask
+goes there as a call with the mask's dense bias (``block_fallback``).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Optional
 
 import numpy as np
 
-from flashgen.runtime import families, plans
+from flashgen.runtime import block_fallback, families, plans
 from flashgen.runtime.arrays import cupy_module
 from flashgen.runtime.launch import on_device
 from flashgen.runtime.limits import lse_rows
@@ -30,8 +31,8 @@ from flashgen.runtime.registry import Registry, default_registry
 from flashgen.runtime.validate import Call, backward_call, check_rng, forward_call, rows_without_keys
 
 
-def attention_forward(q, k, v, *, attn_bias=None, causal=None, scale=None, dropout_p=0.0, seed=None, offset=0,
-                      cu_seqlens_q=None, cu_seqlens_k=None, window=None, softcap=0.0, stream=None,
+def attention_forward(q, k, v, *, attn_bias=None, block_mask=None, causal=None, scale=None, dropout_p=0.0, seed=None,
+                      offset=0, cu_seqlens_q=None, cu_seqlens_k=None, window=None, softcap=0.0, stream=None,
                       registry: Optional[Registry] = None):
     """Fused attention forward: returns ``(out [B, M, H, Kv], lse [B, H, M] float32)``.
 
@@ -46,22 +47,27 @@ def attention_forward(q, k, v, *, attn_bias=None, causal=None, scale=None, dropo
     ``softcap > 0``: scores become softcap * tanh(scale * q.k / softcap).
     Both run on flashgen's own kernels only: forward on sm90_fwd (9.0 GPUs) or sm80_fwd
     (8.0 and later), backward on sm90_bwd (9.0 GPUs); else UnsupportedError.
+    ``block_mask``: a ``flashgen.block_mask`` for these shapes, on q's GPU, applied on top of
+    ``causal`` and ``attn_bias``; for now it runs as a dense bias on the example-41 kernels
+    (warned once).  Rows it leaves without a key get output 0 and lse -inf.
     """
     cupy = cupy_module()
     registry = registry or default_registry()
     memory, key = memory_for(q, cupy), None
-    if memory is not None and cu_seqlens_q is None and cu_seqlens_k is None:
+    if memory is not None and block_mask is None and cu_seqlens_q is None and cu_seqlens_k is None:
         arrays = (q, k, v) if attn_bias is None else (q, k, v, attn_bias)
         key, plan = plans.find(memory.signature, "fwd", arrays, (causal, scale, dropout_p, window, softcap, registry))
         if plan is not None:
             if dropout_p or seed is not None or offset:
                 check_rng(dropout_p, seed, offset)
             return families.replay(plan, memory, arrays, seed, offset, stream)
-    options = dict(attn_bias=attn_bias, causal=causal, scale=scale, dropout_p=dropout_p, seed=seed, offset=offset,
-                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window, softcap=softcap,
-                   stream=stream, registry=registry)
+    options = dict(attn_bias=attn_bias, block_mask=block_mask, causal=causal, scale=scale, dropout_p=dropout_p,
+                   seed=seed, offset=offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window,
+                   softcap=softcap, stream=stream, registry=registry)
     call = forward_call(q, k, v, options, attention_forward, key)
     with _full_path(cupy, memory, call):
+        if call.block_mask is not None:
+            return _adopt(memory, block_fallback.forward(cupy, call, _forward))
         return _adopt(memory, _forward(cupy, call))
 
 
@@ -90,7 +96,8 @@ def _forward_without_rows(call: Call, skip: int):
     return out, lse[:, :, :p.M]
 
 
-def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requires_grad=False, causal=None,
+def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requires_grad=False, block_mask=None,
+                       causal=None,
                        scale=None, dropout_p=0.0, seed=None, offset=0, cu_seqlens_q=None, cu_seqlens_k=None,
                        window=None, softcap=0.0, deterministic=False, stream=None,
                        registry: Optional[Registry] = None):
@@ -102,14 +109,16 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
     call with the same shapes, strides and options on, dq, dk and dv are
     contiguous arrays carved from one allocation (freed once all three are).
     ``deterministic=True``: dq adds up in a fixed order, so repeated calls give the same bits
-    (the example-41 kernels then run without key splits).
+    (the example-41 kernels then run without key splits).  ``block_mask``: the forward's; the
+    mask gets no gradient (``dbias`` is that of ``attn_bias``).
     """
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
     cupy = cupy_module()
     registry = registry or default_registry()
     memory, key = memory_for(q, cupy), None
-    if memory is not None and not bias_requires_grad and cu_seqlens_q is None and cu_seqlens_k is None:
+    if (memory is not None and block_mask is None and not bias_requires_grad and cu_seqlens_q is None
+            and cu_seqlens_k is None):
         arrays = (grad_out, q, k, v, out, lse) + (() if attn_bias is None else (attn_bias,))
         key, plan = plans.find(memory.signature, "bwd", arrays,
                                (causal, scale, dropout_p, window, softcap, deterministic, registry))
@@ -117,11 +126,14 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
             if dropout_p or seed is not None or offset:
                 check_rng(dropout_p, seed, offset)
             return families.replay(plan, memory, arrays, seed, offset, stream)
-    options = dict(attn_bias=attn_bias, bias_requires_grad=bias_requires_grad, causal=causal, scale=scale,
-                   dropout_p=dropout_p, seed=seed, offset=offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                   window=window, softcap=softcap, deterministic=deterministic, stream=stream, registry=registry)
+    options = dict(attn_bias=attn_bias, bias_requires_grad=bias_requires_grad, block_mask=block_mask, causal=causal,
+                   scale=scale, dropout_p=dropout_p, seed=seed, offset=offset, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k, window=window, softcap=softcap, deterministic=deterministic,
+                   stream=stream, registry=registry)
     call = backward_call(grad_out, q, k, v, out, lse, options, attention_backward, key)
     with _full_path(cupy, memory, call):
+        if call.block_mask is not None:
+            return _adopt(memory, block_fallback.backward(cupy, call, _backward))
         return _adopt(memory, _backward(cupy, call))
 
 
@@ -152,14 +164,18 @@ def _adopt(memory, outputs):
     return outputs if memory is None else memory.adopt(outputs)
 
 
-def explain(q, k, v, *, backward=False, attn_bias=None, dropout_p=0.0, causal=None, window=None, softcap=0.0,
-            scale=None, cu_seqlens_q=None, cu_seqlens_k=None, registry: Optional[Registry] = None):
+def explain(q, k, v, *, backward=False, attn_bias=None, block_mask=None, dropout_p=0.0, causal=None, window=None,
+            softcap=0.0, scale=None, cu_seqlens_q=None, cu_seqlens_k=None, registry: Optional[Registry] = None):
     """Every candidate kernel for this call, family by family in the order tried, with why it was
-    rejected or chosen (on a 9.0 GPU flashgen's sm90_fwd / sm90_bwd kernels come first)."""
-    options = dict(attn_bias=attn_bias, causal=causal, scale=scale, dropout_p=dropout_p, seed=0 if dropout_p else None,
-                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window, softcap=softcap,
-                   registry=registry)
+    rejected or chosen (on a 9.0 GPU flashgen's sm90_fwd / sm90_bwd kernels come first).  With a
+    ``block_mask``, the kernels asked are those for its dense bias (``block_fallback``)."""
+    options = dict(attn_bias=attn_bias, block_mask=block_mask, causal=causal, scale=scale, dropout_p=dropout_p,
+                   seed=0 if dropout_p else None, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window,
+                   softcap=softcap, registry=registry)
     call = forward_call(q, k, v, options, attention_forward)
+    if call.block_mask is not None:
+        with on_device(cupy_module(), call.p.device):
+            call = block_fallback.dense_call(cupy_module(), call)[0]
     if backward:
         call = replace(call, direction="bwd", entry=attention_backward,
                        options=dict(call.options, bias_requires_grad=False, deterministic=False))

@@ -16,6 +16,7 @@ import numpy as np
 
 from flashgen.errors import UnsupportedError
 from flashgen.runtime.arrays import as_array, check_strides, cupy_module, dtype_name, elem_strides
+from flashgen.runtime.block_masks import BlockMask
 from flashgen.runtime.limits import SPLIT_ROWS, check_input_offsets, check_kernel_limits, check_offset
 from flashgen.runtime.registry import default_registry
 
@@ -250,6 +251,29 @@ def bias(cupy, attn_bias, c: Problem, q, rows: int, cols: int):
     return b
 
 
+def check_block_mask(block_mask, c: Problem, q, k) -> Optional[BlockMask]:
+    """The call's block mask, checked against its shapes and device (None: none given).  Any block
+    size serves while the mask runs dense (``block_fallback``)."""
+    if block_mask is None:
+        return None
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a BlockMask (build it once with flashgen.block_mask(mask, B, H, M, N)); "
+                        f"got {type(block_mask).__name__}")
+    if c.seqstart_q is not None:
+        raise UnsupportedError("block_mask with cu_seqlens is not supported: pass the batch unpacked, or keep the "
+                               "sequences packed in one row and mask across them (a document mask)")
+    if block_mask.device is None:
+        raise ValueError("block_mask was built on the host (device='cpu'); build it on q's GPU "
+                         f"(flashgen.block_mask(..., device={c.device}))")
+    if block_mask.device != c.device:
+        raise ValueError(f"block_mask is on GPU {block_mask.device}, q is on GPU {c.device}")
+    B, H, M, N = block_mask.shape
+    if B not in (1, c.B) or H not in (1, c.H) or (M, N) != (q.shape[1], k.shape[1]):
+        raise ValueError(f"block_mask is for [B, H, M, N] = {block_mask.shape}; the call has "
+                         f"{(c.B, c.H, q.shape[1], k.shape[1])} (B and H may also be 1)")
+    return block_mask
+
+
 def varlen_lengths(c: Problem):
     """The packed query offsets and the per-sequence query and key lengths, from the host
     copies validation made (no further device reads)."""
@@ -301,6 +325,7 @@ class Call:
     lse: object = None
     plan_key: object = None
     extra: dict = field(default_factory=dict)  # what a family keeps between its steps
+    block_mask: Optional[BlockMask] = None  # validated; while it runs dense, ``bias`` holds it (block_fallback)
 
     @property
     def registry(self):
@@ -317,8 +342,8 @@ class Call:
 
 # The public functions' keyword arguments and their defaults: a Call's options always hold
 # all of its direction's, so a family reads them directly and ``again`` passes them back.
-FORWARD_OPTIONS = dict(attn_bias=None, causal=None, scale=None, dropout_p=0.0, seed=None, offset=0, cu_seqlens_q=None,
-                       cu_seqlens_k=None, window=None, softcap=0.0, stream=None, registry=None)
+FORWARD_OPTIONS = dict(attn_bias=None, block_mask=None, causal=None, scale=None, dropout_p=0.0, seed=None, offset=0,
+                       cu_seqlens_q=None, cu_seqlens_k=None, window=None, softcap=0.0, stream=None, registry=None)
 BACKWARD_OPTIONS = dict(FORWARD_OPTIONS, bias_requires_grad=False, deterministic=False)
 
 
@@ -339,8 +364,9 @@ def forward_call(q, k, v, options: dict, entry: Callable, plan_key=None) -> Call
     p = problem(q, k, v, options["causal"], options["scale"], options["dropout_p"], options["seed"], options["offset"],
                 options["cu_seqlens_q"], options["cu_seqlens_k"], window=options["window"], softcap=options["softcap"])
     b = bias(cupy, options["attn_bias"], p, q, q.shape[1], k.shape[1])
+    bm = check_block_mask(options["block_mask"], p, q, k)
     check_varlen_bottom_right(p)
-    return Call("fwd", p, q, k, v, b, options, entry, plan_key=_plan_key(plan_key, b, options))
+    return Call("fwd", p, q, k, v, b, options, entry, plan_key=_plan_key(plan_key, b, options), block_mask=bm)
 
 
 def backward_call(grad_out, q, k, v, out, lse, options: dict, entry: Callable, plan_key=None) -> Call:
@@ -367,9 +393,10 @@ def backward_call(grad_out, q, k, v, out, lse, options: dict, entry: Callable, p
     if options["attn_bias"] is None and options["bias_requires_grad"]:
         raise ValueError("bias_requires_grad=True without attn_bias")
     b = bias(cupy, options["attn_bias"], p, q, q.shape[1], k.shape[1])
+    bm = check_block_mask(options["block_mask"], p, q, k)
     check_varlen_bottom_right(p)
     return Call("bwd", p, q, k, v, b, options, entry, out=out, grad_out=grad_out, lse=lse,
-                plan_key=_plan_key(plan_key, b, options))
+                plan_key=_plan_key(plan_key, b, options), block_mask=bm)
 
 
 def _plan_key(key, b, options: dict):

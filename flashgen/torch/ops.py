@@ -10,7 +10,9 @@ torch out, on torch's current stream, outputs from torch's caching allocator.
 
 Options travel as plain ints and floats (an operator schema has no None in a tuple):
 ``causal`` 0/1/2 (none, top-left, bottom-right), a window side < 0 for unbounded,
-``max_seqlen_q`` 0 for fixed-length batches.
+``max_seqlen_q`` 0 for fixed-length batches.  A block mask (``flashgen.block_mask``) is no
+tensor an operator schema can carry: it takes the eager path only, and under
+``torch.compile`` it is refused until the kernels read its lists as tensors.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from flashgen.errors import UnsupportedError
 from flashgen.runtime import api
 from flashgen.runtime.limits import lse_rows
 from flashgen.runtime.validate import MASKS
@@ -65,11 +68,12 @@ def _contiguous(x: Tensor) -> Tensor:
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
              cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, causal: int, scale: Optional[float], dropout_p: float,
-             seed: int, offset: int, window_left: int, window_right: int, softcap: float) -> Tuple[Tensor, Tensor]:
+             seed: int, offset: int, window_left: int, window_right: int, softcap: float,
+             block_mask=None) -> Tuple[Tensor, Tensor]:
     """(out, lse) as the runtime returns them, a packed batch's lse padded to ``max_seqlen_q`` rows:
     what the eager path needs (its tensors may have any strides; only the op promises some)."""
     options = _runtime_options(causal, scale, dropout_p, seed, offset, window_left, window_right, softcap)
-    out, lse = api.attention_forward(q, k, v, attn_bias=attn_bias, cu_seqlens_q=cu_seqlens_q,
+    out, lse = api.attention_forward(q, k, v, attn_bias=attn_bias, block_mask=block_mask, cu_seqlens_q=cu_seqlens_q,
                                      cu_seqlens_k=cu_seqlens_k, **options)
     if max_seqlen_q:
         if lse.shape[2] > max_seqlen_q:
@@ -94,15 +98,16 @@ def forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], c
 def _grads(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, attn_bias: Optional[Tensor],
            bias_requires_grad: bool, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], causal: int,
            scale: Optional[float], dropout_p: float, seed: int, offset: int, window_left: int, window_right: int,
-           softcap: float, deterministic: bool) -> tuple:
+           softcap: float, deterministic: bool, block_mask=None) -> tuple:
     """(dq, dk, dv, dbias [B, H, M, N] or None when not asked for) as the runtime returns them: the
     eager backward's, which allocates nothing it does not return."""
     options = _runtime_options(causal, scale, dropout_p, seed, offset, window_left, window_right, softcap)
     # autograd may hand a gradient with any strides; the kernels need a contiguous head dim
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
     grads = api.attention_backward(grad_out, q, k, v, out, lse, attn_bias=attn_bias,
-                                   bias_requires_grad=bias_requires_grad, cu_seqlens_q=cu_seqlens_q,
-                                   cu_seqlens_k=cu_seqlens_k, deterministic=deterministic, **options)
+                                   bias_requires_grad=bias_requires_grad, block_mask=block_mask,
+                                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, deterministic=deterministic,
+                                   **options)
     return grads[0], grads[1], grads[2], grads[3] if bias_requires_grad else None
 
 
@@ -159,11 +164,13 @@ def _setup_context(ctx, inputs, output):
 
 
 def _gradients(ctx, grad_out: Tensor, backward) -> tuple:
-    """dq, dk, dv, dbias through ``backward`` (the op, or its implementation in eager mode)."""
+    """dq, dk, dv, dbias through ``backward`` (the op, or its implementation in eager mode, which
+    alone takes a block mask)."""
     q, k, v, attn_bias, out, lse = ctx.saved_tensors
     cu_q, cu_k, _, *options = ctx.options
     bias_grad = attn_bias is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dbias = backward(grad_out, q, k, v, out, lse, attn_bias, bias_grad, cu_q, cu_k, *options)
+    masked = {"block_mask": ctx.block_mask} if getattr(ctx, "block_mask", None) is not None else {}
+    dq, dk, dv, dbias = backward(grad_out, q, k, v, out, lse, attn_bias, bias_grad, cu_q, cu_k, *options, **masked)
     return dq, dk, dv, dbias.sum_to_size(attn_bias.shape) if bias_grad else None
 
 
@@ -178,21 +185,26 @@ class EagerAttention(torch.autograd.Function):
     is what a training step pays on every call."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, options):
-        out, lse = _forward(q, k, v, attn_bias, *options[:-1])
+    def forward(ctx, q, k, v, attn_bias, options, block_mask):
+        out, lse = _forward(q, k, v, attn_bias, *options[:-1], block_mask=block_mask)
         _save(ctx, q, k, v, attn_bias, options, out, lse)
+        ctx.block_mask = block_mask
         ctx.set_materialize_grads(False)  # no zero-filled gradient for lse (a launch per backward)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         if grad_out is None:  # only lse (not differentiable) reached the loss
-            return None, None, None, None, None
-        return _gradients(ctx, grad_out, _grads) + (None,)
+            return None, None, None, None, None, None
+        return _gradients(ctx, grad_out, _grads) + (None, None)
 
 
-def forward(q, k, v, attn_bias, *options) -> Tuple[Tensor, Tensor]:
+def forward(q, k, v, attn_bias, *options, block_mask=None) -> Tuple[Tensor, Tensor]:
     """The forward op while torch.compile traces, the autograd.Function otherwise (same arguments)."""
     if torch.compiler.is_compiling():
+        if block_mask is not None:
+            raise UnsupportedError("flashgen.torch: block_mask under torch.compile is not supported yet (the operators "
+                                   "take tensors only; the block lists become their inputs once the kernels read "
+                                   "them): call this attention eagerly, outside the compiled region")
         return attention_forward(q, k, v, attn_bias, *options)
-    return EagerAttention.apply(q, k, v, attn_bias, options)
+    return EagerAttention.apply(q, k, v, attn_bias, options, block_mask)

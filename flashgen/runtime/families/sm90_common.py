@@ -151,6 +151,9 @@ class OwnKernelFamily(RuntimeFamily):
     def unfit(self, call: Call) -> Optional[str]:
         """What the call needs that none of flashgen's own kernels has, or None."""
         p = call.p
+        if call.block_mask is not None:
+            return ("no block masks yet (until these kernels read the block lists, the example-41 families serve "
+                    "them with the mask as a dense bias)")
         if call.bias is not None and not self.compiled_bias:
             return "no attn_bias (the example-41 families take it)"
         if p.dropout_p > 0:

@@ -1,0 +1,99 @@
+"""Serving a block mask before flashgen's kernels read its lists: example 41 with a dense bias.
+
+Until a kernel visits only the listed blocks, a call with ``block_mask`` runs as a call with
+an additive bias: the mask as 0 / -inf over [B or 1, H or 1, M, N] (a causal mask folded in,
+so the kernel runs unmasked), plus ``attn_bias`` when one is given.  flashgen's own families
+refuse block masks for now (``explain`` says so), so the example-41 families serve them, at
+the cost of a dense attention with a bias; a warning says so once per process.  The bias is
+built on the first call for each dtype and causal setting and kept with the mask (freed with
+it); later calls on other streams wait for it on the device, never on the host.
+
+Rows that see no key: example 41 divides 0 by 0 on a row of -inf scores (its lse comes out
+-inf), so after the forward those rows are set to output 0, bit by bit (the NaN goes too), and
+lse -inf: flashgen's convention for rows without keys (bottom-right causal with M > N, empty
+varlen sequences).  The backward reads lse +inf on those rows, as on the rows the kernels pad,
+so P = exp(s - lse) is 0 there, not exp(-inf + inf): dq is 0 and they add nothing to dk, dv or
+dbias.
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+from dataclasses import replace
+
+import numpy as np
+
+from flashgen.runtime.arrays import dtype_name
+from flashgen.runtime.validate import MASKS, Call, bias as validated_bias
+
+WARNING = ("flashgen: block_mask runs dense through the example-41 kernels (the mask becomes an additive "
+           "[B, H, M, N] bias), so it is as slow as a dense attention with a bias, not faster for being "
+           "sparse; kernels that visit only the listed blocks come later.  (Warned once per process.)")
+
+_warned = False
+_dense = weakref.WeakKeyDictionary()  # BlockMask -> {(dtype, diagonal): (bias, empty rows, event)}
+
+
+def warn_once() -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(WARNING, UserWarning, stacklevel=4)  # the caller of attention_forward/backward
+
+
+def forward(cupy, call: Call, run):
+    """(out, lse) of a block-mask forward through ``run(cupy, call)`` on the dense call."""
+    warn_once()
+    call, empty = dense_call(cupy, call)
+    out, lse = run(cupy, call)
+    with _stream(cupy, call):
+        bits = out.view(cupy.uint16 if out.itemsize == 2 else cupy.uint32)  # exact zeros, whatever the dtype
+        bits *= (~empty).transpose(0, 2, 1)[..., None].astype(bits.dtype)
+        lse[...] = cupy.where(empty, cupy.float32(-np.inf), lse)
+    return out, lse
+
+
+def backward(cupy, call: Call, run):
+    """The gradients of a block-mask call through ``run(cupy, call)`` on the dense call."""
+    warn_once()
+    return run(cupy, dense_call(cupy, call)[0])
+
+
+def dense_call(cupy, call: Call):
+    """(the call as example 41 serves it, empty [B or 1, H or 1, M]: which rows see no key).
+
+    The call's ``bias`` becomes the mask's dense bias (plus its own ``attn_bias``), its causal
+    mask moves into that bias (``p.mask`` 0), a backward's lse becomes +inf on rows without
+    keys; ``block_mask`` stays, so flashgen's own families keep refusing the call."""
+    p, dtype = call.p, call.q.dtype
+    diagonal = None if not p.mask else (p.N - p.M if p.mask == MASKS["bottom_right"] else 0)
+    stream = _stream(cupy, call)
+    with stream:
+        bias, empty = _cached(call.block_mask, dtype, diagonal, stream)
+        if call.bias is not None:
+            total = cupy.empty((p.B, p.H, p.M, -(-p.N // 8) * 8), dtype=dtype)[..., :p.N]  # rows aligned as bias's
+            total[...] = (bias.astype(cupy.float32) + call.bias.astype(cupy.float32)).astype(dtype)
+            bias = total
+        bias = validated_bias(cupy, bias, p, call.q, p.M, p.N)  # the kernels' offset limits (no copy)
+        lse = call.lse
+        if call.direction == "bwd":
+            lse = cupy.where(empty, cupy.float32(np.inf), lse[:, :, :p.M])
+    return replace(call, p=replace(p, mask=0), bias=bias, lse=lse, plan_key=None), empty
+
+
+def _stream(cupy, call: Call):
+    """The call's stream (given, or CuPy's current: under a torch caller, torch's), made current."""
+    return call.stream if call.stream is not None else cupy.cuda.get_current_stream()
+
+
+def _cached(block_mask, dtype, diagonal, stream):
+    """The mask's fallback bias and empty rows for ``dtype`` and ``diagonal``: built on ``stream``
+    the first time, afterwards waited for on it (an event: no host synchronisation)."""
+    kept = _dense.setdefault(block_mask, {})
+    key = (dtype_name(dtype), diagonal)
+    if key not in kept:
+        bias, empty = block_mask.additive(dtype, diagonal)
+        kept[key] = (bias, empty, stream.record())
+    else:
+        stream.wait_event(kept[key][2])
+    return kept[key][:2]

@@ -1,0 +1,233 @@
+"""Block-sparse attention masks: which (query block, key block) tiles a kernel has to visit.
+
+``block_mask(mask, B, H, M, N, block=(128, 128))`` evaluates an element mask once, on the
+GPU with CuPy (or with NumPy on the host, ``device="cpu"``), and records per (batch, head,
+query block) the key blocks whose elements are all visible ("full": no element mask needed)
+and those with some visible and some hidden ("partial": the element mask applies there);
+key blocks with nothing visible are left out, so a kernel never visits them.  The
+transposed lists, per (batch, head, key block), serve a backward that walks key blocks.
+The layout is the one FlexAttention-like kernels read: ``kv_num_blocks`` [B, H, QB] int32
+and ``kv_indices`` [B, H, QB, KB] int32, the first ``kv_num_blocks`` entries of a row being
+its listed blocks in ascending order and the rest the other blocks, also ascending (each row
+is a permutation of 0..KB-1, so no entry is ever out of range).
+
+The element mask is evaluated in chunks of whole query blocks, so [B, H, M, N] never exists
+at once for long sequences; a mask that ignores the batch or head index costs [rows, N] per
+chunk, not B * H times that.  A block at the ragged end of M or N counts only its existing
+elements: bounds are the kernels' business, as for any call.
+"""
+from __future__ import annotations
+
+import contextlib
+import numbers
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+import numpy as np
+
+from flashgen.runtime.arrays import as_array, cupy_module, dtype_name
+
+CHUNK_ELEMENTS = 1 << 26  # mask elements per evaluated chunk (64 MiB of booleans)
+
+
+@dataclass(frozen=True, eq=False)
+class BlockMask:
+    """A block-sparse mask over [B, H, M, N] scores (B and H may be 1: the mask then broadcasts).
+
+    Built by ``block_mask``; the ``kv_*`` lists drive a forward (per query block), the ``q_*``
+    lists a backward (per key block).  ``mask`` is what it was built from (the callable or the
+    boolean array), kept because partial blocks still need their elements and because the dense
+    fallback (``to_dense``) is made from it.  ``device`` is the GPU the arrays live on, None for
+    NumPy arrays on the host (inspection and tests; attention calls refuse those)."""
+
+    shape: Tuple[int, int, int, int]
+    block: Tuple[int, int]
+    device: Optional[int]
+    kv_num_blocks: object = field(repr=False)  # [B, H, QB] partial key blocks per query block
+    kv_indices: object = field(repr=False)  # [B, H, QB, KB]
+    full_kv_num_blocks: object = field(repr=False)  # [B, H, QB] full key blocks per query block
+    full_kv_indices: object = field(repr=False)
+    q_num_blocks: object = field(repr=False)  # [B, H, KB] partial query blocks per key block
+    q_indices: object = field(repr=False)  # [B, H, KB, QB]
+    full_q_num_blocks: object = field(repr=False)
+    full_q_indices: object = field(repr=False)
+    mask: object = field(repr=False)
+
+    @property
+    def num_blocks(self) -> Tuple[int, int]:
+        """(query blocks, key blocks): QB and KB."""
+        (_, _, M, N), (bm, bn) = self.shape, self.block
+        return -(-M // bm), -(-N // bn)
+
+    @property
+    def xp(self):
+        """The array module of the lists: CuPy for a GPU mask, NumPy for a host one."""
+        return np if self.device is None else cupy_module()
+
+    def density(self) -> float:
+        """Visited blocks (full and partial) over all blocks: the share of the dense work a kernel
+        that reads the lists does (reads the counts back to the host)."""
+        total = float((self.kv_num_blocks.sum() + self.full_kv_num_blocks.sum()).item())
+        B, H, _, _ = self.shape
+        QB, KB = self.num_blocks
+        return total / (B * H * QB * KB)
+
+    def to_dense(self, dtype=np.float32):
+        """The mask as an additive [B, H, M, N] bias of ``dtype`` (float32, float16 or bfloat16): 0 where
+        a key is visible, -inf where it is not.  A row with no visible key is all -inf here; the
+        attention calls give such rows output 0 and lse -inf instead of a softmax over nothing."""
+        bias, _ = self.additive(dtype)
+        return self.xp.ascontiguousarray(bias)
+
+    def additive(self, dtype, diagonal: Optional[int] = None):
+        """(bias, empty): the additive bias as ``to_dense`` makes it, in rows padded to 8 elements (the
+        alignment example 41 reads a bias with), and which (b, h, query) rows see no key [B, H, M].
+        ``diagonal``: also hide key j from query i where j > i + diagonal (a causal mask folded in)."""
+        if dtype_name(dtype) is None:
+            raise TypeError(f"dtype must be float32, float16 or bfloat16; got {dtype!r}")
+        xp, (B, H, M, N) = self.xp, self.shape
+        with _on(self.device):
+            bias = xp.empty((B, H, M, -(-N // 8) * 8), dtype=dtype)[..., :N]
+            empty = xp.empty((B, H, M), dtype=bool)
+            for start, stop in _row_chunks(M, self.block[0], B * H * N):
+                visible = _visible(self.mask, xp, self.shape, start, stop)
+                if diagonal is not None:
+                    visible = visible & (xp.arange(N)[None, :] <= xp.arange(start, stop)[:, None] + diagonal)
+                empty[:, :, start:stop] = ~visible.any(axis=-1)
+                bias[:, :, start:stop] = xp.where(visible, np.float32(0), np.float32(-np.inf)).astype(dtype)
+        return bias, empty
+
+
+def block_mask(mask, B: int, H: int, M: int, N: int, block=(128, 128), *, device=None) -> BlockMask:
+    """A :class:`BlockMask` over [B, H, M, N] scores from ``mask``, built once and reused by every call.
+
+    ``mask`` is either ``mask_fn(b, h, q_idx, kv_idx) -> bool array``, called with integer index
+    arrays of shapes [B, 1, 1, 1], [1, H, 1, 1], [1, 1, rows, 1] and [1, 1, 1, N] of the array
+    module in use (CuPy, or NumPy with ``device="cpu"``; so ``q_idx >= kv_idx`` is causal and
+    ``doc[q_idx] == doc[kv_idx]`` a document mask for a ``doc`` array of that module), its result
+    broadcastable to [B, H, rows, N]; or a boolean array broadcastable to [B, H, M, N]
+    (True: the key is visible).  B and H may be 1: the mask then serves any batch and head
+    count.  ``block``: (query rows, key columns) per block.
+    ``device``: None for the mask array's own GPU (a CuPy or DLPack array) or else CuPy's current
+    one; an int for that GPU; "cpu" for NumPy on the host."""
+    B, H, M, N = (_positive(name, n) for name, n in (("B", B), ("H", H), ("M", M), ("N", N)))
+    if not isinstance(block, (tuple, list)) or len(block) != 2:
+        raise TypeError(f"block must be (query rows, key columns), e.g. (128, 128); got {block!r}")
+    block = (_positive("block's query rows", block[0]), _positive("block's key columns", block[1]))
+    xp, device, mask = _placed(mask, device)
+    shape = (B, H, M, N)
+    with _on(device):
+        if not callable(mask):
+            _check_mask_array(mask, shape)
+        QB, KB = -(-M // block[0]), -(-N // block[1])
+        full, partial = xp.zeros((B, H, QB, KB), dtype=bool), xp.zeros((B, H, QB, KB), dtype=bool)
+        for start, stop in _row_chunks(M, block[0], B * H * N):
+            rows = slice(start // block[0], -(-stop // block[0]))
+            full[:, :, rows], partial[:, :, rows] = _classify(xp, _visible(mask, xp, shape, start, stop), block)
+        lists = {}
+        for name, flags in (("kv", partial), ("full_kv", full), ("q", partial.transpose(0, 1, 3, 2)),
+                            ("full_q", full.transpose(0, 1, 3, 2))):
+            lists[f"{name}_num_blocks"], lists[f"{name}_indices"] = _listed(xp, flags)
+    return BlockMask(shape, block, device, mask=mask, **lists)
+
+
+def _positive(name: str, n) -> int:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise TypeError(f"{name} must be an int; got {n!r}")
+    if n < 1:
+        raise ValueError(f"{name} must be >= 1; got {n}")
+    return int(n)
+
+
+def _on(device: Optional[int]):
+    """``device`` made CuPy's current one (nothing for the host)."""
+    return contextlib.nullcontext() if device is None else cupy_module().cuda.Device(device)
+
+
+def _placed(mask, device):
+    """(array module, device, mask): the mask's arrays moved to where the lists are built."""
+    if device is not None and device != "cpu" and (isinstance(device, bool) or not isinstance(device, int)
+                                                   or device < 0):
+        raise ValueError(f"device must be None, a GPU index or 'cpu'; got {device!r}")
+    on_gpu = not isinstance(mask, np.ndarray) and not callable(mask)
+    if device == "cpu":
+        if on_gpu:
+            raise TypeError(f"with device='cpu' the mask must be a callable or a NumPy array; got "
+                            f"{type(mask).__name__} (build on its GPU with device=None)")
+        return np, None, mask
+    cupy = cupy_module()
+    if on_gpu:
+        mask = as_array(mask, "mask")
+        if device is not None and mask.device.id != device:
+            raise ValueError(f"the mask is on GPU {mask.device.id}, device={device}")
+        return cupy, mask.device.id, mask
+    device = cupy.cuda.runtime.getDevice() if device is None else device
+    if isinstance(mask, np.ndarray):
+        with cupy.cuda.Device(device):
+            mask = cupy.asarray(mask)
+    return cupy, device, mask
+
+
+def _check_mask_array(mask, shape):
+    if mask.dtype != np.bool_:
+        raise TypeError(f"a mask array must be boolean (True: the key is visible); got {mask.dtype} "
+                        f"(an additive mask goes in attn_bias)")
+    if not _broadcasts(mask.shape, shape):
+        raise ValueError(f"the mask of shape {tuple(mask.shape)} does not broadcast to [B, H, M, N] = {shape}")
+
+
+def _broadcasts(have, want) -> bool:
+    return len(have) <= len(want) and all(h in (1, w) for h, w in zip(have[::-1], want[::-1]))
+
+
+def _row_chunks(M: int, block_rows: int, row_elements: int):
+    """(start, stop) of query-row chunks of whole blocks, each about CHUNK_ELEMENTS mask elements."""
+    step = max(1, CHUNK_ELEMENTS // max(row_elements * block_rows, 1)) * block_rows
+    return [(start, min(start + step, M)) for start in range(0, M, step)]
+
+
+def _visible(mask, xp, shape, start: int, stop: int):
+    """The element mask for query rows start:stop as a boolean [b, h, rows, N] (b, h: 1 or B, H)."""
+    B, H, _, N = shape
+    want = (B, H, stop - start, N)
+    if callable(mask):
+        got = xp.asarray(mask(xp.arange(B).reshape(B, 1, 1, 1), xp.arange(H).reshape(1, H, 1, 1),
+                              xp.arange(start, stop).reshape(1, 1, -1, 1), xp.arange(N).reshape(1, 1, 1, N)))
+        if got.dtype != np.bool_:
+            raise TypeError(f"mask_fn must return a boolean array; it returned {got.dtype} "
+                            f"(compare, e.g. q_idx >= kv_idx, rather than returning 0/1 or a bias)")
+        if not _broadcasts(got.shape, want):
+            raise ValueError(f"mask_fn returned shape {tuple(got.shape)} for rows {start}:{stop}, which does not "
+                             f"broadcast to [B, H, rows, N] = {want}: combine the index arguments with "
+                             f"broadcasting operators rather than reshaping them")
+    else:
+        got = mask[..., start:stop, :] if mask.ndim >= 2 and mask.shape[-2] != 1 else mask
+    got = got.reshape((1,) * (4 - got.ndim) + tuple(got.shape))
+    return xp.broadcast_to(got, got.shape[:2] + want[2:])
+
+
+def _classify(xp, visible, block):
+    """(full, partial) flags [b, h, qb, KB] of the blocks of ``visible`` [b, h, rows, N]: full where
+    every existing element is visible, partial where some but not all are."""
+    (b, h, rows, N), (bm, bn) = visible.shape, block
+    qb, kb = -(-rows // bm), -(-N // bn)
+    if rows % bm or N % bn:
+        padded = xp.zeros((b, h, qb * bm, kb * bn), dtype=bool)
+        padded[:, :, :rows, :N] = visible
+        visible = padded
+    counts = visible.reshape(b, h, qb, bm, kb, bn).sum(axis=(3, 5), dtype=np.int32)
+    sizes = (xp.minimum(bm, rows - bm * xp.arange(qb))[:, None] * xp.minimum(bn, N - bn * xp.arange(kb))[None, :])
+    full = counts == sizes.astype(np.int32)
+    return full, (counts > 0) & ~full
+
+
+def _listed(xp, flags):
+    """(counts [.., R] int32, indices [.., R, C] int32) of boolean ``flags`` [.., R, C]: per row the
+    flagged columns in ascending order, then the others in ascending order.  Sorting keys that
+    put the unflagged columns after all flagged ones gives both orders in one sort, whatever
+    the sort's stability."""
+    C = flags.shape[-1]
+    columns = xp.arange(C, dtype=np.int32)
+    keys = xp.sort(xp.where(flags, columns, columns + C), axis=-1)
+    indices = xp.where(keys < C, keys, keys - C).astype(np.int32)
+    return flags.sum(axis=-1, dtype=np.int32), xp.ascontiguousarray(indices)
