@@ -225,8 +225,14 @@ def check_head_broadcast(c: Problem, q, k, v):
 
 def bias(cupy, attn_bias, c: Problem, q, rows: int, cols: int):
     """The bias as [B, H, M, N] (broadcast dims get stride 0), with an aligned row stride."""
+    return checked_bias(cupy, attn_bias, c, q, rows, cols)[0]
+
+
+def checked_bias(cupy, attn_bias, c: Problem, q, rows: int, cols: int):
+    """(``bias``'s array, whether it is a copy of the caller's): a copy is per-call work that a
+    launch plan, which launches on the caller's pointers, would skip."""
     if attn_bias is None:
-        return None
+        return None, False
     if c.seqstart_q is not None:
         raise UnsupportedError("attn_bias with cu_seqlens is not supported: neither the sm90 nor the example-41 "
                                "kernels read a bias for packed sequences")
@@ -244,11 +250,13 @@ def bias(cupy, attn_bias, c: Problem, q, rows: int, cols: int):
         # the kernels read bias rows with 16-byte loads: copy into rows padded to 8 elements
         padded = cupy.zeros((c.B, c.H, rows, -(-cols // 8) * 8), dtype=b.dtype)
         padded[..., :cols] = b
-        b = padded[..., :cols]
+        b, copied = padded[..., :cols], True
+    else:
+        copied = False
     # row * bias_strideM: uint32 in the forward (kernel_forward.h:828), int32 in the backward (1605)
     check_offset("bias_strideM", "attn_bias's last row offset (M - 1) * row stride", rows - 1,
                   elem_strides(b)[2], SPLIT_ROWS)
-    return b
+    return b, copied
 
 
 def check_block_mask(block_mask, c: Problem, q, k) -> Optional[BlockMask]:
@@ -363,10 +371,10 @@ def forward_call(q, k, v, options: dict, entry: Callable, plan_key=None) -> Call
     q, k, v = as_array(q, "q"), as_array(k, "k"), as_array(v, "v")
     p = problem(q, k, v, options["causal"], options["scale"], options["dropout_p"], options["seed"], options["offset"],
                 options["cu_seqlens_q"], options["cu_seqlens_k"], window=options["window"], softcap=options["softcap"])
-    b = bias(cupy, options["attn_bias"], p, q, q.shape[1], k.shape[1])
+    b, copied = checked_bias(cupy, options["attn_bias"], p, q, q.shape[1], k.shape[1])
     bm = check_block_mask(options["block_mask"], p, q, k)
     check_varlen_bottom_right(p)
-    return Call("fwd", p, q, k, v, b, options, entry, plan_key=_plan_key(plan_key, b, options), block_mask=bm)
+    return Call("fwd", p, q, k, v, b, options, entry, plan_key=None if copied else plan_key, block_mask=bm)
 
 
 def backward_call(grad_out, q, k, v, out, lse, options: dict, entry: Callable, plan_key=None) -> Call:
@@ -392,16 +400,8 @@ def backward_call(grad_out, q, k, v, out, lse, options: dict, entry: Callable, p
         raise ValueError(f"lse is on GPU {lse.device.id}, q is on GPU {p.device}")
     if options["attn_bias"] is None and options["bias_requires_grad"]:
         raise ValueError("bias_requires_grad=True without attn_bias")
-    b = bias(cupy, options["attn_bias"], p, q, q.shape[1], k.shape[1])
+    b, copied = checked_bias(cupy, options["attn_bias"], p, q, q.shape[1], k.shape[1])
     bm = check_block_mask(options["block_mask"], p, q, k)
     check_varlen_bottom_right(p)
     return Call("bwd", p, q, k, v, b, options, entry, out=out, grad_out=grad_out, lse=lse,
-                plan_key=_plan_key(plan_key, b, options), block_mask=bm)
-
-
-def _plan_key(key, b, options: dict):
-    """``key``, or None where the validated bias ``b`` is a copy of the caller's (rows re-padded):
-    a per-call copy that a plan, which launches on the caller's pointers, would skip."""
-    if key is None or b is None or b.data.ptr == as_array(options["attn_bias"], "attn_bias").data.ptr:
-        return key
-    return None
+                plan_key=None if copied else plan_key, block_mask=bm)
