@@ -131,9 +131,14 @@ struct BwdKernel {
   static constexpr int kQueryWarps = kWarps / kKeyWarps;
   static constexpr int kQuerySlice = kBlockM / kQueryWarps;  // queries of one warp per step
   static constexpr int kKeyThreads = 32 * kKeyWarps;         // the threads of one query slice
-  // A warp takes its slice kQueryChunk queries at a time: at head dim 128, S^T and dP^T of 64
-  // queries (64 accumulators) beside dK and dV (128) spilled on sm_80.
-  static constexpr int kQueryChunk = kHeadDim > 64 && kQuerySlice > 32 ? 32 : kQuerySlice;
+  // A warp takes its slice kQueryChunk queries at a time; now always the whole slice.  At head
+  // dim 128, S^T and dP^T of 64 queries (64 accumulators) beside dK and dV (128) fit in 255
+  // registers only (kTightRegisters) with B loaded an ldmatrix at a time (gemm_ss_fine,
+  // gemm_rs_fine) and the per-thread offsets of add_dq and of the dS^T stores recomputed each
+  // step rather than kept live (opaque thread indices: some 60 integer instructions a step);
+  // two chunks of 32, as before, read K and V twice a step (16 ldmatrix more).
+  static constexpr int kQueryChunk = kQuerySlice;
+  static constexpr bool kTightRegisters = kHeadDim > 64 && kQueryChunk > 32;
   static constexpr int kChunks = kQuerySlice / kQueryChunk;
   // The warp's 16 rows of K and V as A fragments in registers for the whole CTA (2 x 16 of them)
   // where dK and dV leave room (head dim 64), rather than by ldmatrix at every step.
@@ -354,7 +359,6 @@ struct BwdKernel {
     auto load_a = copy_a.get_thread_slice(mma_tid);
     auto load_b = copy_b.get_thread_slice(mma_tid);
     auto load_bt = copy_bt.get_thread_slice(mma_tid);
-    auto store_c = copy_c.get_thread_slice(mma_tid);
 
     // Query chunk `part` (kQueryChunk queries from part * kQueryChunk) of a Q or dO tile, as
     // (queries, head dim) and as (head dim, queries), and of dS^T (keys, queries).
@@ -409,16 +413,16 @@ struct BwdKernel {
         if constexpr (kKVInRegisters) {
           gemm_rs(mma, tSrS, tSrK, copy_b, load_b.partition_S(chunk_rows(s.qdo[buf][0], part)), tSrQ, tSrQ_view);
         } else {
-          gemm_ss(mma, tSrS, copy_a, tSsK, tSrK, tSrK_view, copy_b,
-                  load_b.partition_S(chunk_rows(s.qdo[buf][0], part)), tSrQ, tSrQ_view);
+          gemm_ss_or_fine<kTightRegisters>(mma, tSrS, copy_a, tSsK, tSrK, tSrK_view, copy_b,
+                                           load_b.partition_S(chunk_rows(s.qdo[buf][0], part)), tSrQ, tSrQ_view);
         }
         clear(tSrDp);
         auto gemm_dp = [&] {
           if constexpr (kKVInRegisters) {
             gemm_rs(mma, tSrDp, tSrV, copy_b, load_b.partition_S(chunk_rows(s.qdo[buf][1], part)), tSrQ, tSrQ_view);
           } else {
-            gemm_ss(mma, tSrDp, copy_a, tSsV, tSrK, tSrK_view, copy_b,
-                    load_b.partition_S(chunk_rows(s.qdo[buf][1], part)), tSrQ, tSrQ_view);
+            gemm_ss_or_fine<kTightRegisters>(mma, tSrDp, copy_a, tSsV, tSrK, tSrK_view, copy_b,
+                                             load_b.partition_S(chunk_rows(s.qdo[buf][1], part)), tSrQ, tSrQ_view);
           }
         };
 
@@ -482,13 +486,18 @@ struct BwdKernel {
         }
         Tensor rP = sm80::convert<Element>(tSrS);  // (qualified: convert() is also the last kernel)
         Tensor rDs = sm80::convert<Element>(tSrDp);
-        copy(copy_c, store_c.retile_S(rDs), store_c.partition_D(chunk_ds(buf, part)));  // dS^T, for dQ
+        {  // dS^T, for dQ; the thread's offsets through an opaque index, as in add_dq (registers)
+          auto store_c = copy_c.get_thread_slice(opaque<kTightRegisters>(mma_tid));
+          copy(copy_c, store_c.retile_S(rDs), store_c.partition_D(chunk_ds(buf, part)));
+        }
 
         // dV += P^T dO, dK += dS^T Q: P^T and dS^T as A operands where the accumulators are.
-        gemm_rs(mma, acc_dv, make_tensor(rP.data(), accumulator_as_a(rP.layout())), copy_bt,
-                load_bt.partition_S(chunk_cols(s.qdo[buf][1], part)), tKrQt, tKrQt_view);
-        gemm_rs(mma, acc_dk, make_tensor(rDs.data(), accumulator_as_a(rDs.layout())), copy_bt,
-                load_bt.partition_S(chunk_cols(s.qdo[buf][0], part)), tKrQt, tKrQt_view);
+        auto const rP_a = make_tensor(rP.data(), accumulator_as_a(rP.layout()));
+        auto const rDs_a = make_tensor(rDs.data(), accumulator_as_a(rDs.layout()));
+        gemm_rs_or_fine<kTightRegisters>(mma, acc_dv, rP_a, copy_bt,
+                                         load_bt.partition_S(chunk_cols(s.qdo[buf][1], part)), tKrQt, tKrQt_view);
+        gemm_rs_or_fine<kTightRegisters>(mma, acc_dk, rDs_a, copy_bt,
+                                         load_bt.partition_S(chunk_cols(s.qdo[buf][0], part)), tKrQt, tKrQt_view);
       }
 
       cp_async_wait<0>();  // step t + 1, this thread's part
@@ -507,7 +516,11 @@ struct BwdKernel {
   static __device__ void add_dq(BwdParams const& p, SharedStorage& s, Element* ds, Sequence const& seq, int head,
                                 int m_block, int n_block) {
     using namespace cute;
-    int const tid = threadIdx.x;
+    // kTightRegisters: the thread index through an opaque (volatile) copy.  Every address below
+    // depends on it and is the same at every step, so ptxas kept them all (K^T's nine ldmatrix
+    // addresses, the atomics' pointer, ...) live through the main loop and its register peak, or
+    // spilled them; so they are a few integer instructions a step.
+    int const tid = opaque<kTightRegisters>(threadIdx.x);
     int const dq_tid = tid % (32 * kDqRowWarps);
     int const part = tid / (32 * kDqRowWarps);
     TiledMmaDq mma;

@@ -175,5 +175,140 @@ __device__ void gemm_rs(Mma& mma, Acc& acc, RegA const& reg_a, CopyB const& copy
   }
 }
 
+// gemm_ss and gemm_rs with B loaded one ldmatrix at a time, each just ahead of the MMAs that
+// read it, where the k-loops above load a whole k-slice ahead: a k-slice of a wide B (64
+// queries, or 128 head-dim columns) is 16 or 32 registers, and holding the next one beside the
+// current one is more than a 16-row warp tile beside large accumulators can afford.  One
+// ldmatrix of B fills kNPerCopy neighbouring MMA columns: view_b(_, j, kk) is reg_b(_, j *
+// kNPerCopy + i, kk), i < kNPerCopy, as CuTe's retile of a 16-wide B tile lays them out.  A, if
+// from shared memory, loads with B's first piece of each k-slice.
+// x through an empty volatile asm where kOpaque: the compiler must take it as a new value each
+// time, so that what it derives from it (per-thread offsets the same at every step of a loop)
+// is recomputed where used instead of kept in registers through the loop.
+template <bool kOpaque>
+__device__ __forceinline__ int opaque(int x) {
+  if constexpr (kOpaque) {
+    asm volatile("" : "+r"(x));
+  }
+  return x;
+}
+
+// Whether every register of copy j of k-slice kk (view(_, j, kk)) is one of reg(_, n, kk) with
+// j * kNPerCopy <= n < (j + 1) * kNPerCopy: what the fine k-loops below assume (static layouts).
+template <class RegLayout, class ViewLayout>
+constexpr bool copies_fill_column_groups() {
+  using namespace cute;
+  RegLayout reg{};
+  ViewLayout view{};
+  constexpr int kV = decltype(size<0>(reg))::value, kN = decltype(size<1>(reg))::value;
+  constexpr int kK = decltype(size<2>(reg))::value;
+  constexpr int kI = decltype(size<0>(view))::value, kCopies = decltype(size<1>(view))::value;
+  constexpr int kNPerCopy = kN / kCopies;
+  if (decltype(size<2>(view))::value != kK || kNPerCopy * kCopies != kN || kI != kV * kNPerCopy) {
+    return false;
+  }
+  for (int kk = 0; kk < kK; ++kk) {
+    for (int j = 0; j < kCopies; ++j) {
+      for (int i = 0; i < kI; ++i) {
+        int const offset = view(i, j, kk);
+        bool found = false;
+        for (int n = j * kNPerCopy; n < (j + 1) * kNPerCopy; ++n) {
+          for (int v = 0; v < kV; ++v) {
+            found = found || int(reg(v, n, kk)) == offset;
+          }
+        }
+        if (!found) {
+          return false;
+        }
+      }
+    }
+  }
+  return true;
+}
+
+template <class Mma, class Acc, class RegA, class RegB>
+__device__ void mma_columns(Mma& mma, Acc& acc, RegA const& reg_a, RegB const& reg_b, int kk, int n0, int count) {
+  using namespace cute;
+  CUTE_UNROLL
+  for (int n = n0; n < n0 + count; ++n) {
+    CUTE_UNROLL
+    for (int m = 0; m < size<1>(acc); ++m) {
+      gemm(mma, acc(_, m, n), reg_a(_, m, kk), reg_b(_, n, kk), acc(_, m, n));
+    }
+  }
+}
+
+template <class Mma, class Acc, class CopyA, class SrcA, class RegA, class ViewA, class CopyB, class SrcB,
+          class RegB, class ViewB>
+__device__ void gemm_ss_fine(Mma& mma, Acc& acc, CopyA const& copy_a, SrcA const& src_a, RegA& reg_a, ViewA& view_a,
+                             CopyB const& copy_b, SrcB const& src_b, RegB& reg_b, ViewB& view_b) {
+  using namespace cute;
+  constexpr int kK = decltype(size<2>(reg_a))::value;
+  constexpr int kCopies = decltype(size<1>(view_b))::value;  // ldmatrix of B per k-slice
+  constexpr int kNPerCopy = decltype(size<1>(reg_b))::value / kCopies;
+  static_assert(kNPerCopy * kCopies == decltype(size<1>(reg_b))::value, "whole MMA columns per copy");
+  static_assert(copies_fill_column_groups<decltype(reg_b.layout()), decltype(view_b.layout())>(),
+                "each ldmatrix of B fills its own kNPerCopy MMA columns");
+  copy(copy_a, src_a(_, _, 0), view_a(_, _, 0));
+  copy(copy_b, src_b(_, 0, 0), view_b(_, 0, 0));
+  CUTE_UNROLL
+  for (int kk = 0; kk < kK; ++kk) {
+    CUTE_UNROLL
+    for (int j = 0; j < kCopies; ++j) {
+      if (j + 1 < kCopies) {
+        copy(copy_b, src_b(_, j + 1, kk), view_b(_, j + 1, kk));
+      } else if (kk + 1 < kK) {
+        copy(copy_a, src_a(_, _, kk + 1), view_a(_, _, kk + 1));
+        copy(copy_b, src_b(_, 0, kk + 1), view_b(_, 0, kk + 1));
+      }
+      mma_columns(mma, acc, reg_a, reg_b, kk, j * kNPerCopy, kNPerCopy);
+    }
+  }
+}
+
+template <class Mma, class Acc, class RegA, class CopyB, class SrcB, class RegB, class ViewB>
+__device__ void gemm_rs_fine(Mma& mma, Acc& acc, RegA const& reg_a, CopyB const& copy_b, SrcB const& src_b,
+                             RegB& reg_b, ViewB& view_b) {
+  using namespace cute;
+  constexpr int kK = decltype(size<2>(reg_a))::value;
+  constexpr int kCopies = decltype(size<1>(view_b))::value;
+  constexpr int kNPerCopy = decltype(size<1>(reg_b))::value / kCopies;
+  static_assert(kNPerCopy * kCopies == decltype(size<1>(reg_b))::value, "whole MMA columns per copy");
+  static_assert(copies_fill_column_groups<decltype(reg_b.layout()), decltype(view_b.layout())>(),
+                "each ldmatrix of B fills its own kNPerCopy MMA columns");
+  copy(copy_b, src_b(_, 0, 0), view_b(_, 0, 0));
+  CUTE_UNROLL
+  for (int kk = 0; kk < kK; ++kk) {
+    CUTE_UNROLL
+    for (int j = 0; j < kCopies; ++j) {
+      if (j + 1 < kCopies) {
+        copy(copy_b, src_b(_, j + 1, kk), view_b(_, j + 1, kk));
+      } else if (kk + 1 < kK) {
+        copy(copy_b, src_b(_, 0, kk + 1), view_b(_, 0, kk + 1));
+      }
+      mma_columns(mma, acc, reg_a, reg_b, kk, j * kNPerCopy, kNPerCopy);
+    }
+  }
+}
+
+// gemm_ss / gemm_rs, or their fine variants where kFine.
+template <bool kFine, class... Args>
+__device__ void gemm_ss_or_fine(Args&&... args) {
+  if constexpr (kFine) {
+    gemm_ss_fine(args...);
+  } else {
+    gemm_ss(args...);
+  }
+}
+
+template <bool kFine, class... Args>
+__device__ void gemm_rs_or_fine(Args&&... args) {
+  if constexpr (kFine) {
+    gemm_rs_fine(args...);
+  } else {
+    gemm_rs(args...);
+  }
+}
+
 }  // namespace sm80
 }  // namespace flashgen
