@@ -42,6 +42,40 @@ def test_bottom_right_rows_without_keys(dtype):
         assert rel_err(g, ref) < BWD_TOL[dtype]
 
 
+def test_rows_without_keys_leave_an_odd_number_of_lse_rows():
+    """551 queries, 256 keys, bottom-right: the first 295 see no key, and the backward of the
+    other 256 starts 295 floats into the forward's lse (4-byte aligned), which the example-41
+    backward (head dim 356: no other family) must not read in 8-byte vectors as it is
+    (fuzz seed 25 case 738: CUDA_ERROR_MISALIGNED_ADDRESS)."""
+    r = np.random.default_rng(6)
+    M, N, K = 551, 256, 356
+    q, k, v, do = (randn(r, (1, S, 1, K), "bf16") for S in (M, N, N, M))
+    with poisoned_allocations():
+        out, lse = flashgen.attention_forward(q, k, v, causal="bottom_right")
+        grads = flashgen.attention_backward(do, q, k, v, out, lse, causal="bottom_right")
+    _, _, refs = reference(q, k, v, causal="bottom_right", grad_out=do)
+    assert bool((grads[0][:, :M - N] == 0).all())
+    for g, ref in zip(grads, refs):
+        assert rel_err(g, ref) < BWD_TOL["bf16"]
+
+
+def test_backward_takes_an_lse_at_any_alignment():
+    """An lse view that starts 4 bytes into its buffer, taken twice (the second call replays the
+    first's launch plan): the example-41 backward (f32) reads a copy, and the gradients match."""
+    r = np.random.default_rng(7)
+    B, M, N, H, K = 2, 128, 96, 3, 64
+    q, k, v, do = (randn(r, (B, S, H, K), "f32") for S in (M, N, N, M))
+    out, lse = flashgen.attention_forward(q, k, v)
+    shifted = cupy.empty(lse.size + 1, dtype=cupy.float32)[1:].reshape(lse.shape)
+    shifted[...] = lse
+    _, _, refs = reference(q, k, v, grad_out=do)
+    for _ in range(2):
+        with poisoned_allocations():
+            grads = flashgen.attention_backward(do, q, k, v, out, shifted)
+        for g, ref in zip(grads, refs):
+            assert rel_err(g, ref) < BWD_TOL["f32"]
+
+
 def test_varlen_with_empty_sequences():
     r = np.random.default_rng(2)
     lens = [(5, 0), (0, 30), (35, 40), (1, 1)]  # queries without keys, keys without queries

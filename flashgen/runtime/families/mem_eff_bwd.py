@@ -29,6 +29,7 @@ from flashgen.spec.mem_eff_bwd import MemEffBwd
 POINTERS = ("query_ptr", "key_ptr", "value_ptr", "logsumexp_ptr", "output_ptr", "grad_output_ptr", "delta_ptr",
             "grad_query_ptr", "grad_key_ptr", "grad_value_ptr", "workspace")
 LSE_ROW_BLOCK = 128  # the largest backward block I: the kernel reads lse a whole row block at a time
+LSE_ALIGNMENT = 16  # bytes: the kernel reads lse in vectors (compute-sanitizer: 8-byte reads of a 4-byte-aligned view)
 
 
 def sum_groups(grad, heads_kv: int):
@@ -55,6 +56,17 @@ def padded_lse(memory, lse, batches: int, heads: int, rows: int, seq_rows=None):
         for seq, n in enumerate(seq_rows):
             padded[seq, :, :n] = lse[seq, :, :n]
     return padded
+
+
+def lse_needs_copy(p, lse, block_i: int) -> bool:
+    """Whether the kernel must read lse from a ``padded_lse`` copy rather than the caller's array:
+    a packed batch, rows that end inside a row block, rows that are not unit-stride, or a view
+    whose start or batch/head strides break ``LSE_ALIGNMENT`` (the last rows of a forward's lse,
+    say, which is how the queries after those that see no key get theirs)."""
+    if p.seqstart_q is not None or p.M % block_i or (p.M > 1 and lse.strides[2] != 4):
+        return True
+    strides = (s for s, n in zip(lse.strides[:2], lse.shape[:2]) if n > 1)
+    return bool(lse.data.ptr % LSE_ALIGNMENT or any(s % LSE_ALIGNMENT for s in strides))
 
 
 class MemEffBwdRuntime(RuntimeFamily):
@@ -105,7 +117,7 @@ class MemEffBwdRuntime(RuntimeFamily):
     def _without_rows(self, call: Call, skip: int):
         """The backward of the last M - skip queries; dq (and dbias) zero for the first ``skip``."""
         cupy, p = cupy_module(), call.p
-        part_lse = cupy.ascontiguousarray(call.lse[:, :, skip:p.M])
+        part_lse = call.lse[:, :, skip:p.M]  # launch copies it if this view breaks LSE_ALIGNMENT
         part = call.again(call.grad_out[:, skip:], call.q[:, skip:], call.k, call.v, call.out[:, skip:], part_lse,
                           attn_bias=None if call.bias is None else call.bias[:, :, skip:], scale=p.scale)
         dq = cupy.zeros((p.B, p.M, p.H, p.K), dtype=call.q.dtype)
@@ -129,8 +141,7 @@ class MemEffBwdRuntime(RuntimeFamily):
             dbias_full = cupy.zeros((p.B, p.H, q.shape[1], -(-k.shape[1] // 8) * 8), dtype=q.dtype)
         split_policy = "one" if call.options["deterministic"] else call.extra.get("splits", "auto")
         kc = binary.constants
-        # lse is read a row block at a time: whole blocks of a unit-stride lse need no copy
-        pad_lse = p.seqstart_q is not None or p.M % kc["block_i"] or (p.M > 1 and lse.strides[2] != 4)
+        pad_lse = lse_needs_copy(p, lse, kc["block_i"])
         if pad_lse:
             lse = padded_lse(memory, lse, p.batches, p.H, p.M, None if p.seqstart_q is None else varlen_lengths(p)[1])
         if p.seqstart_q is not None:  # the kernel indexes delta as [H, total_q]
@@ -180,7 +191,7 @@ class MemEffBwdRuntime(RuntimeFamily):
                 {"delta": delta.shape, "delta_in_kernel": bool(kc["kernel_computes_delta"]),
                  "offsets": packed_offsets(dq.nbytes, dk.nbytes, dv.nbytes, delta.nbytes, ws_bytes),
                  "workspace_bytes": ws_bytes, "zero_workspace": splits > 1,
-                 "pad_lse": (p.batches, p.H, p.M) if pad_lse else None}, family=self.name))
+                 "lse_rows": (p.batches, p.H, p.M), "pad_lse": pad_lse}, family=self.name))
         if dbias_full is None:
             return dq, dk, dv
         return dq, dk, dv, dbias_full[..., :k.shape[1]]
@@ -189,8 +200,9 @@ class MemEffBwdRuntime(RuntimeFamily):
         sizes, ptr = plan.sizes, memory.ptr
         grad_out, q, k, v, out, lse = arrays
         with on_device(cupy_module(), plan.device):
-            if sizes["pad_lse"] is not None:
-                lse = padded_lse(memory, lse, *sizes["pad_lse"])
+            # the plan's key holds lse's strides but only the alignment all pointers share
+            if sizes["pad_lse"] or ptr(lse) % LSE_ALIGNMENT:
+                lse = padded_lse(memory, lse, *sizes["lse_rows"])
             # dq, dk, dv, delta and the workspace in one allocation (CuPy): four pool calls fewer per
             # step (the gradients keep it alive together; each is still its own contiguous array)
             at_dk, at_dv, at_delta, at_workspace, total = sizes["offsets"]
