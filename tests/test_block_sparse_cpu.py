@@ -111,3 +111,138 @@ def test_widths_that_are_not_multiples_of_32_record_no_bits():
     assert bm.partial_index is None and bm.partial_bits is None
     assert_bits(block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 100, 100, block=(48, 64), device="cpu"),
                 dense(lambda b, h, q, kv: q >= kv, 1, 1, 100, 100))
+
+
+def test_sparse_instances_are_the_mask_block_tiles_of_tiers_64_and_128():
+    from flashgen.spec.sm90_fwd import Sm90Fwd
+
+    sparse = [k for k in Sm90Fwd.default_set() if k.sparse]
+    assert {(k.dtype, k.max_k) for k in sparse} == {(d, m) for d in ("f16", "bf16") for m in (64, 128)}
+    assert all((k.block_m, k.block_n, k.stages, k.band, k.bias) == (128, 128, 2, False, False) for k in sparse)
+    assert all(k.name.endswith("_s2_sparse_sm90a") and k.cpp_type.endswith(", false, false, true>") for k in sparse)
+    plain = [k for k in Sm90Fwd.default_set() if not k.sparse]
+    assert all(k.cpp_type.endswith(", false>") for k in plain), "plain instances compile kSparse false"
+    # after every plain kernel of its dtype: a plain call never reaches one, a sparse call skips the rest
+    order = sorted(Sm90Fwd.default_set(), key=lambda k: k.priority)
+    for k in sparse:
+        later = order[order.index(k):]
+        assert not any(o.dtype == k.dtype and not (o.band or o.bias or o.sparse) for o in later)
+
+
+# --- which block-mask calls sm90_fwd takes -----------------------------------------------------
+
+def _runtime_helpers():
+    """test_runtime_cpu's fakes (imported here: that module imports nothing of CuPy either)."""
+    import test_runtime_cpu as helpers
+
+    return helpers
+
+
+def sparse_kernels():
+    from flashgen.spec.sm90_fwd import Sm90Fwd
+    from types import SimpleNamespace
+
+    return [SimpleNamespace(spec=k, name=k.name, constants={"max_k": k.max_k, "alignment": 8, "block_m": k.block_m,
+                                                            "block_n": k.block_n, "shared_memory_bytes": 200 * 1024})
+            for k in Sm90Fwd.default_set() if k.dtype == "f16"]
+
+
+def first(kernels, req):
+    from flashgen.runtime.select import rejection
+
+    return next((b.name for b in kernels if rejection(b, req) is None), None), {
+        b.name: rejection(b, req) for b in kernels}
+
+
+@pytest.mark.parametrize("K, block, expected", [
+    (64, (128, 128), "sm90_fwd_f16_k64_q128x128_s2_sparse_sm90a"),
+    (40, (128, 128), "sm90_fwd_f16_k64_q128x128_s2_sparse_sm90a"),
+    (96, (128, 128), "sm90_fwd_f16_k128_q128x128_s2_sparse_sm90a"),
+    (128, (128, 128), "sm90_fwd_f16_k128_q128x128_s2_sparse_sm90a"),
+    (192, (128, 128), None), (64, (64, 128), None), (64, (128, 64), None)])
+def test_selection_matches_the_mask_block_with_the_tile_from_the_cubin_constants(K, block, expected):
+    from flashgen.runtime.select import Request
+
+    helpers = _runtime_helpers()
+    found, why = first(sparse_kernels(), Request("sm90_fwd", "f16", K, K, 8, False, False, helpers.H100,
+                                                 compiled_bias=True, block_sparse=block))
+    assert found == expected
+    if expected is None and K <= 128:
+        assert why["sm90_fwd_f16_k64_q128x128_s2_sparse_sm90a"] == (
+            f"reads 128 x 128 mask blocks; the block mask's are {block[0]} x {block[1]}")
+    plain, why = first(sparse_kernels(), Request("sm90_fwd", "f16", K, K, 8, False, False, helpers.H100,
+                                                 compiled_bias=True))
+    assert plain is None or "sparse" not in plain
+    assert why["sm90_fwd_f16_k128_q128x128_s2_sparse_sm90a"] in ("built with block-mask lists (sparse)",
+                                                                 f"kMaxK 128 < head dim {K}")
+
+
+def test_sm90_fwd_takes_block_masks_it_reads_and_says_why_not_otherwise(monkeypatch):
+    import dataclasses
+
+    from flashgen.runtime.families import serving, sm90_common, sm90_fwd
+
+    helpers = _runtime_helpers()
+    monkeypatch.setattr(sm90_common, "device_info", lambda index: helpers.H100)
+    mask = block_mask(lambda b, h, q, kv: q >= kv, 1, 3, 5, 7, device="cpu")
+    fwd = sm90_fwd.RUNTIME
+    assert fwd.reads_block_masks and [f.name for f in serving("fwd") if f.reads_block_masks] == ["sm90_fwd"]
+
+    def call(**options):
+        return dataclasses.replace(helpers.fake_call("fwd", **options), block_mask=mask)
+
+    assert fwd.unfit(call()) is None
+    assert fwd.unfit(call(causal="top_left")).startswith("a block mask with causal or window: ")
+    assert fwd.unfit(call(window=(3, 0))).startswith("a block mask with causal or window: ")
+    assert fwd.unfit(call(bias=helpers.FakeArray((2, 3, 5, 7), strides=(120, 40, 8, 1)))) == \
+        "a block mask with attn_bias: the sparse kernels have no bias"
+    assert "float32" in fwd.unfit(call(arrays=helpers.qkv(dtype=np.float32)))
+    assert fwd.request(call()).block_sparse == (128, 128)
+    odd = block_mask(lambda b, h, q, kv: q >= kv, 1, 3, 5, 7, block=(128, 48), device="cpu")
+    assert fwd.unfit(dataclasses.replace(call(), block_mask=odd)) == \
+        "a block mask whose key blocks (48) are not a multiple of 32 wide (no element bits)"
+    monkeypatch.setattr(sm90_common, "device_info", lambda index: helpers.A100)
+    assert fwd.unfit(call()).startswith("a compute-capability 9.0 GPU")
+    for family in serving("fwd")[1:-1]:  # sm80_fwd: reads no block masks
+        assert family.unfit(call()).startswith("no block masks (until")
+
+
+def test_a_sparse_instance_is_never_launched_without_a_mask_it_reads():
+    import dataclasses
+
+    from flashgen.runtime.families import sm90_fwd
+
+    helpers = _runtime_helpers()
+    kernels = {b.name: b for b in sparse_kernels()}
+    sparse, plain = (kernels["sm90_fwd_f16_k64_q128x128_s2_sparse_sm90a"], kernels["sm90_fwd_f16_k64_q128x128_s2_sm90a"])
+    call = helpers.fake_call("fwd")
+    with pytest.raises(ValueError, match=r"_sparse_sm90a is built with block-mask lists \(compiled in\); the call has none"):
+        sm90_fwd.check_compiled_sparse(sparse, call)
+    masked = dataclasses.replace(call, block_mask=block_mask(lambda b, h, q, kv: q >= kv, 1, 3, 5, 7, device="cpu"))
+    with pytest.raises(ValueError, match=r"_s2_sm90a is built without block-mask lists \(compiled in\); the call has one"):
+        sm90_fwd.check_compiled_sparse(plain, masked)
+    small = dataclasses.replace(call, block_mask=block_mask(lambda b, h, q, kv: q >= kv, 1, 3, 5, 7, block=(64, 64),
+                                                            device="cpu"))
+    with pytest.raises(ValueError, match=r"reads 128 x 128 mask blocks; the block mask's are 64 x 64"):
+        sm90_fwd.check_compiled_sparse(sparse, small)
+    sm90_fwd.check_compiled_sparse(sparse, masked)
+    sm90_fwd.check_compiled_sparse(plain, call)
+
+
+def test_sparse_fields_step_through_the_mask_rows_and_stop_where_it_broadcasts():
+    from types import SimpleNamespace
+
+    from flashgen.runtime.families.sm90_fwd import sparse_fields
+
+    def arrays(**shapes):
+        return SimpleNamespace(data=SimpleNamespace(ptr=id(shapes)))
+
+    for (B, H), (batch_step, head_step) in {(1, 1): (0, 0), (2, 1): (3, 0), (1, 4): (0, 3), (2, 4): (12, 3)}.items():
+        bm = SimpleNamespace(shape=(B, H, 300, 700), num_blocks=(3, 6), **{
+            name: arrays() for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                                        "partial_index", "partial_bits")})
+        fields = sparse_fields(bm)
+        assert (fields["sparse_batch_step"], fields["sparse_head_step"], fields["sparse_key_blocks"]) == \
+            (batch_step, head_step, 6)
+        assert fields["sparse_bits"] == bm.partial_bits.data.ptr and fields["sparse_tiles"] == bm.partial_index.data.ptr
+    assert sparse_fields(None) == {}
