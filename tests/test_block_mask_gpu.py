@@ -1,5 +1,6 @@
 """Block masks on a GPU: the lists CuPy builds, and the forward and backward with ``block_mask``
-(served dense by example 41 for now) against float64 with the dense mask.
+(served dense by example 41, or sparse by sm90_fwd: test_block_sparse_gpu.py) against float64
+with the dense mask.
 
 Conventions checked: a row the mask (with the causal mask) leaves without a key gets output 0,
 lse -inf and dq 0, and adds nothing to dk, dv or dbias; the mask gets no gradient; the dense
@@ -145,7 +146,7 @@ def test_the_first_call_warns_once_and_explain_names_the_fallback(monkeypatch):
     monkeypatch.setattr(block_fallback, "_warned", False)
     r = np.random.default_rng(3)
     q = randn(r, (1, 256, 2, 64), "f16")
-    bm = block_mask(MASKS["causal"], 1, 1, 256, 256)
+    bm = block_mask(MASKS["causal"], 1, 1, 256, 256, block=(64, 64))  # no sparse kernel reads 64 x 64 blocks
     with pytest.warns(UserWarning, match=r"block_mask runs dense through the example-41 kernels"):
         out, lse = flashgen.attention_forward(q, q, q, block_mask=bm)
     with warnings.catch_warnings():
@@ -156,8 +157,11 @@ def test_the_first_call_warns_once_and_explain_names_the_fallback(monkeypatch):
         rows = flashgen.explain(q, q, q, block_mask=bm, backward=backward)
         selected = [name for name, _, verdict in rows if verdict == "selected"]
         assert selected and selected[0].startswith("mem_eff_"), rows
-        own = [verdict for name, _, verdict in rows if name.startswith(("sm90_", "sm80_"))]
-        assert all(v.startswith("no block masks yet") for v in own), own
+        own = [verdict for name, _, verdict in rows if name.startswith(("sm90_bwd", "sm80_"))]
+        assert all(v.startswith("no block masks (until") for v in own), own
+        # the sparse instances of the call's dtype (the others are refused for their dtype first)
+        sparse = [verdict for name, _, verdict in rows if name.startswith("sm90_fwd_f16") and "sparse" in name]
+        assert all(v.startswith("reads 128 x 128 mask blocks") for v in sparse), sparse
 
 
 def test_calls_on_other_streams_wait_for_the_cached_dense_bias():

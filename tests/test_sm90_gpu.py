@@ -33,6 +33,7 @@ def _example41_kernels() -> bool:
 
 
 KERNELS = hopper_kernels(Sm90Fwd.FAMILY)
+PLAIN_KERNELS = [b for b in KERNELS if not b.spec.sparse]  # sparse ones: tests/test_block_sparse_gpu.py
 needs_kernels = pytest.mark.skipif(not _example41_kernels(), reason="no example-41 kernels built for this GPU")
 needs_sm90 = pytest.mark.skipif(not KERNELS, reason="needs a 9.0 GPU and sm90_fwd kernels (flashgen build --arch sm90a)")
 
@@ -98,7 +99,7 @@ def test_persistent_ctas_walk_many_tiles(dtype, K, M, N, causal, window):
 
 
 @needs_sm90
-@pytest.mark.parametrize("binary", KERNELS, ids=[b.name for b in KERNELS])
+@pytest.mark.parametrize("binary", PLAIN_KERNELS, ids=[b.name for b in PLAIN_KERNELS])
 def test_every_instance(binary):
     """Each built kernel (not only the ones the priority order picks) on odd sizes, M != N; band
     kernels with a causal mask, then a sliding window; soft-capping (a run-time option) on one size;

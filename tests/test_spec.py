@@ -49,10 +49,11 @@ def test_default_set_sizes_are_what_the_readme_says():
     assert len(Sm80Bwd.default_set()) == 6
     sm80 = [k for k in default_kernels() if k.runs_on("sm80")]
     assert len(sm80) == 68 + 4 + 6
-    assert len(Sm90Fwd.default_set()) == 40 + 10  # + bias: 2 dtypes x (tiers 64, 128 x band, and q192 at 64)
+    assert len(Sm90Fwd.default_set()) == 40 + 10 + 4  # + bias: 2 dtypes x (tiers 64, 128 x band, and q192 at 64)
+    # + sparse: 2 dtypes x tiers 64, 128
     assert len(Sm90Bwd.default_set()) == 24 + 12  # + bias: 2 dtypes x 2 bands x (64, 128, 128 + softcap)
     # sm90a: the wgmma families beside example 41; the sm80 ones are not built there (sm90_* serve their calls)
-    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 50 + 36
+    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 54 + 36
     assert len([k for k in default_kernels() if k.runs_on("sm90")]) == 68 + 4 + 6, "plain sm90 cannot build wgmma code"
 
 

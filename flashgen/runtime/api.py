@@ -48,8 +48,10 @@ def attention_forward(q, k, v, *, attn_bias=None, block_mask=None, causal=None, 
     Both run on flashgen's own kernels only: forward on sm90_fwd (9.0 GPUs) or sm80_fwd
     (8.0 and later), backward on sm90_bwd (9.0 GPUs); else UnsupportedError.
     ``block_mask``: a ``flashgen.block_mask`` for these shapes, on q's GPU, applied on top of
-    ``causal`` and ``attn_bias``; for now it runs as a dense bias on the example-41 kernels
-    (warned once).  Rows it leaves without a key get output 0 and lse -inf.
+    ``causal`` and ``attn_bias``.  sm90_fwd visits only its listed blocks where it can (128 x 128
+    blocks, f16/bf16, head dims up to 128, no causal, window or attn_bias: ``explain`` says); other
+    calls run it as a dense bias on the example-41 kernels (warned once).  Rows it leaves without a
+    key get output 0 and lse -inf.
     """
     cupy = cupy_module()
     registry = registry or default_registry()
@@ -67,6 +69,9 @@ def attention_forward(q, k, v, *, attn_bias=None, block_mask=None, causal=None, 
     call = forward_call(q, k, v, options, attention_forward, key)
     with _full_path(cupy, memory, call):
         if call.block_mask is not None:
+            family = families.sparse_family(call)
+            if family is not None:
+                return _adopt(memory, family.run(call))
             return _adopt(memory, block_fallback.forward(cupy, call, _forward))
         return _adopt(memory, _forward(cupy, call))
 
@@ -168,15 +173,18 @@ def explain(q, k, v, *, backward=False, attn_bias=None, block_mask=None, dropout
             softcap=0.0, scale=None, cu_seqlens_q=None, cu_seqlens_k=None, registry: Optional[Registry] = None):
     """Every candidate kernel for this call, family by family in the order tried, with why it was
     rejected or chosen (on a 9.0 GPU flashgen's sm90_fwd / sm90_bwd kernels come first).  With a
-    ``block_mask``, the kernels asked are those for its dense bias (``block_fallback``)."""
+    ``block_mask``, families that read its lists are asked with it, the others with its dense bias
+    (``block_fallback``)."""
     options = dict(attn_bias=attn_bias, block_mask=block_mask, causal=causal, scale=scale, dropout_p=dropout_p,
                    seed=0 if dropout_p else None, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window,
                    softcap=softcap, registry=registry)
-    call = forward_call(q, k, v, options, attention_forward)
+    call, dense = forward_call(q, k, v, options, attention_forward), None
     if call.block_mask is not None:
         with on_device(cupy_module(), call.p.device):
-            call = block_fallback.dense_call(cupy_module(), call)[0]
+            dense = block_fallback.dense_call(cupy_module(), call)[0]
     if backward:
-        call = replace(call, direction="bwd", entry=attention_backward,
-                       options=dict(call.options, bias_requires_grad=False, deterministic=False))
-    return families.explain(call)
+        call, dense = (None if c is None else replace(c, direction="bwd", entry=attention_backward,
+                                                      options=dict(c.options, bias_requires_grad=False,
+                                                                   deterministic=False))
+                       for c in (call, dense))
+    return families.explain(call, dense)

@@ -1,7 +1,8 @@
-"""Serving a block mask before flashgen's kernels read its lists: example 41 with a dense bias.
+"""Serving a block mask where no flashgen kernel reads its lists: example 41 with a dense bias.
 
-Until a kernel visits only the listed blocks, a call with ``block_mask`` runs as a call with
-an additive bias: the mask as 0 / -inf over [B or 1, H or 1, M, N] (a causal mask folded in,
+sm90_fwd's sparse instances read them (a forward with 128 x 128 blocks, no causal, window or
+bias; ``families.sparse_family``); every other call with ``block_mask`` (every backward
+included) runs as a call with an additive bias: the mask as 0 / -inf over [B or 1, H or 1, M, N] (a causal mask folded in,
 so the kernel runs unmasked), plus ``attn_bias`` when one is given.  flashgen's own families
 refuse block masks for now (``explain`` says so), so the example-41 families serve them, at
 the cost of a dense attention with a bias; a warning says so once per process.  The bias is
@@ -28,7 +29,8 @@ from flashgen.runtime.validate import MASKS, Call, bias as validated_bias
 
 WARNING = ("flashgen: block_mask runs dense through the example-41 kernels (the mask becomes an additive "
            "[B, H, M, N] bias), so it is as slow as a dense attention with a bias, not faster for being "
-           "sparse; kernels that visit only the listed blocks come later.  (Warned once per process.)")
+           "sparse; only sm90_fwd visits just the listed blocks, for the forward calls it takes "
+           "(flashgen.explain says why not).  (Warned once per process.)")
 
 _warned = False
 _dense = weakref.WeakKeyDictionary()  # BlockMask -> {(dtype, diagonal): (bias, empty rows, event)}

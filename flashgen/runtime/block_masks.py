@@ -15,6 +15,24 @@ The element mask is evaluated in chunks of whole query blocks, so [B, H, M, N] n
 at once for long sequences; a mask that ignores the batch or head index costs [rows, N] per
 chunk, not B * H times that.  A block at the ragged end of M or N counts only its existing
 elements: bounds are the kernels' business, as for any call.
+
+Partial blocks also keep their element mask, bit-packed, for kernels that apply it in place of
+a dense bias (``sm90_fwd``'s ``sparse`` instances).  With the key-block width a multiple of 32:
+
+* ``partial_bits`` uint32 [P, block_m, block_n / 32], one tile per partial block: bit j of
+  word w of row r is 1 iff key ``w * 32 + j`` of the tile is visible to its query row r.  Rows
+  and keys past M or N are 0.  P is the number of partial blocks (memory is that, not
+  B * H * QB * KB tiles); P == 0 leaves a [1, block_m, block_n / 32] tile of zeros, so the
+  array always has an address.
+* ``partial_index`` int32 [B, H, QB, KB]: the partial block's tile in ``partial_bits``, -1
+  where the block is not partial.  Tiles are numbered in the order (query block, batch, head,
+  key block), so the partial blocks of one (batch, head, query block) have consecutive tiles
+  in ascending key-block order: the t-th entry of its ``kv_indices`` has tile
+  ``partial_index[b, h, qb, kv_indices[b, h, qb, 0]] + t``, which is how a kernel finds them
+  with one lookup per query block.  (That order is also what lets each chunk of query rows
+  append its tiles without a second pass.)
+
+With another key-block width the bits are not recorded (both are None): no kernel reads them.
 """
 from __future__ import annotations
 
@@ -52,6 +70,8 @@ class BlockMask:
     full_q_num_blocks: object = field(repr=False)
     full_q_indices: object = field(repr=False)
     mask: object = field(repr=False)
+    partial_index: object = field(default=None, repr=False)  # [B, H, QB, KB] int32 tile in partial_bits, or -1
+    partial_bits: object = field(default=None, repr=False)  # [P, block_m, block_n / 32] uint32 element mask
 
     @property
     def num_blocks(self) -> Tuple[int, int]:
@@ -121,10 +141,14 @@ def block_mask(mask, B: int, H: int, M: int, N: int, block=(128, 128), *, device
             _check_mask_array(mask, shape)
         QB, KB = -(-M // block[0]), -(-N // block[1])
         full, partial = xp.zeros((B, H, QB, KB), dtype=bool), xp.zeros((B, H, QB, KB), dtype=bool)
+        tiles = []  # partial_bits, chunk by chunk (bits: the key-block width is a multiple of 32)
         for start, stop in _row_chunks(M, block[0], B * H * N):
             rows = slice(start // block[0], -(-stop // block[0]))
-            full[:, :, rows], partial[:, :, rows] = _classify(xp, _visible(mask, xp, shape, start, stop), block)
-        lists = {}
+            blocks = _blocked(xp, _visible(mask, xp, shape, start, stop), block)
+            full[:, :, rows], partial[:, :, rows] = _classify(xp, blocks, stop - start, N)
+            if block[1] % 32 == 0:
+                tiles.append(_packed_partials(xp, blocks, partial[:, :, rows], (B, H)))
+        lists = {} if not tiles else _partial_tiles(xp, partial, tiles, block)
         for name, flags in (("kv", partial), ("full_kv", full), ("q", partial.transpose(0, 1, 3, 2)),
                             ("full_q", full.transpose(0, 1, 3, 2))):
             lists[f"{name}_num_blocks"], lists[f"{name}_indices"] = _listed(xp, flags)
@@ -206,19 +230,51 @@ def _visible(mask, xp, shape, start: int, stop: int):
     return xp.broadcast_to(got, got.shape[:2] + want[2:])
 
 
-def _classify(xp, visible, block):
-    """(full, partial) flags [b, h, qb, KB] of the blocks of ``visible`` [b, h, rows, N]: full where
-    every existing element is visible, partial where some but not all are."""
+def _blocked(xp, visible, block):
+    """``visible`` [b, h, rows, N] as [b, h, qb, block_m, kb, block_n] blocks, the ragged ends padded
+    with hidden (False) elements."""
     (b, h, rows, N), (bm, bn) = visible.shape, block
     qb, kb = -(-rows // bm), -(-N // bn)
     if rows % bm or N % bn:
         padded = xp.zeros((b, h, qb * bm, kb * bn), dtype=bool)
         padded[:, :, :rows, :N] = visible
         visible = padded
-    counts = visible.reshape(b, h, qb, bm, kb, bn).sum(axis=(3, 5), dtype=np.int32)
+    return visible.reshape(b, h, qb, bm, kb, bn)
+
+
+def _classify(xp, blocks, rows: int, N: int):
+    """(full, partial) flags [b, h, qb, kb] of ``_blocked``'s blocks of ``rows`` x ``N`` elements: full
+    where every existing element is visible, partial where some but not all are."""
+    _, _, qb, bm, kb, bn = blocks.shape
+    counts = blocks.sum(axis=(3, 5), dtype=np.int32)
     sizes = (xp.minimum(bm, rows - bm * xp.arange(qb))[:, None] * xp.minimum(bn, N - bn * xp.arange(kb))[None, :])
     full = counts == sizes.astype(np.int32)
     return full, (counts > 0) & ~full
+
+
+def _packed_partials(xp, blocks, partial, BH):
+    """The element masks of a chunk's partial blocks, bit-packed, as uint32 [p, block_m, block_n / 32]
+    in (query block, batch, head, key block) order; ``partial`` [B, H, qb, kb] flags them (``blocks``
+    may have 1 for B or H: the mask broadcasts there)."""
+    qb_i, b_i, h_i, kb_i = xp.nonzero(partial.transpose(2, 0, 1, 3))
+    b_i = b_i if blocks.shape[0] == BH[0] else xp.zeros_like(b_i)
+    h_i = h_i if blocks.shape[1] == BH[1] else xp.zeros_like(h_i)
+    chosen = blocks[b_i, h_i, qb_i, :, kb_i, :]  # [p, block_m, block_n]: only the partial blocks
+    p, bm, bn = chosen.shape
+    weights = xp.left_shift(xp.uint32(1), xp.arange(32, dtype=np.uint32))  # bit j: key j of its 32
+    return (chosen.reshape(p, bm, bn // 32, 32) * weights).sum(axis=-1, dtype=np.uint32)
+
+
+def _partial_tiles(xp, partial, tiles, block):
+    """``partial_index`` and ``partial_bits`` (see the module docstring) from the partial flags
+    [B, H, QB, KB] and each chunk's packed tiles."""
+    B, H, QB, KB = partial.shape
+    order = partial.transpose(2, 0, 1, 3).reshape(-1).astype(np.int32)  # (qb, b, h, kb): the tiles' order
+    numbered = (xp.cumsum(order, dtype=np.int32) - 1).reshape(QB, B, H, KB).transpose(1, 2, 0, 3)
+    index = xp.ascontiguousarray(xp.where(partial, numbered, np.int32(-1)))
+    bits = xp.concatenate(tiles) if sum(t.shape[0] for t in tiles) else xp.zeros((1, block[0], block[1] // 32),
+                                                                                   dtype=np.uint32)
+    return {"partial_index": index, "partial_bits": xp.ascontiguousarray(bits)}
 
 
 def _listed(xp, flags):

@@ -39,6 +39,9 @@ class Request:
     # bias compiled in or not (sm90): the kernel's bias axis must match ``bias`` both ways; else a
     # kernel with bias (example 41: a null-pointer branch) also serves calls without one
     compiled_bias: bool = False
+    # a block mask's (rows, keys) per block, read by the kernel (sm90_fwd's sparse axis, which must match
+    # both ways, on a tile of the same size); None: no block mask, or one served dense
+    block_sparse: Optional[Tuple[int, int]] = None
 
 
 def seq_multiples(num_queries: int, num_keys: int, varlen: bool) -> Tuple[int, int]:
@@ -75,6 +78,12 @@ def rejection(binary: KernelBinary, req: Request) -> Optional[str]:
         return f"built {'with' if spec.band else 'without'} the band mask (causal, sliding window)"
     if getattr(spec, "softcap", req.softcap) != req.softcap:
         return f"built {'with' if spec.softcap else 'without'} soft-capping"
+    sparse = getattr(spec, "sparse", req.block_sparse is not None)
+    if sparse != (req.block_sparse is not None):
+        return f"built {'with' if sparse else 'without'} block-mask lists (sparse)"
+    if sparse and (c["block_m"], c["block_n"]) != req.block_sparse:
+        return (f"reads {c['block_m']} x {c['block_n']} mask blocks; the block mask's are "
+                f"{req.block_sparse[0]} x {req.block_sparse[1]}")
     if getattr(spec, "block_aligned", False):
         rows, keys = req.seq_multiples
         if not rows or rows % spec.block_i or keys % spec.block_j:

@@ -261,7 +261,8 @@ def checked_bias(cupy, attn_bias, c: Problem, q, rows: int, cols: int):
 
 def check_block_mask(block_mask, c: Problem, q, k) -> Optional[BlockMask]:
     """The call's block mask, checked against its shapes and device (None: none given).  Any block
-    size serves while the mask runs dense (``block_fallback``)."""
+    size serves: the sparse kernels take the sizes they read, the dense fallback (``block_fallback``)
+    every other."""
     if block_mask is None:
         return None
     if not isinstance(block_mask, BlockMask):
@@ -374,7 +375,8 @@ def forward_call(q, k, v, options: dict, entry: Callable, plan_key=None) -> Call
     b, copied = checked_bias(cupy, options["attn_bias"], p, q, q.shape[1], k.shape[1])
     bm = check_block_mask(options["block_mask"], p, q, k)
     check_varlen_bottom_right(p)
-    return Call("fwd", p, q, k, v, b, options, entry, plan_key=None if copied else plan_key, block_mask=bm)
+    # no plan for a block mask: the mask's arrays are not in the plan's signature or pointers
+    return Call("fwd", p, q, k, v, b, options, entry, plan_key=None if copied or bm else plan_key, block_mask=bm)
 
 
 def backward_call(grad_out, q, k, v, out, lse, options: dict, entry: Callable, plan_key=None) -> Call:
@@ -404,4 +406,4 @@ def backward_call(grad_out, q, k, v, out, lse, options: dict, entry: Callable, p
     bm = check_block_mask(options["block_mask"], p, q, k)
     check_varlen_bottom_right(p)
     return Call("bwd", p, q, k, v, b, options, entry, out=out, grad_out=grad_out, lse=lse,
-                plan_key=None if copied else plan_key, block_mask=bm)
+                plan_key=None if copied or bm else plan_key, block_mask=bm)

@@ -1,7 +1,7 @@
 """``sm90_fwd``: flashgen's own Hopper forward (``flashgen/csrc/flashgen/sm90_fwd.h``).
 
 Template: ``flashgen::sm90::FwdKernel<Element, kHeadDim, kBlockM, kBlockN,
-kStages, kBand, kBias>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
+kStages, kBand, kBias, kSparse>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
 K/V streamed by TMA through a ``kStages``-deep shared-memory ring, one
 producer warpgroup.  Launch: block (threads_per_block, 1, 1), a persistent
 grid (min(tiles, SMs), 1, 1) over the ceil(M / block_m) x heads x (batch or
@@ -34,6 +34,13 @@ extent 1 in each dim the bias broadcasts, boxes of 64 keys x 64 rows, 128-byte s
 per key block through a shared-memory ring beside K/V's; ``bias_batch_step``, ``bias_head_step``
 and ``bias_row_step`` are 0 for a broadcast dim (read at coordinate 0), else 1.  It is compiled
 in: the plain instances do not carry its ring.  No packed batches.
+
+A ``sparse`` instance serves a ``flashgen.block_mask`` of 128 x 128 blocks (its tile): it visits only
+the key blocks the mask lists for each (batch, head, query block), partial ones first, and hides the
+keys of a partial block whose bit in the mask's ``partial_bits`` is 0 (``runtime/block_masks.py``
+documents the arrays).  The ``sparse_*`` fields point at the lists; ``sparse_batch_step`` and
+``sparse_head_step`` step through the mask's rows (0 where it broadcasts).  Compiled in, like the
+bias; a causal mask or a window is folded into the block mask rather than combined with it.
 """
 from __future__ import annotations
 
@@ -46,13 +53,14 @@ from flashgen.spec.sm90_tile import Sm90Tile, tile_constants
 @dataclass(frozen=True)
 class Sm90Fwd(Sm90Tile):
     bias: bool  # an additive attention bias compiled in (FwdKernel::kBias)
+    sparse: bool  # a block mask's lists and bits compiled in (FwdKernel::kSparse)
 
     FAMILY = "sm90_fwd"
     DIRECTION = "fwd"
     TEMPLATE = "sm90_fwd.cu.j2"
     HEADER = "flashgen/sm90_fwd.h"
     KERNEL = "flashgen::sm90::FwdKernel"
-    FLAGS = ("band", "bias")
+    FLAGS = ("band", "bias", "sparse")
     AXES = {
         "arch": ("sm90a",),
         "dtype": ("f16", "bf16"),
@@ -62,6 +70,7 @@ class Sm90Fwd(Sm90Tile):
         "stages": (2, 3),
         "band": (False, True),
         "bias": (False, True),
+        "sparse": (False, True),
     }
     RULES = (
         Rule("192 query rows are three consumer warpgroups beside the producer's: at most 160 registers "
@@ -83,6 +92,16 @@ class Sm90Fwd(Sm90Tile):
         Rule("band bias at head dim 64 takes 128 query rows: the 192-row band tile spills 4 bytes (a value "
              "reloaded once per tile) at 160 registers per consumer",
              lambda k: k.bias and k.band and k.block_m == 192),
+        # sparse: one tile per dtype and tier (each instance is a build job)
+        Rule("sparse tiles are the block mask's 128 x 128 blocks (flashgen.block_mask's default)",
+             lambda k: k.sparse and (k.block_m, k.block_n) != (128, 128)),
+        Rule("sparse on tiers 64 and 128 only: smaller head dims run on them (TMA zero-fills), larger ones "
+             "stay on the dense fallback",
+             lambda k: k.sparse and k.max_k not in (64, 128)),
+        Rule("sparse instances keep the default two stages", lambda k: k.sparse and k.stages != 2),
+        Rule("sparse without band: a causal mask or window is folded into the block mask",
+             lambda k: k.sparse and k.band),
+        Rule("sparse without bias: such calls stay on the dense fallback", lambda k: k.sparse and k.bias),
     )
 
     @property
@@ -90,7 +109,7 @@ class Sm90Fwd(Sm90Tile):
         # the smallest head-dim tier that fits, then the default tile (tuning tables pick per bucket):
         # 192 query rows where they exist (head dim 64: +5-15% from 512 to 16k tokens on an H200,
         # within noise of 128 for causal 1k), two stages (a third never won by more than noise)
-        return (tuple(DTYPES).index(self.dtype), self.band, self.bias, self.max_k, -self.block_m, self.stages,
+        return (tuple(DTYPES).index(self.dtype), self.band, self.bias, self.sparse, self.max_k, -self.block_m, self.stages,
                 self.block_n)
 
     # `flashgen::sm90::FwdParams`
@@ -124,6 +143,15 @@ class Sm90Fwd(Sm90Tile):
         Field("bias_head_step", "i32"),
         Field("bias_row_step", "i32"),
         Field("bias_map", "tensor_map"),
+        Field("sparse_partial_counts", "ptr"),
+        Field("sparse_partial_blocks", "ptr"),
+        Field("sparse_full_counts", "ptr"),
+        Field("sparse_full_blocks", "ptr"),
+        Field("sparse_tiles", "ptr"),
+        Field("sparse_bits", "ptr"),
+        Field("sparse_batch_step", "i32"),
+        Field("sparse_head_step", "i32"),
+        Field("sparse_key_blocks", "i32"),
     )
 
     CONSTANTS = tile_constants("flashgen::sm90::FwdParams")

@@ -12,7 +12,7 @@
 template <class Params>
 struct FlashgenAbiCheck_sm90_fwd {
   static_assert(std::is_standard_layout<Params>::value, "flashgen ABI: Params is no longer standard-layout");
-  static_assert(sizeof(Params) == 640, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm90_fwd.py");
+  static_assert(sizeof(Params) == 768, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm90_fwd.py");
   static_assert(offsetof(Params, q_map) == 0 && sizeof(((Params*)nullptr)->q_map) == 128,
                 "flashgen ABI: Params::q_map moved or changed size; update flashgen/spec/sm90_fwd.py");
   static_assert(offsetof(Params, k_map) == 128 && sizeof(((Params*)nullptr)->k_map) == 128,
@@ -71,4 +71,22 @@ struct FlashgenAbiCheck_sm90_fwd {
                 "flashgen ABI: Params::bias_row_step moved or changed size; update flashgen/spec/sm90_fwd.py");
   static_assert(offsetof(Params, bias_map) == 512 && sizeof(((Params*)nullptr)->bias_map) == 128,
                 "flashgen ABI: Params::bias_map moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, sparse_partial_counts) == 640 && sizeof(((Params*)nullptr)->sparse_partial_counts) == 8,
+                "flashgen ABI: Params::sparse_partial_counts moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, sparse_partial_blocks) == 648 && sizeof(((Params*)nullptr)->sparse_partial_blocks) == 8,
+                "flashgen ABI: Params::sparse_partial_blocks moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, sparse_full_counts) == 656 && sizeof(((Params*)nullptr)->sparse_full_counts) == 8,
+                "flashgen ABI: Params::sparse_full_counts moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, sparse_full_blocks) == 664 && sizeof(((Params*)nullptr)->sparse_full_blocks) == 8,
+                "flashgen ABI: Params::sparse_full_blocks moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, sparse_tiles) == 672 && sizeof(((Params*)nullptr)->sparse_tiles) == 8,
+                "flashgen ABI: Params::sparse_tiles moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, sparse_bits) == 680 && sizeof(((Params*)nullptr)->sparse_bits) == 8,
+                "flashgen ABI: Params::sparse_bits moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, sparse_batch_step) == 688 && sizeof(((Params*)nullptr)->sparse_batch_step) == 4,
+                "flashgen ABI: Params::sparse_batch_step moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, sparse_head_step) == 692 && sizeof(((Params*)nullptr)->sparse_head_step) == 4,
+                "flashgen ABI: Params::sparse_head_step moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, sparse_key_blocks) == 696 && sizeof(((Params*)nullptr)->sparse_key_blocks) == 4,
+                "flashgen ABI: Params::sparse_key_blocks moved or changed size; update flashgen/spec/sm90_fwd.py");
 };

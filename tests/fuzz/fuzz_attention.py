@@ -21,7 +21,9 @@ that leave only 4-element alignment), causal kinds, bias (full or broadcast over
 dropout (checked through the mask recovered with an identity V), varlen
 batches with empty sequences, the softmax scale (of either sign), and on flashgen's own
 kernels' path (sm90, sm80) sliding windows and soft-capping, and on the sm90 path bias (the
-sm90 bias instances).  Outputs come from poisoned memory, so an unwritten element fails.
+sm90 bias instances), and block masks (documents, causal + window, random blocks with empty
+rows, all full; 128 x 128 blocks, which sm90_fwd's sparse instances read, or others, served
+dense).  Outputs come from poisoned memory, so an unwritten element fails.
 
 A gradient passes if it matches the exact float64 gradient, or the exact
 gradient of the kernel's own rounded output: every flash-style backward takes
@@ -94,7 +96,34 @@ def draw(seed: int, case: int) -> dict:
             p["bias"] = pick(BIAS_PATTERNS)
     if p["scale"] is not None and r.random() < 0.3:  # drawn after the rest, which stays what it was
         p["scale"] = -p["scale"]  # the largest product becomes the smallest score
+    p["block_mask"] = None
+    if not p["varlen"] and not p["dropout"] and r.random() < 0.25:  # drawn last; the dense fallback has no window
+        p.update(window=None, softcap=0.0, block_mask=pick(["documents", "causal-window", "random", "full"]),
+                 block=pick([(128, 128), (128, 128), (64, 128), (32, 64)]), mask_seed=int(r.integers(2**31)),
+                 mask_bh=pick([(1, 1), (p["B"], 1), (1, p["H"]), (p["B"], p["H"])]))
     return p
+
+
+def make_block_mask(p):
+    """The drawn block mask: a flashgen.block_mask over the case's [B or 1, H or 1, M, N]."""
+    r = np.random.default_rng(p["mask_seed"])
+    (mb, mh), M, N = p["mask_bh"], p["M"], p["N"]
+    if p["block_mask"] == "documents":  # 8 documents over the longer of the two
+        doc = cupy.asarray(np.sort(r.integers(0, 8, size=max(M, N))))
+        fn = lambda b, h, q, kv: doc[q] == doc[kv]  # noqa: E731
+    elif p["block_mask"] == "causal-window":
+        width = int(r.integers(1, 400))
+        fn = lambda b, h, q, kv: (kv <= q) & (kv > q - width)  # noqa: E731
+    elif p["block_mask"] == "random":  # blocks hidden, full or partial at random; some rows without keys
+        bm, bn = p["block"]
+        kind = r.integers(0, 3, size=(mb, mh, -(-M // bm), -(-N // bn)))
+        blocks = np.repeat(np.repeat(kind, bm, axis=2), bn, axis=3)[:, :, :M, :N]
+        visible = (blocks == 1) | ((blocks == 2) & (r.random(blocks.shape) < 0.3))
+        visible[:, :, ::int(r.integers(2, 9))] = False
+        fn = cupy.asarray(visible)
+    else:
+        fn = lambda b, h, q, kv: (q >= 0) & (kv >= 0)  # noqa: E731
+    return flashgen.block_mask(fn, mb, mh, M, N, block=p["block"])
 
 
 def make(r, shape, dtype, layout):
@@ -162,6 +191,10 @@ def run_case(seed: int, case: int) -> dict:
     if p["bias"]:
         bias = make_bias(r, dt, B, H, M, N, "" if p["bias"] == "full" else p["bias"], scale=1.0)
     opts = dict(causal=p["causal"], scale=p["scale"], attn_bias=bias, window=p["window"], softcap=p["softcap"])
+    if p["block_mask"]:  # the reference sees it as the dense additive mask, plus the bias if any
+        opts["block_mask"] = make_block_mask(p)
+        dense = opts["block_mask"].to_dense(cupy.float32)
+        bias = dense if bias is None else dense + bias.astype(cupy.float32)
     keep = None
     if p["dropout"]:
         opts.update(dropout_p=p["dropout"], seed=p["seed"])
@@ -173,13 +206,13 @@ def run_case(seed: int, case: int) -> dict:
                                window=p["window"], softcap=p["softcap"])
             errors.update(out=(rel_err(out, ro), tol_f), lse=(lse_err(lse, rl), tol_f))
             return {"params": p, "errors": errors}
-        grads = flashgen.attention_backward(do, q, k, v, out, lse, bias_requires_grad=bias is not None,
+        grads = flashgen.attention_backward(do, q, k, v, out, lse, bias_requires_grad=opts["attn_bias"] is not None,
                                             deterministic=p["deterministic"], **opts)
     ro, rl, rgrads = reference(q, k, v, bias=bias, causal=p["causal"], scale=p["scale"], keep=keep,
                                p=p["dropout"], grad_out=do, window=p["window"], softcap=p["softcap"])
     checks = [("out", rel_err, out, ro, tol_f), ("lse", lse_err, lse, rl, tol_f)]
     checks += [(n, rel_err, g, ref, tol_b) for n, g, ref in zip(("dq", "dk", "dv", "dbias"), grads, rgrads)
-               if n != "dbias" or bias is not None]
+               if n != "dbias" or opts["attn_bias"] is not None]
     for name, measure, x, ref, tol in checks:
         try:
             extra = {"zero_scale": p["Kv"] ** 0.5} if name in ("dq", "dk") else {}

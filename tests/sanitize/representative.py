@@ -4,7 +4,7 @@ Covers every family (the Ampere ones, sm80_fwd and sm80_bwd, forced with FLASHGE
 an earlier family would serve their calls), each dtype, aligned and 4-aligned (unaligned kernels), the
 block-aligned backward kernels (M and N multiples of the block),
 dropout, the largest kMaxK tier (head dim 320), split keys > 1 (few batch x
-heads, many keys), causal kinds, bias with its gradient, and varlen.  Sizes are
+heads, many keys), causal kinds, bias with its gradient, varlen, and block masks.  Sizes are
 small: the sanitizer slows kernels down a hundredfold.
 """
 import os
@@ -107,6 +107,17 @@ for K in (64, 128):
     kv = randn(r, (1, 500, 2, K), "f16")
     out, lse = flashgen.attention_forward(q, kv, kv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal="top_left")
     flashgen.attention_backward(out, q, kv, kv, out, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal="top_left")
+cupy.cuda.runtime.deviceSynchronize()
+# sm90_fwd's sparse instances (block masks of 128 x 128 blocks, on a 9.0 GPU; served dense elsewhere):
+# partial and full blocks, a query block and rows without keys, ragged last blocks, the mask broadcast
+# over the batch; each array still its own allocation, so a read past the lists or the bits is seen
+for dtype, K in (("f16", 64), ("bf16", 128)):
+    visible = cupy.asarray(r.random((1, 2, 300, 259)) < 0.2)
+    visible[:, 1, :, :128] = True
+    visible[:, :, 128:256] = False
+    visible[:, :, ::7] = False
+    q, kv = randn(r, (2, 300, 2, K), dtype), randn(r, (2, 259, 2, K), dtype)
+    flashgen.attention_forward(q, kv, kv, block_mask=flashgen.block_mask(visible, 1, 2, 300, 259))
 cupy.cuda.runtime.deviceSynchronize()
 # flashgen's Ampere forward and backward (any 8.0+ GPU with sm80_fwd and sm80_bwd built; on Hopper a
 # plain sm90 build), forced ahead of the sm90 families: one and several key blocks, partial tiles, a head

@@ -23,6 +23,12 @@
 // bias (natural-log units, like the scaled scores): the producer loads each key
 // block's bias tile by TMA into a ring beside the K/V ring (same stage, barriers
 // of its own), and the softmax reads it from there (sm90_common.h: kBiasBox).
+// kSparse instances visit the key blocks a flashgen.block_mask lists for the
+// (batch, head, query block) instead of a range: its partial blocks first, then
+// its full ones, the producer and the consumers walking the same lists.  In a
+// partial block the consumer hides the keys whose bit in the mask's partial_bits
+// is 0 (prefetched from global memory with the block's index before its GEMM);
+// full blocks are not masked at all (but for the keys past num_keys).
 //
 // The output is written from registers; the log-sum-exp (natural log, of the
 // scaled scores) goes to lse[sequence, head, row] like the example-41 forward, so
@@ -84,9 +90,22 @@ struct FwdParams {
   int bias_head_step;
   int bias_row_step;
   CUtensorMap bias_map;
+  // kSparse: a flashgen.block_mask (runtime/block_masks.py) of kBlockM x kBlockN blocks.  Its row
+  // for (batch, head, query block) is batch * sparse_batch_step + head * sparse_head_step + block
+  // (a step is 0 where the mask broadcasts); each list row holds sparse_key_blocks entries.
+  int const* sparse_partial_counts;  // kv_num_blocks [rows]: partial key blocks
+  int const* sparse_partial_blocks;  // kv_indices [rows, key blocks]
+  int const* sparse_full_counts;     // full_kv_num_blocks [rows]
+  int const* sparse_full_blocks;     // full_kv_indices [rows, key blocks]
+  int const* sparse_tiles;           // partial_index [rows, key blocks]: a partial block's tile of bits
+  uint32_t const* sparse_bits;       // partial_bits [tiles, kBlockM, kBlockN / 32]: bit j of word w: key 32w + j
+  int sparse_batch_step;
+  int sparse_head_step;
+  int sparse_key_blocks;
 };
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBand_, bool kBias_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBand_, bool kBias_,
+          bool kSparse_>
 struct FwdKernel {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -97,6 +116,11 @@ struct FwdKernel {
   // An additive bias is compiled in, not a run-time branch: its ring of tiles takes shared memory
   // and its loads a place in the softmax that the plain instances must not pay for.
   static constexpr bool kBias = kBias_;
+  // A block mask's lists replace the range of key blocks, compiled in so that the plain instances
+  // keep their loop: the list lookups and the bit tests exist only here.
+  static constexpr bool kSparse = kSparse_;
+  static_assert(!kSparse || (kBlockM == 128 && kBlockN == 128 && !kBand && !kBias),
+                "sparse tiles are the mask's 128 x 128 blocks (one uint4 of bits per row), without band or bias");
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 32 == 0, "wgmma tile shapes");
@@ -169,16 +193,48 @@ struct FwdKernel {
   static_assert(kSharedBytes <= 227 * 1024,
                 "the Q tile and K/V (and bias) rings exceed the shared memory of a Hopper block");
 
-  // Key blocks this query block visits: all, or those the band reaches; none past the
-  // sequence's queries (a packed batch's grid is sized for its longest sequence).
-  static __device__ BlockRange key_blocks(Sequence const& seq, int m_block) {
+  // The key blocks a tile visits, in the order the producer loads them: block(t) for t in
+  // [0, end - begin).  A range (begin + t), or kSparse the mask's lists (begin 0): its first
+  // `partial` blocks are its partial ones, whose bits are tiles first_tile, first_tile + 1, ...
+  // (block_masks.py numbers them so), then the full ones.
+  struct KeyBlocks : BlockRange {
+    int partial;
+    int first_tile;
+    int const* partial_list;
+    int const* full_list;
+
+    __device__ int block(int t) const {
+      if constexpr (kSparse) {
+        return t < partial ? __ldg(partial_list + t) : __ldg(full_list + t - partial);
+      } else {
+        return begin + t;
+      }
+    }
+  };
+
+  // Key blocks this query block visits: all, those the band reaches, or those the block mask
+  // lists; none past the sequence's queries (a packed batch's grid is sized for its longest sequence).
+  static __device__ KeyBlocks key_blocks(FwdParams const& p, Sequence const& seq, int m_block, int head) {
+    KeyBlocks blocks{};
     if (m_block * kBlockM >= seq.num_queries) {
-      return {0, 0};
+      return blocks;
     }
-    if (kBand) {
-      return band_blocks<kBlockM, kBlockN>(m_block, seq.num_keys, seq.band_lo, seq.band_hi);
+    if constexpr (kSparse) {
+      long long const row = (long long)seq.batch * p.sparse_batch_step + head * p.sparse_head_step + m_block;
+      blocks.partial = __ldg(p.sparse_partial_counts + row);
+      blocks.end = blocks.partial + __ldg(p.sparse_full_counts + row);
+      blocks.partial_list = p.sparse_partial_blocks + row * p.sparse_key_blocks;
+      blocks.full_list = p.sparse_full_blocks + row * p.sparse_key_blocks;
+      if (blocks.partial > 0) {
+        blocks.first_tile = __ldg(p.sparse_tiles + row * p.sparse_key_blocks + __ldg(blocks.partial_list));
+      }
+    } else if (kBand) {
+      static_cast<BlockRange&>(blocks) = band_blocks<kBlockM, kBlockN>(m_block, seq.num_keys, seq.band_lo,
+                                                                        seq.band_hi);
+    } else {
+      blocks.end = (seq.num_keys + kBlockN - 1) / kBlockN;
     }
-    return {0, (seq.num_keys + kBlockN - 1) / kBlockN};
+    return blocks;
   }
 
   // One tile (rows x kHeadDim) of a tensor map, box by box along the head dim, into `smem`;
@@ -248,7 +304,7 @@ struct FwdKernel {
     int g = 0;        // key blocks so far: the K/V ring's position
     while (schedule.next(tile)) {
       Sequence const seq = sequence(p, tile.sequence);
-      BlockRange const blocks = key_blocks(seq, tile.m_block);
+      KeyBlocks const blocks = key_blocks(p, seq, tile.m_block, tile.head);
       if (blocks.end <= blocks.begin) {
         continue;
       }
@@ -259,7 +315,7 @@ struct FwdKernel {
       int const head_kv = tile.head / p.head_group;
       load_tile(&p.q_map, &s.q_full, s.q, kBlockM, seq.q0 + tile.m_block * kBlockM, tile.head, seq.batch);
       for (int t = 0; t < blocks.end - blocks.begin; ++t, ++g) {
-        int const key0 = seq.k0 + (blocks.begin + t) * kBlockN;
+        int const key0 = seq.k0 + blocks.block(t) * kBlockN;
         int const stage = g % kStages;
         int const round_of_ring = g / kStages;  // buffers are reused from the ring's second round on
         if (round_of_ring > 0) {
@@ -287,7 +343,7 @@ struct FwdKernel {
   // One tile with work: its key blocks are ring positions g0 .. g0 + blocks - 1, and its Q is the
   // buffer's q_use-th load.
   static __device__ void consume(FwdParams const& p, SharedStorage& s, Sequence const& seq, int m_block, int head,
-                                 BlockRange blocks, TurnTaking<kConsumerWarpGroups> const& turns, int g0,
+                                 KeyBlocks const& blocks, TurnTaking<kConsumerWarpGroups> const& turns, int g0,
                                  int q_use) {
     using namespace cute;
     using Barrier = cutlass::arch::ClusterBarrier;
@@ -334,6 +390,22 @@ struct FwdKernel {
       bias_chunk_xor = 16 * ((lane / 16) ^ (row % 8));
     }
 
+    // kSparse: block t's key block and, in a partial block, this thread's two rows of its bits (16
+    // bytes each), fetched before its S GEMM is issued so that the loads run under it.
+    int key_block = 0;
+    uint4 row_bits[2];
+    int const tile_row = 64 * (tid / 128) + 16 * ((tid / 32) % 4) + lane / 4;
+    auto fetch = [&](int t) {
+      if constexpr (kSparse) {
+        key_block = blocks.block(t);
+        if (t < blocks.partial) {
+          uint4 const* tile = reinterpret_cast<uint4 const*>(p.sparse_bits) + (blocks.first_tile + t) * (long long)kBlockM;
+          row_bits[0] = __ldg(tile + tile_row);
+          row_bits[1] = __ldg(tile + tile_row + 8);
+        }
+      }
+    };
+
     // Block t's S = Q K^T is issued together with block t - 1's O += P V; its softmax runs
     // while that P V is still on the tensor cores (exponentials kept in S's registers until
     // P V has read P), and the warpgroups take turns issuing (TurnTaking).  Block 0 is peeled
@@ -379,7 +451,20 @@ struct FwdKernel {
         }
         release(&s.bias_empty[stage]);
       }
-      int const key0 = (blocks.begin + t) * kBlockN;
+      if constexpr (kSparse) {
+        if (t < blocks.partial) {  // key (r / 4) * 8 + col0 + r % 2 is bit (r / 4 % 4) * 8 + r % 2 of word r / 16
+          uint32_t const words[2][4] = {
+              {row_bits[0].x >> col0, row_bits[0].y >> col0, row_bits[0].z >> col0, row_bits[0].w >> col0},
+              {row_bits[1].x >> col0, row_bits[1].y >> col0, row_bits[1].z >> col0, row_bits[1].w >> col0}};
+          CUTE_UNROLL
+          for (int r = 0; r < size(tSrS); ++r) {
+            if (((words[(r / 2) % 2][r / 16] >> ((r / 4) % 4 * 8 + r % 2)) & 1u) == 0) {
+              tSrS(r) = -INFINITY;
+            }
+          }
+        }
+      }
+      int const key0 = (kSparse ? key_block : blocks.begin + t) * kBlockN;
       int const block_row0 = m_block * kBlockM;
       bool const partial = key0 + kBlockN > seq.num_keys;
       bool const edge = kBand && (key0 + kBlockN - 1 > block_row0 + seq.band_hi ||
@@ -424,6 +509,7 @@ struct FwdKernel {
     };
 
     float correction[2];
+    fetch(0);
     Barrier::wait(&s.q_full, q_use & 1);
     Barrier::wait(&s.k_full[stage_of(0)], phase_of(0));
     turns.wait();
@@ -442,6 +528,7 @@ struct FwdKernel {
     for (int t = 1; t < num_blocks; ++t) {
       int const stage = stage_of(t);
       int const prev_stage = stage_of(t - 1);
+      fetch(t);
       Barrier::wait(&s.k_full[stage], phase_of(t));
       Barrier::wait(&s.v_full[prev_stage], phase_of(t - 1));
       turns.wait();
@@ -558,7 +645,7 @@ struct FwdKernel {
     int g = 0;
     while (schedule.next(tile)) {
       Sequence const seq = sequence(p, tile.sequence);
-      BlockRange const blocks = key_blocks(seq, tile.m_block);
+      KeyBlocks const blocks = key_blocks(p, seq, tile.m_block, tile.head);
       if (blocks.end > blocks.begin) {
         consume(p, s, seq, tile.m_block, tile.head, blocks, turns, g, q_use);
         ++q_use;

@@ -37,6 +37,9 @@ class RuntimeFamily:
     """How the runtime serves calls from one kernel family (``spec``)."""
 
     spec: ClassVar[Type[KernelSpec]]
+    # whether some kernels of the family read a block mask's lists (a call with one is then asked as
+    # it is; the others are asked, if at all, with the mask as a dense bias: block_fallback)
+    reads_block_masks: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
@@ -163,9 +166,18 @@ def dispatch(call: Call):
     raise UnsupportedError("no kernel family serves this call:\n" + "\n".join(refusals))
 
 
-def explain(call: Call) -> List[Row]:
-    """Every family's candidates in the order tried; after the selected one, 'not tried'."""
-    rows = [row for family in serving(call.direction) for row in family.explain(call)]
+def sparse_family(call: Call) -> Optional[RuntimeFamily]:
+    """The first family that reads ``call``'s block mask and takes the call (None: the mask goes
+    dense, block_fallback)."""
+    return next((f for f in serving(call.direction) if f.reads_block_masks and f.refusal(call) is None), None)
+
+
+def explain(call: Call, dense: Optional[Call] = None) -> List[Row]:
+    """Every family's candidates in the order tried; after the selected one, 'not tried'.  With a
+    block mask, ``dense`` is the call as the fallback makes it, asked of the families that do not
+    read block masks."""
+    rows = [row for family in serving(call.direction)
+            for row in family.explain(call if dense is None or family.reads_block_masks else dense)]
     chosen = next((i for i, (_, _, verdict) in enumerate(rows) if verdict == "selected"), len(rows))
     return rows[:chosen + 1] + [(name, target, "not tried: an earlier kernel was selected")
                                 for name, target, _ in rows[chosen + 1:]]

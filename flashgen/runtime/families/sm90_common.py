@@ -152,8 +152,9 @@ class OwnKernelFamily(RuntimeFamily):
         """What the call needs that none of flashgen's own kernels has, or None."""
         p = call.p
         if call.block_mask is not None:
-            return ("no block masks yet (until these kernels read the block lists, the example-41 families serve "
-                    "them with the mask as a dense bias)")
+            why = self.block_mask_refusal(call)
+            if why is not None:
+                return why
         if call.bias is not None and not self.compiled_bias:
             return "no attn_bias (the example-41 families take it)"
         if p.dropout_p > 0:
@@ -167,12 +168,18 @@ class OwnKernelFamily(RuntimeFamily):
             return f"fewer than {limit} rows per call (the band arithmetic's range)"
         return None
 
+    def block_mask_refusal(self, call: Call) -> Optional[str]:
+        """Why the family does not read ``call``'s block mask (None: it does); by default none does."""
+        return ("no block masks (until these kernels read the block lists, the example-41 families serve "
+                "them with the mask as a dense bias)")
+
     def request(self, call: Call) -> Request:
         p = call.p
         arrays = [x for _, x in self.aligned_arrays(call)]
         return Request(self.name, p.dtype, p.K, p.Kv, alignment(arrays, (p.K, p.Kv)), False, call.bias is not None,
                        device_info(p.device), band=p.mask != 0 or p.window is not None, softcap=p.softcap > 0,
-                       compiled_bias=self.compiled_bias)
+                       compiled_bias=self.compiled_bias,
+                       block_sparse=None if call.block_mask is None else call.block_mask.block)
 
     def refusal(self, call: Call) -> Optional[str]:
         """``unfit``, or none of the kernels accepts the call (a head dim over the largest tier,

@@ -1,4 +1,10 @@
-"""Running ``sm90_fwd`` (spec/sm90_fwd.py): Params with three TMA tensor maps, one launch."""
+"""Running ``sm90_fwd`` (spec/sm90_fwd.py): Params with three TMA tensor maps, one launch.
+
+A call with a ``block_mask`` runs here, sparse, when a ``sparse`` instance reads the mask's blocks
+(selection matches their size with the kernel's tile, from the cubin's constants) and the call has
+nothing such an instance lacks (``block_mask_refusal``); else the mask goes dense (block_fallback).
+Such calls leave no launch plan (validate.py): a replay would launch with the first mask's arrays.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -43,12 +49,57 @@ def _positive_scale(call: Call) -> Call:
     return replace(call, q=bits.view(call.q.dtype), p=replace(p, scale=-p.scale), plan_key=None)
 
 
+def sparse_fields(block_mask) -> dict:
+    """The Params fields of a block mask (``FwdParams``' sparse_*): its arrays' pointers, and the steps
+    from (batch, head) to its rows, 0 where it broadcasts; nothing without one."""
+    if block_mask is None:
+        return {}
+    B, H = block_mask.shape[:2]
+    QB, KB = block_mask.num_blocks
+    return {"sparse_partial_counts": block_mask.kv_num_blocks.data.ptr,
+            "sparse_partial_blocks": block_mask.kv_indices.data.ptr,
+            "sparse_full_counts": block_mask.full_kv_num_blocks.data.ptr,
+            "sparse_full_blocks": block_mask.full_kv_indices.data.ptr,
+            "sparse_tiles": block_mask.partial_index.data.ptr, "sparse_bits": block_mask.partial_bits.data.ptr,
+            "sparse_batch_step": H * QB if B > 1 else 0, "sparse_head_step": QB if H > 1 else 0,
+            "sparse_key_blocks": KB}
+
+
+def check_compiled_sparse(binary: KernelBinary, call: Call) -> None:
+    """A sparse instance reads the mask's lists (without them it would fault) and a plain one would
+    ignore the mask; selection keeps them apart (``Request.block_sparse``), this stops a launch that
+    names the kernel itself."""
+    bm, c = call.block_mask, binary.constants
+    if binary.spec.sparse != (bm is not None):
+        built = "with" if binary.spec.sparse else "without"
+        raise ValueError(f"{binary.name} is built {built} block-mask lists (compiled in); the call has "
+                         f"{'none' if binary.spec.sparse else 'one'}")
+    if bm is not None and (bm.block != (c["block_m"], c["block_n"]) or bm.partial_bits is None):
+        raise ValueError(f"{binary.name} reads {c['block_m']} x {c['block_n']} mask blocks; the block mask's are "
+                         f"{bm.block[0]} x {bm.block[1]}")
+
+
 class Sm90FwdRuntime(HopperFamily):
     spec = Sm90Fwd
+    reads_block_masks = True
+
+    def block_mask_refusal(self, call: Call):
+        """What of a block-mask call the sparse instances lack (the tile size, dtype and head dim are
+        selection's: see ``Request.block_sparse``), or None."""
+        p, bm = call.p, call.block_mask
+        if p.mask or p.window is not None:
+            return ("a block mask with causal or window: the sparse kernels take neither; fold it into the mask "
+                    "(e.g. & (q_idx >= kv_idx)) to run sparse")
+        if call.bias is not None:
+            return "a block mask with attn_bias: the sparse kernels have no bias"
+        if bm.partial_bits is None:
+            return f"a block mask whose key blocks ({bm.block[1]}) are not a multiple of 32 wide (no element bits)"
+        return None
 
     def launch(self, call: Call, binary: KernelBinary):
         """(out, lse) of the forward on ``binary`` (on the call's device, api.py makes it current)."""
         check_compiled_bias(binary, call)
+        check_compiled_sparse(binary, call)
         if call.p.scale <= 0:
             call = _positive_scale(call)
         cupy, p, q, k, v = cupy_module(), call.p, call.q, call.k, call.v
@@ -61,7 +112,8 @@ class Sm90FwdRuntime(HopperFamily):
         fill(params, out_ptr=out.data.ptr, lse_ptr=lse.data.ptr, out_stride_b=out.shape[1] * p.H * p.Kv,
              out_stride_m=p.H * p.Kv, out_stride_h=p.Kv, lse_stride_b=p.H * rows, lse_stride_h=rows,
              lse_rows=rows, num_queries=p.M, num_keys=p.N, num_heads=p.H, num_sequences=p.batches, head_dim=p.K,
-             head_group=p.H // k.shape[2], **band_fields(p), **bias_fields(call.bias))
+             head_group=p.H // k.shape[2], **band_fields(p), **bias_fields(call.bias),
+             **sparse_fields(call.block_mask))
         encode_maps(params, MAPS, (q, k, v), (kc["block_m"], kc["block_n"], kc["block_n"]), p, kc)
         encode_bias_map(params, call.bias, p)
         tiles = -(-p.M // kc["block_m"]) * p.H * p.batches

@@ -1,0 +1,163 @@
+"""sm90_fwd's sparse instances on a GPU: block masks served without a dense bias, against float64.
+
+Every built sparse instance runs on document masks (8 documents), causal + sliding-window masks,
+random block patterns with empty query blocks and rows, and all-full masks, at M, N in
+{1, 7, 129, 1000} with M != N, B/H broadcast, grouped-query k/v and head dims below the tier,
+into poisoned outputs.  Rows that see no key must come back as output 0 and lse -inf.  Through
+the public functions: the sparse kernel is the one selected, the dense backward agrees with the
+sparse forward's lse, and back-to-back calls with different masks each read their own (no launch
+plan replays a mask's arrays).  Skips without a 9.0 GPU or without the sparse kernels built
+(`flashgen build --arch sm90a --kernels '*sparse*'`).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+from attention_reference import (  # noqa: E402
+    BWD_TOL, FWD_TOL, gpu_marks, grouped_reference, hopper_kernels, lse_err, poisoned_allocations, randn, reference,
+    rel_err,
+)
+
+HAVE_GPU, pytestmark = gpu_marks()
+
+import flashgen  # noqa: E402
+from flashgen.runtime import block_fallback, validate  # noqa: E402
+from flashgen.runtime.block_masks import block_mask  # noqa: E402
+from flashgen.runtime.families import sm90_fwd  # noqa: E402
+
+SPARSE = [b for b in hopper_kernels("sm90_fwd") if b.spec.sparse]
+needs_sparse = pytest.mark.skipif(not SPARSE, reason="needs a 9.0 GPU and sm90_fwd sparse kernels "
+                                                      "(flashgen build --arch sm90a --kernels '*sparse*')")
+
+
+@pytest.fixture(autouse=True)
+def warned_already(monkeypatch):
+    monkeypatch.setattr(block_fallback, "_warned", True)
+
+
+def documents(n_docs, length, seed=0):
+    """8 documents over ``length`` tokens (query and key positions share them), each >= 1 token."""
+    n_docs = min(n_docs, length)
+    sizes = np.random.default_rng(seed).multinomial(length - n_docs, np.ones(n_docs) / n_docs) + 1
+    doc = cupy.asarray(np.repeat(np.arange(n_docs), sizes))
+    return lambda b, h, q, kv: doc[q] == doc[kv]
+
+
+def random_blocks(B, H, M, N, seed):
+    """A boolean [B, H, M, N] mask: a random pattern of 128 x 128 blocks (full, partial with random
+    elements, or hidden), query block 1 and every 5th row hidden entirely (rows without keys)."""
+    rng = np.random.default_rng(seed)
+    QB, KB = -(-M // 128), -(-N // 128)
+    kind = rng.integers(0, 3, size=(B, H, QB, KB))  # 0 hidden, 1 full, 2 partial
+    blocks = np.repeat(np.repeat(kind, 128, axis=2), 128, axis=3)[:, :, :M, :N]
+    visible = (blocks == 1) | ((blocks == 2) & (rng.random((B, H, M, N)) < 0.3))
+    visible[:, :, 128:256] = False
+    visible[:, :, ::5] = False
+    return cupy.asarray(visible)
+
+
+def mask_of(name, B, H, M, N, seed=0):
+    """(mask for block_mask, the mask's B and H)."""
+    if name == "documents":
+        return documents(8, max(M, N), seed), (1, 1)
+    if name == "causal-window":
+        return (lambda b, h, q, kv: (kv <= q) & (kv > q - 300)), (1, 1)
+    if name == "random":
+        return random_blocks(B, H, M, N, seed), (B, H)
+    if name == "per-head":  # the batch broadcast, heads apart
+        return (lambda b, h, q, kv: ((kv + 37 * h) % 256 < 200) & (kv <= q + 64 * h)), (1, H)
+    return (lambda b, h, q, kv: (q >= 0) & (kv >= 0)), (1, 1)  # all full
+
+
+MASKS = ("documents", "causal-window", "random", "per-head", "full")
+SIZES = [(1, 1), (7, 7), (129, 1000), (1000, 129), (1000, 1000), (7, 129)]
+
+
+def check(q, k, v, bm, out, lse, dtype):
+    """out and lse against float64 with the mask dense; rows without keys exactly 0 and -inf."""
+    group = q.shape[2] // k.shape[2]
+    ro, rl = reference(q, cupy.repeat(k, group, axis=2), cupy.repeat(v, group, axis=2), bias=bm.to_dense(cupy.float32))
+    assert rel_err(out, ro) < FWD_TOL[dtype] and lse_err(lse, rl) < FWD_TOL[dtype]
+    empty = cupy.isneginf(rl)
+    rows = cupy.ascontiguousarray(cupy.transpose(empty, (0, 2, 1)))
+    assert bool((out[rows] == 0).all()) and bool(cupy.isneginf(lse[empty]).all()), "rows without keys"
+    assert bool(cupy.isfinite(lse[~empty]).all())
+
+
+@needs_sparse
+@pytest.mark.parametrize("binary", SPARSE, ids=[b.name for b in SPARSE])
+@pytest.mark.parametrize("name", MASKS)
+def test_every_sparse_instance_matches_float64(binary, name):
+    spec = binary.spec
+    for i, (M, N) in enumerate(SIZES):
+        rng = np.random.default_rng(1000 * i + len(name))
+        B, H, K = 2, 3, spec.max_k - (24 if i % 2 else 0)  # odd sizes: a head dim below the tier
+        q, k, v = (randn(rng, (B, S, H, K), spec.dtype) for S in (M, N, N))
+        mask, (mb, mh) = mask_of(name, B, H, M, N, seed=i)
+        bm = block_mask(mask, mb, mh, M, N)
+        call = validate.forward_call(q, k, v, {"block_mask": bm}, flashgen.attention_forward)
+        with poisoned_allocations():
+            out, lse = sm90_fwd.RUNTIME.launch(call, binary)
+        check(q, k, v, bm, out, lse, spec.dtype)
+        padded = lse.base
+        assert bool((padded[:, :, M:] == np.inf).all()), "lse padding rows are +inf"
+
+
+@needs_sparse
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("K", [64, 128])
+def test_the_public_forward_runs_sparse_and_the_dense_backward_agrees(dtype, K):
+    rng = np.random.default_rng(K)
+    B, H, Hk, M, N = 2, 4, 2, 1000, 700
+    q, do = randn(rng, (B, M, H, K), dtype), randn(rng, (B, M, H, K), dtype)
+    k, v = randn(rng, (B, N, Hk, K), dtype), randn(rng, (B, N, Hk, K), dtype)
+    bm = block_mask(random_blocks(1, H, M, N, 5), 1, H, M, N)
+    rows = flashgen.explain(q, k, v, block_mask=bm)
+    chosen = [name for name, _, verdict in rows if verdict == "selected"]
+    assert chosen == [f"sm90_fwd_{dtype}_k{K}_q128x128_s2_sparse_sm90a"], rows
+    with poisoned_allocations():
+        out, lse = flashgen.attention_forward(q, k, v, block_mask=bm)
+    check(q, k, v, bm, out, lse, dtype)
+    try:
+        dq, dk, dv = flashgen.attention_backward(do, q, k, v, out, lse, block_mask=bm)
+    except flashgen.UnsupportedError as e:
+        pytest.skip(f"no backward kernel built for the dense fallback: {e}")
+    _, rl, (rdq, rdk, rdv, _) = grouped_reference(q, k, v, do, bias=bm.to_dense(cupy.float32))
+    for g, ref in ((dq, rdq), (dk, rdk), (dv, rdv)):
+        assert rel_err(g, ref, zero_scale=np.sqrt(K)) < BWD_TOL[dtype]
+    empty = cupy.ascontiguousarray(cupy.transpose(cupy.isneginf(rl), (0, 2, 1)))
+    assert bool((dq[empty] == 0).all()), "rows without keys get no gradient"
+
+
+@needs_sparse
+def test_back_to_back_masks_of_one_signature_each_read_their_own():
+    """Same shapes, strides and options, different masks: no plan may replay the first one's arrays."""
+    rng = np.random.default_rng(9)
+    q, k, v = (randn(rng, (1, 600, 2, 64), "f16") for _ in range(3))
+    masks = [block_mask(documents(8, 600, seed), 1, 1, 600, 600) for seed in range(3)]
+    for _ in range(2):
+        for bm in masks:
+            out, lse = flashgen.attention_forward(q, k, v, block_mask=bm)
+            check(q, k, v, bm, out, lse, "f16")
+
+
+@needs_sparse
+def test_calls_the_sparse_kernels_do_not_take_go_dense_and_explain_says_why():
+    rng = np.random.default_rng(11)
+    q = randn(rng, (1, 300, 2, 64), "f16")
+    bm = block_mask(lambda b, h, q_, kv: kv <= q_ + 3, 1, 1, 300, 300)
+    for options, why in (({"causal": "top_left"}, "a block mask with causal or window"),
+                         ({"window": (50, 0)}, "a block mask with causal or window")):
+        rows = flashgen.explain(q, q, q, block_mask=bm, **options)
+        assert all(verdict.startswith(why) for name, _, verdict in rows if name.startswith("sm90_fwd")), rows
+    small = block_mask(lambda b, h, q_, kv: kv <= q_ + 3, 1, 1, 300, 300, block=(64, 64))
+    rows = flashgen.explain(q, q, q, block_mask=small)
+    assert any(verdict.startswith("reads 128 x 128 mask blocks") for _, _, verdict in rows), rows
+    try:
+        out, lse = flashgen.attention_forward(q, q, q, block_mask=bm, causal="top_left")
+    except flashgen.UnsupportedError as e:
+        pytest.skip(f"no example-41 kernel built for the dense fallback: {e}")
+    ro, rl = reference(q, q, q, bias=bm.to_dense(cupy.float32), causal="top_left")
+    assert rel_err(out, ro) < FWD_TOL["f16"] and lse_err(lse, rl) < FWD_TOL["f16"]
