@@ -195,7 +195,7 @@ def test_a_group_of_one_is_plain_attention(ranks):
 @pytest.mark.parametrize("name,own,others", [
     ("shapes-differ", "ValueError: ring_attention: rank(s) [3] passed other shapes", None),
     ("odd-zigzag-shard", "ValueError: a zigzag shard is two equal chunks", None),
-    ("bad-window-on-rank-0", "ValueError: window must be", "ValueError: ring_attention: rank(s) [0] of the group "
+    ("bad-window-on-rank-0", "ValueError: window sides must be", "ValueError: ring_attention: rank(s) [0] of the group "
                                                              "rejected their inputs"),
     ("options-differ", "ValueError: ring_attention: rank(s) [1] passed other", None),
     ("meta-tensors", "TypeError: q is on meta: ring_attention takes cpu tensors", None)])

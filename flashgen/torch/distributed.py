@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from flashgen.runtime import api, context
-from flashgen.torch import _autocast
+from flashgen.torch import _autocast, _window as window_sides
 
 __all__ = ["ring_attention", "zigzag_shard", "zigzag_unshard"]
 
@@ -186,7 +186,7 @@ def _config(ring, q, k, v, causal, window, scale, softcap, layout, deterministic
     fail on every rank alike, with nothing in flight."""
     try:
         signature = [1.0, *_check_local(q, k, v, causal, scale, softcap, layout, deterministic),
-                     *_numbers(_window(window), scale, softcap), layout == "zigzag", _CAUSAL[causal]]
+                     *_numbers(window, scale, softcap), layout == "zigzag", _CAUSAL[causal]]
         problem = None
     except (TypeError, ValueError) as e:
         signature, problem = [0.0] * _SIGNATURE, e
@@ -234,18 +234,14 @@ def _check_local(q, k, v, causal, scale, softcap, layout, deterministic) -> tupl
 
 
 def _window(window):
-    if window is None:
-        return None
-    if (not isinstance(window, (tuple, list)) or len(window) != 2
-            or any(s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0) for s in window)):
-        raise ValueError(f"window must be (left, right) with ints >= 0 or None (no limit); got {window!r}")
-    return None if window[0] is None and window[1] is None else tuple(window)
+    """The window as the block planner takes it: None, or (left, right) with None for no limit."""
+    sides = window_sides(window)
+    return None if sides == (-1, -1) else tuple(None if side < 0 else side for side in sides)
 
 
 def _numbers(window, scale, softcap) -> list:
     """The options as numbers every rank must agree on (-1: no window side, no scale)."""
-    left, right = (None, None) if window is None else window
-    return [-1 if left is None else left, -1 if right is None else right, -1.0 if scale is None else scale, softcap]
+    return [*window_sides(window), -1.0 if scale is None else scale, softcap]
 
 
 _SIGNATURE = 15  # numbers in a signature: the flag, 8 from _check_local, 4 from _numbers, layout, causal
