@@ -31,7 +31,6 @@ import math
 import random
 import statistics
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -42,8 +41,9 @@ JIT_IMPLS = ("fa4", "flex")  # compile on the first call at a point: Result.comp
 @dataclass
 class Point:
     """One shape of the grid.  ``heads`` counts query heads; k and v have ``heads // group``
-    (``group`` = 1: multi-head, > 1: grouped-query).  ``group`` is last and defaults to 1 so a
-    point written before it existed (``Point(**old_json_point)``) still loads, as the same shape."""
+    (``group`` = 1: multi-head, > 1: grouped-query).  ``mask`` names a block mask the point runs
+    under instead (``bench_masks``; "" for none).  Both come last with defaults, so a point written
+    before they existed (``Point(**old_json_point)``) still loads, as the same shape."""
 
     dtype: str
     head_dim: int
@@ -52,6 +52,7 @@ class Point:
     heads: int
     seqlen: int
     group: int = 1
+    mask: str = ""
 
     @property
     def kv_heads(self) -> int:
@@ -79,19 +80,31 @@ class Result:
 
 
 def default_grid(dtypes=("f16", "bf16"), head_dims=(64, 128), hidden=2048, tokens=16384,
-                 seqlens=(512, 1024, 2048, 4096, 8192, 16384), groups=(1,)) -> List[Point]:
+                 seqlens=(512, 1024, 2048, 4096, 8192, 16384), groups=(1,), masks=()) -> List[Point]:
     """Every combination, with ``hidden // head_dim`` query heads and ``tokens // seqlen`` batches.
     A group that does not divide a head dim's head count is left out for that head dim only
     (hidden 2048: group 32 fits head dim 64's 32 heads, not 128's 16), so a mixed grid still runs
-    what it can; the CLI refuses a group that fits no head dim at all."""
-    return [Point(d, hd, causal, max(1, tokens // s), hidden // hd, s, g)
-            for d in dtypes for hd in head_dims for causal in (False, True)
+    what it can; the CLI refuses a group that fits no head dim at all.  With ``masks``, each
+    mask replaces the causal and full points (a mask carries its own causality)."""
+    return [Point(d, hd, causal, max(1, tokens // s), hidden // hd, s, g, mask)
+            for d in dtypes for hd in head_dims for causal, mask in _mask_kinds(masks)
             for g in groups if (hidden // hd) % g == 0 for s in seqlens]
 
 
+def _mask_kinds(masks) -> List[tuple]:
+    """(causal, mask) per grid line: full and causal, or each block mask asked for."""
+    return [(False, m) for m in masks] if masks else [(False, ""), (True, "")]
+
+
 def flops(p: Point, direction: str) -> float:
-    f = 4.0 * p.batch * p.heads * p.seqlen * p.seqlen * p.head_dim / (2 if p.causal else 1)
-    return f * (2.5 if direction == "bwd" else 1.0)
+    """FlashAttention's count: 4 B H S^2 D forward, 2.5 times that backward, halved with a causal
+    mask; under a block mask only the scores it shows count (``bench_masks.visible``)."""
+    shown = 0.5 if p.causal else 1.0
+    if p.mask:
+        from flashgen.bench_masks import visible
+
+        shown = visible(p.mask, p.seqlen)
+    return 4.0 * p.batch * p.heads * p.seqlen * p.seqlen * p.head_dim * shown * (2.5 if direction == "bwd" else 1.0)
 
 
 @dataclass
@@ -210,42 +223,16 @@ def bench_point(p: Point, impls: List[str], torch, repeats: int = 30, all_instan
                 queued: bool = False) -> List[Result]:
     import cupy
 
-    from flashgen.runtime import api
-
     sets = _inputs(torch, p)
-    causal = "top_left" if p.causal else None
-    entries: List[Timed] = []
-    if "flashgen" in impls:
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-        cp_sets = [[cupy.from_dlpack(t) for t in s] for s in sets]
-        with stream:
-            fwd_out = [api.attention_forward(q, k, v, causal=causal) for q, k, v, _ in cp_sets]
-        entries.append(Timed("flashgen", "fwd", lambda i: api.attention_forward(*cp_sets[i % 3][:3], causal=causal),
-                             lambda: stream))
-        entries.append(Timed("flashgen", "bwd", lambda i: api.attention_backward(
-            cp_sets[i % 3][3], *cp_sets[i % 3][:3], *fwd_out[i % 3], causal=causal), lambda: stream))
-    if "flashgen-torch" in impls:
-        entries += _flashgen_torch_entries(sets, causal, torch)
-    if "fa4" in impls:
-        entries += _fa4_entries(p, sets, torch)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    gqa = {"enable_gqa": True} if p.group > 1 else {}  # only when needed: torch < 2.5 has no enable_gqa
-    # SDPA takes [B, H, S, D]: transposed views of the same BMHK buffers
+    # SDPA and flex take [B, H, S, D]: transposed views of the same BMHK buffers
     t_sets = [[t.transpose(1, 2).requires_grad_(j < 3) if j < 3 else t.transpose(1, 2) for j, t in enumerate(s)]
               for s in sets]
-    for backend in TORCH_BACKENDS:
-        impl = f"sdpa-{backend}"
-        if impl not in impls:
-            continue
-        kind = {"flash": torch.nn.attention.SDPBackend.FLASH_ATTENTION,
-                "efficient": torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION,
-                "cudnn": torch.nn.attention.SDPBackend.CUDNN_ATTENTION}[backend]
-        context = functools.partial(torch.nn.attention.sdpa_kernel, kind)
-        entries.append(Timed(impl, "fwd", lambda i: sdpa(*t_sets[i % 3][:3], is_causal=p.causal, **gqa), context))
-        entries.append(Timed(impl, "bwd", _autograd_backward(lambda s: sdpa(*s[:3], is_causal=p.causal, **gqa),
-                                                             t_sets, torch), context))
-    if "flex" in impls:
-        entries += _flex_entries(p, t_sets, torch)
+    if p.mask:
+        from flashgen import bench_masks
+
+        entries = bench_masks.entries(p, impls, sets, t_sets, torch)
+    else:
+        entries = _unmasked_entries(p, impls, sets, t_sets, torch)
     not_set_up = {id(e) for e in entries if e.error}  # e.g. an import: not about this point's shape
     time_interleaved(entries, torch, repeats=repeats, queued=queued)
     for e in entries:
@@ -276,7 +263,51 @@ def bench_point(p: Point, impls: List[str], torch, repeats: int = 30, all_instan
     return results
 
 
-def _autograd_backward(forward, t_sets, torch):
+def _unmasked_entries(p: Point, impls: List[str], sets, t_sets, torch) -> List[Timed]:
+    """Each asked implementation's forward and backward at a point without a block mask."""
+    causal = "top_left" if p.causal else None
+    entries: List[Timed] = []
+    if "flashgen" in impls:
+        entries += flashgen_entries(sets, torch, causal=causal)
+    if "flashgen-torch" in impls:
+        entries += flashgen_torch_entries(sets, torch, causal=causal)
+    if "fa4" in impls:
+        entries += _fa4_entries(p, sets, torch)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    gqa = {"enable_gqa": True} if p.group > 1 else {}  # only when needed: torch < 2.5 has no enable_gqa
+    for backend in TORCH_BACKENDS:
+        impl = f"sdpa-{backend}"
+        if impl not in impls:
+            continue
+        kind = {"flash": torch.nn.attention.SDPBackend.FLASH_ATTENTION,
+                "efficient": torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION,
+                "cudnn": torch.nn.attention.SDPBackend.CUDNN_ATTENTION}[backend]
+        context = functools.partial(torch.nn.attention.sdpa_kernel, kind)
+        entries.append(Timed(impl, "fwd", lambda i: sdpa(*t_sets[i % 3][:3], is_causal=p.causal, **gqa), context))
+        entries.append(Timed(impl, "bwd", autograd_backward(lambda s: sdpa(*s[:3], is_causal=p.causal, **gqa),
+                                                             t_sets, torch), context))
+    if "flex" in impls:
+        entries += flex_entries(p, t_sets, torch)
+    return entries
+
+
+def flashgen_entries(sets, torch, **options) -> List[Timed]:
+    """flashgen's runtime on CuPy views of the point's buffers, on torch's stream, with ``options``
+    (causal, block_mask) in both directions; the backward takes each set's own forward outputs."""
+    import cupy
+
+    from flashgen.runtime import api
+
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    cp_sets = [[cupy.from_dlpack(t) for t in s] for s in sets]
+    with stream:
+        fwd_out = [api.attention_forward(q, k, v, **options) for q, k, v, _ in cp_sets]
+    return [Timed("flashgen", "fwd", lambda i: api.attention_forward(*cp_sets[i % 3][:3], **options), lambda: stream),
+            Timed("flashgen", "bwd", lambda i: api.attention_backward(
+                cp_sets[i % 3][3], *cp_sets[i % 3][:3], *fwd_out[i % 3], **options), lambda: stream)]
+
+
+def autograd_backward(forward, t_sets, torch):
     """The cheapest honest path to a torch backward: one retained forward graph per input set
     (built during warm-up), then ``torch.autograd.grad`` with the set's dO."""
     outs = []
@@ -295,7 +326,7 @@ def _grad_leaves(sets):
     return [[t.detach().requires_grad_() for t in s[:3]] + [s[3]] for s in sets]
 
 
-def _flashgen_torch_entries(sets, causal, torch) -> List[Timed]:
+def flashgen_torch_entries(sets, torch, **options) -> List[Timed]:
     """flashgen through ``flashgen.torch.attention`` as a training step calls it: the same
     [B, S, H, D] buffers as the ``flashgen`` entries, as leaves that require grad (so the forward
     saves what its backward needs), backward through autograd like SDPA.  An adapter that cannot
@@ -307,10 +338,10 @@ def _flashgen_torch_entries(sets, causal, torch) -> List[Timed]:
     g_sets = _grad_leaves(sets)
 
     def forward(s):
-        return attention(*s[:3], causal=causal)
+        return attention(*s[:3], **options)
 
     return [Timed("flashgen-torch", "fwd", lambda i: forward(g_sets[i % 3])),
-            Timed("flashgen-torch", "bwd", _autograd_backward(forward, g_sets, torch))]
+            Timed("flashgen-torch", "bwd", autograd_backward(forward, g_sets, torch))]
 
 
 def _fa4_entries(p: Point, sets, torch) -> List[Timed]:
@@ -331,131 +362,28 @@ def _fa4_entries(p: Point, sets, torch) -> List[Timed]:
         return out[0] if isinstance(out, tuple) else out  # (out, lse): lse is None unless return_lse
 
     return [Timed("fa4", "fwd", lambda i: forward(g_sets[i % 3])),
-            Timed("fa4", "bwd", _autograd_backward(forward, g_sets, torch))]
+            Timed("fa4", "bwd", autograd_backward(forward, g_sets, torch))]
 
 
 _flex = None
 
 
-def _flex_entries(p: Point, t_sets, torch) -> List[Timed]:
+def flex_entries(p: Point, t_sets, torch, mask=None) -> List[Timed]:
     """torch.compile'd flex_attention: Triton kernels generated for the shape and mask, compiled
     once per shape (during warm-up); backward through autograd like SDPA.  Grouped-query points
-    pass ``enable_gqa`` (flex refuses k/v with fewer heads without it)."""
+    pass ``enable_gqa`` (flex refuses k/v with fewer heads without it).  ``mask``: flex's block
+    mask of a masked point (bench_masks); else a causal one at a causal point, none otherwise."""
     global _flex
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if _flex is None:
         _flex = torch.compile(flex_attention, dynamic=False)
-    mask = None
-    if p.causal:
+    if mask is None and p.causal:
         mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, p.seqlen, p.seqlen, device="cuda")
     gqa = {"enable_gqa": True} if p.group > 1 else {}
     return [Timed("flex", "fwd", lambda i: _flex(*t_sets[i % 3][:3], block_mask=mask, **gqa)),
-            Timed("flex", "bwd", _autograd_backward(lambda s: _flex(*s[:3], block_mask=mask, **gqa), t_sets,
+            Timed("flex", "bwd", autograd_backward(lambda s: _flex(*s[:3], block_mask=mask, **gqa), t_sets,
                                                     torch))]
-
-
-def call_overhead_us(torch, calls: int = 500, rounds: int = 9) -> Dict[str, float]:
-    """Host microseconds per call on a tiny problem (1 x 128 x 1 x 64, f16), against SDPA's call.
-
-    flashgen's calls repeat one signature, so they take the planned path (runtime/plans.py)
-    as a training loop does after its first step; the PyTorch adapter's calls are measured
-    too (``adapter_overhead_cases``), so what it adds to the CuPy calls shows.  The GPU work
-    is negligible; each figure is the median over ``rounds`` (implementations interleaved) of
-    the wall time per call over ``calls`` back-to-back calls: one round is easily disturbed
-    by the host.
-    """
-    import cupy
-
-    from flashgen.runtime import api
-
-    q = torch.randn(1, 128, 1, 64, device="cuda", dtype=torch.float16)
-    cq = cupy.from_dlpack(q)
-    out, lse = api.attention_forward(cq, cq, cq)
-    tq = q.transpose(1, 2).detach().requires_grad_()
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    t_out = sdpa(tq, tq, tq)
-    t_grad = torch.ones_like(t_out)
-    cases = {
-        "flashgen.attention_forward": lambda: api.attention_forward(cq, cq, cq),
-        "flashgen.attention_backward": lambda: api.attention_backward(out, cq, cq, cq, out, lse),
-        "torch sdpa forward": lambda: sdpa(tq, tq, tq),
-        "torch sdpa backward (autograd.grad)": lambda: torch.autograd.grad(t_out, tq, t_grad, retain_graph=True),
-        **adapter_overhead_cases(q, torch),
-    }
-    times = {name: [] for name in cases}
-    for _ in range(rounds):
-        for name, fn in cases.items():
-            for _ in range(50):
-                fn()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[name].append((time.perf_counter() - start) / calls * 1e6)
-            torch.cuda.synchronize()
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def adapter_overhead_cases(q, torch) -> Dict[str, Callable[[], object]]:
-    """The PyTorch adapter's calls for ``call_overhead_us``, paired like SDPA's: the forward on a
-    leaf that requires grad (as in training), the backward through autograd on one retained
-    forward output.  None of them where the adapter cannot run (a warning says why), so the
-    overhead of the other calls is still measured."""
-    try:
-        from flashgen.torch import attention
-
-        tq_bmhk = q.detach().requires_grad_()
-        out = attention(tq_bmhk, tq_bmhk, tq_bmhk)
-    except Exception as ex:
-        warnings.warn(f"flashgen.torch call overhead not measured: {error_note(ex)}", stacklevel=2)
-        return {}
-    grad = torch.ones_like(out)
-    noop = _noop_op(torch)
-    noop_out = noop(tq_bmhk, tq_bmhk, tq_bmhk)
-    return {
-        "flashgen.torch forward": lambda: attention(tq_bmhk, tq_bmhk, tq_bmhk),
-        "flashgen.torch backward (autograd.grad)": lambda: torch.autograd.grad(out, tq_bmhk, grad, retain_graph=True),
-        "no-op torch op forward": lambda: noop(tq_bmhk, tq_bmhk, tq_bmhk),
-        "no-op torch op backward (autograd.grad)": lambda: torch.autograd.grad(noop_out, tq_bmhk, grad,
-                                                                               retain_graph=True),
-    }
-
-
-def _noop_op(torch) -> Callable:
-    """An autograd op shaped like flashgen.torch's (q, k, v, bias and the options in; out and a
-    non-differentiable lse out; dq, dk, dv back) that launches nothing and allocates nothing:
-    what torch's autograd costs any Python op.  The adapter's own overhead is its call minus this."""
-
-    class NoOp(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v, bias, options):
-            ctx.save_for_backward(q, k, v)
-            lse = q.view_as(q)
-            ctx.mark_non_differentiable(lse)
-            return q.view_as(q), lse
-
-        @staticmethod
-        def backward(ctx, grad_out, grad_lse):
-            return grad_out, grad_out, grad_out, None, None
-
-    return lambda q, k, v: NoOp.apply(q, k, v, None, (0, None, 0.0))[0]
-
-
-def import_times_ms() -> Dict[str, float]:
-    """Median wall milliseconds of ``import flashgen``, of its runtime and of CuPy (which the
-    runtime imports on its first call), each in a fresh interpreter; none touches the GPU."""
-    import subprocess
-    import sys
-
-    result = {}
-    for name, stmt in (("import flashgen", "import flashgen"), ("import flashgen.runtime", "import flashgen.runtime"),
-                       ("import cupy", "import cupy")):
-        code = f"import time; t = time.perf_counter(); {stmt}; print((time.perf_counter() - t) * 1e3)"
-        runs = [float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                                     text=True).stdout) for _ in range(5)]
-        result[name] = statistics.median(runs)
-    return result
 
 
 def plot_series(results: List[Result]) -> Dict[str, Dict[str, list]]:

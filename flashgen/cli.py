@@ -316,6 +316,11 @@ def _ratio(got: dict, a: str, b: str) -> str:
     return f"{got[a] / got[b]:.2f}" if got.get(a) and got.get(b) else "-"
 
 
+def _masking(point) -> str:
+    """The table's causal cell: yes / no, or the block mask the point runs under."""
+    return point.mask or ("yes" if point.causal else "no")
+
+
 def _bench_table(grid, results, impls, all_instances: bool) -> str:
     """TFLOP/s per point and direction (H/Hk: query and key/value heads, so a GQA row is told from
     its multi-head twin), a column per implementation, and the two ratios asked
@@ -336,8 +341,7 @@ def _bench_table(grid, results, impls, all_instances: bool) -> str:
         for direction in ("fwd", "bwd"):
             here = [r for r in results if r.point == point and r.direction == direction]
             got = {r.impl: r.tflops for r in here}
-            row = [point.dtype, point.head_dim, point.heads_label, "yes" if point.causal else "no", point.seqlen,
-                   direction]
+            row = [point.dtype, point.head_dim, point.heads_label, _masking(point), point.seqlen, direction]
             row += [f"{got[i]:.0f}" if got.get(i) else "-" for i in impls]
             if all_instances:
                 tiles = {i: t for i, t in got.items() if i.startswith("flashgen[") and t}
@@ -381,6 +385,10 @@ def _bench_notes(results) -> List[str]:
 @click.option("--group", "groups", multiple=True, type=click.IntRange(min=1), default=(1,), show_default=True,
               help="Query heads per key/value head (grouped-query attention; repeatable): k and v get heads / N "
                    "heads.  Left out for a head dim whose head count N does not divide; TFLOP/s count query heads.")
+@click.option("--mask", "masks", multiple=True, type=click.Choice(["document8", "window1024"]),
+              help="Time under a block mask instead (repeatable; replaces the full and causal points): document8, "
+                   "8 equal documents per sequence; window1024, causal over the last 1024 keys.  flashgen gets a "
+                   "flashgen.block_mask of it, flex the same mask; TFLOP/s count only the scores it shows.")
 @click.option("--all-instances", is_flag=True, help="Also time every flashgen kernel tile (and backward key-split "
               "policy) that can serve each point, as flashgen[<tile>] (multi-head points only).")
 @click.option("--repeats", type=int, default=30, show_default=True,
@@ -390,13 +398,13 @@ def _bench_notes(results) -> List[str]:
                    "back to back as a training loop issues them, so host work hides behind the GPU's.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def bench(dtypes, head_dims, seqlens, tokens, hidden, groups, impls, all_instances, repeats, timing, json_path,
+def bench(dtypes, head_dims, seqlens, tokens, hidden, groups, masks, impls, all_instances, repeats, timing, json_path,
           plot_path) -> None:
     """Forward and backward TFLOP/s of flashgen (directly and through its PyTorch adapter), FlashAttention-4 and
     torch's SDPA backends, side by side."""
-    from flashgen import bench as b
+    from flashgen import bench as b, bench_host as host
 
-    grid = b.default_grid(dtypes, head_dims, hidden, tokens, seqlens, groups)
+    grid = b.default_grid(dtypes, head_dims, hidden, tokens, seqlens, groups, masks)
     unused = sorted(set(groups) - {p.group for p in grid})  # checked before torch: a typo fails fast anywhere
     if unused:
         heads = ", ".join(f"{hidden // hd} (head dim {hd})" for hd in head_dims)
@@ -417,14 +425,15 @@ def bench(dtypes, head_dims, seqlens, tokens, hidden, groups, impls, all_instanc
                             + (f" (first call {r.compile_s:.1f} s)" if r.compile_s is not None else "")
                             for r in rows if r.tflops)
         click.echo(f"[{n}/{len(grid)}] {point.dtype} d{point.head_dim} {'causal ' if point.causal else ''}"
+                   f"{point.mask + ' ' if point.mask else ''}"
                    f"B{point.batch} H{point.heads_label} S{point.seqlen}: {summary}", err=True)
     click.echo(_bench_table(grid, results, impls, all_instances))
     for line in _bench_notes(results):
         click.echo(line)
-    overhead = b.call_overhead_us(torch)
+    overhead = host.call_overhead_us(torch)
     for name, us in overhead.items():
         click.echo(f"call overhead, {name}: {us:.1f} us")
-    imports = b.import_times_ms()
+    imports = host.import_times_ms()
     for name, ms in imports.items():
         click.echo(f"{name}: {ms:.1f} ms")
     if json_path:

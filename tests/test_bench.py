@@ -8,7 +8,7 @@ import types
 import pytest
 from click.testing import CliRunner
 
-from flashgen import bench
+from flashgen import bench, bench_host
 from flashgen.cli import main
 
 
@@ -264,7 +264,7 @@ def test_adapter_overhead_cases_pair_forward_and_autograd_backward(monkeypatch):
 
     _adapter(monkeypatch, attention)
     q = torch.randn(1, 128, 1, 64)
-    cases = bench.adapter_overhead_cases(q, torch)
+    cases = bench_host.adapter_overhead_cases(q, torch)
     assert list(cases) == ["flashgen.torch forward", "flashgen.torch backward (autograd.grad)",
                            "no-op torch op forward", "no-op torch op backward (autograd.grad)"]
     for _ in range(2):  # the backward is repeatable: one retained graph
@@ -282,7 +282,7 @@ def test_adapter_overhead_cases_leave_out_an_adapter_that_cannot_run(monkeypatch
     torch = pytest.importorskip("torch")
     monkeypatch.setitem(sys.modules, "flashgen.torch", None)
     with pytest.warns(UserWarning, match="flashgen.torch call overhead not measured: ModuleNotFoundError"):
-        assert bench.adapter_overhead_cases(torch.zeros(1, 128, 1, 64), torch) == {}
+        assert bench_host.adapter_overhead_cases(torch.zeros(1, 128, 1, 64), torch) == {}
 
 
 def _bench_cli(monkeypatch, tflops, *args, compile_s=None, notes=None):
@@ -300,8 +300,8 @@ def _bench_cli(monkeypatch, tflops, *args, compile_s=None, notes=None):
                              compile_s=(compile_s or {}).get((i, d))) for i in impls for d in ("fwd", "bwd")]
 
     monkeypatch.setattr(bench, "bench_point", bench_point)
-    monkeypatch.setattr(bench, "call_overhead_us", lambda torch: {"flashgen.torch forward": 12.5})
-    monkeypatch.setattr(bench, "import_times_ms", lambda: {})
+    monkeypatch.setattr(bench_host, "call_overhead_us", lambda torch: {"flashgen.torch forward": 12.5})
+    monkeypatch.setattr(bench_host, "import_times_ms", lambda: {})
     result = CliRunner().invoke(main, ["bench", "--dtype", "f16", "--head-dim", "64", "--seqlen", "512", *args],
                                 catch_exceptions=False)
     assert result.exit_code == 0, result.output
@@ -477,9 +477,9 @@ def test_point_json_round_trip_with_and_without_group():
     result = bench.Result("flashgen", "fwd", GQA, 1.5, 300.0)
     written = json.loads(json.dumps(result.as_dict()))
     assert written["point"] == {"dtype": "f16", "head_dim": 8, "causal": False, "batch": 2, "heads": 8,
-                                "seqlen": 16, "group": 4}
+                                "seqlen": 16, "group": 4, "mask": ""}
     assert bench.Point(**written["point"]) == GQA
-    old = {k: v for k, v in asdict(POINT).items() if k != "group"}  # a file from before --group
+    old = {k: v for k, v in asdict(POINT).items() if k not in ("group", "mask")}  # a file from before --group
     assert bench.Point(**json.loads(json.dumps(old))) == POINT and POINT.group == 1
     assert bench.Point(**old) != bench.Point(**dict(old, group=3))
 

@@ -17,10 +17,11 @@ import statistics
 
 def load(path: str, impl: str) -> dict:
     """{(point, direction): TFLOP/s} of ``impl`` in one bench JSON.  A point without a group (a
-    file from before GQA points) is multi-head, group 1, so old and new files still pair up."""
+    file from before GQA points) is multi-head, group 1, and one without a mask has none, so old and
+    new files still pair up."""
     with open(path) as f:
         results = json.load(f)["results"]
-    return {(json.dumps({"group": 1, **r["point"]}, sort_keys=True), r["direction"]): r["tflops"]
+    return {(json.dumps({"group": 1, "mask": "", **r["point"]}, sort_keys=True), r["direction"]): r["tflops"]
             for r in results if r["impl"] == impl and r["tflops"]}
 
 

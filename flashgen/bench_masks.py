@@ -1,0 +1,84 @@
+"""Bench points under a block mask: the masks FlexAttention is measured on, built alike for each side.
+
+A ``Point`` with ``mask`` set times attention under that mask instead of a causal or a full one:
+
+* ``document8``: eight documents of equal length packed in each sequence; a query sees the keys
+  of its own document.
+* ``window1024``: causal, and only the 1024 most recent keys (the query's own included).
+
+flashgen gets a ``flashgen.block_mask`` of the mask (its sparse kernels where they serve the call,
+else the dense fallback: what a user gets), flex a ``create_block_mask`` of the same function, both
+with 128 x 128 blocks, built once per point outside the timings.  SDPA and FlashAttention-4 take no
+block mask: their cells say so (a dense boolean ``attn_mask`` would time a dense attention).
+FLOPs count only the scores the mask shows (``visible``), so TFLOP/s compare the work it leaves.
+"""
+from __future__ import annotations
+
+from typing import Callable, List
+
+from flashgen.bench import Point, Timed, flashgen_entries, flashgen_torch_entries, flex_entries
+
+MASKS = ("document8", "window1024")
+BLOCK = (128, 128)
+DOCUMENTS = 8
+WINDOW = 1024
+
+
+def _check(mask: str) -> None:
+    if mask not in MASKS:
+        raise ValueError(f"unknown bench mask {mask!r}; the bench knows {', '.join(MASKS)}")
+
+
+def visible(mask: str, seqlen: int) -> float:
+    """The share of the seqlen x seqlen scores ``mask`` shows (exact, ragged documents included)."""
+    _check(mask)
+    if mask == "document8":
+        starts = [-(-d * seqlen // DOCUMENTS) for d in range(DOCUMENTS + 1)]  # i * DOCUMENTS // seqlen == d
+        sizes = [b - a for a, b in zip(starts, starts[1:])]
+        return sum(n * n for n in sizes) / seqlen ** 2
+    w = min(WINDOW, seqlen)  # row i sees min(i + 1, w) keys
+    return (w * (w + 1) // 2 + (seqlen - w) * w) / seqlen ** 2
+
+
+def mask_mod(mask: str, seqlen: int, arange: Callable[[int], object]):
+    """``mask(b, h, q_idx, kv_idx) -> bool`` over index arrays of the module ``arange`` comes from
+    (CuPy's for flashgen.block_mask, torch's for flex): the same function for both."""
+    _check(mask)
+    if mask == "document8":
+        document = arange(seqlen) * DOCUMENTS // seqlen
+        return lambda b, h, q_idx, kv_idx: document[q_idx] == document[kv_idx]
+    return lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
+
+
+def flashgen_block_mask(p: Point):
+    """The point's mask as flashgen takes it, built on the GPU (broadcast over batch and heads)."""
+    import cupy
+
+    import flashgen
+
+    return flashgen.block_mask(mask_mod(p.mask, p.seqlen, cupy.arange), 1, 1, p.seqlen, p.seqlen, block=BLOCK)
+
+
+def flex_block_mask(p: Point, torch):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    arange = lambda n: torch.arange(n, device="cuda")  # noqa: E731
+    return create_block_mask(mask_mod(p.mask, p.seqlen, arange), None, None, p.seqlen, p.seqlen, device="cuda",
+                             BLOCK_SIZE=BLOCK)
+
+
+def entries(p: Point, impls: List[str], sets, t_sets, torch) -> List[Timed]:
+    """Each asked implementation's forward and backward under the point's mask (``bench_point``)."""
+    out: List[Timed] = []
+    if "flashgen" in impls or "flashgen-torch" in impls:
+        mask = flashgen_block_mask(p)
+        if "flashgen" in impls:
+            out += flashgen_entries(sets, torch, block_mask=mask)
+        if "flashgen-torch" in impls:
+            out += flashgen_torch_entries(sets, torch, block_mask=mask)
+    for impl in impls:
+        if impl == "fa4" or impl.startswith("sdpa-"):
+            out += [Timed(impl, direction, None, error="takes no block mask") for direction in ("fwd", "bwd")]
+    if "flex" in impls:
+        out += flex_entries(p, t_sets, torch, flex_block_mask(p, torch))
+    return out
