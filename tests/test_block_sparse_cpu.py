@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from flashgen.runtime import block_masks
-from flashgen.runtime.block_masks import block_mask
+from flashgen.runtime.block_masks import BlockMask, block_mask
 
 
 @pytest.fixture(autouse=True)
@@ -241,6 +241,7 @@ def test_sparse_fields_step_through_the_mask_rows_and_stop_where_it_broadcasts()
         bm = SimpleNamespace(shape=(B, H, 300, 700), num_blocks=(3, 6), **{
             name: arrays() for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                                         "partial_index", "partial_bits")})
+        bm.kernel_arrays = lambda bm=bm: BlockMask.kernel_arrays(bm)  # the real order, on the fake's arrays
         fields = sparse_fields(bm)
         assert (fields["sparse_batch_step"], fields["sparse_head_step"], fields["sparse_key_blocks"]) == \
             (batch_step, head_step, 6)

@@ -5,8 +5,8 @@ random block patterns with empty query blocks and rows, and all-full masks, at M
 {1, 7, 129, 1000} with M != N, B/H broadcast, grouped-query k/v and head dims below the tier,
 into poisoned outputs.  Rows that see no key must come back as output 0 and lse -inf.  Through
 the public functions: the sparse kernel is the one selected, the dense backward agrees with the
-sparse forward's lse, and back-to-back calls with different masks each read their own (no launch
-plan replays a mask's arrays).  Skips without a 9.0 GPU or without the sparse kernels built
+sparse forward's lse, and back-to-back calls with different masks each read their own (a replayed
+plan points at the call's own mask).  Skips without a 9.0 GPU or without the sparse kernels built
 (`flashgen build --arch sm90a --kernels '*sparse*'`).
 """
 from __future__ import annotations
@@ -132,15 +132,27 @@ def test_the_public_forward_runs_sparse_and_the_dense_backward_agrees(dtype, K):
 
 
 @needs_sparse
-def test_back_to_back_masks_of_one_signature_each_read_their_own():
-    """Same shapes, strides and options, different masks: no plan may replay the first one's arrays."""
+def test_back_to_back_masks_of_one_signature_each_read_their_own(monkeypatch):
+    """Same shapes, strides and options, different masks: a call replays the launch plan its
+    signature left (the second round launches nothing through the full path) with its own mask's
+    arrays, among them two masks whose arrays have the same shapes (documents on block
+    boundaries: no partial block) and different contents."""
     rng = np.random.default_rng(9)
     q, k, v = (randn(rng, (1, 600, 2, 64), "f16") for _ in range(3))
+    aligned = [cupy.asarray(np.searchsorted(cuts, np.arange(600), side="right")) for cuts in ([256], [128, 384])]
     masks = [block_mask(documents(8, 600, seed), 1, 1, 600, 600) for seed in range(3)]
-    for _ in range(2):
+    masks += [block_mask(lambda b, h, i, j, doc=doc: doc[i] == doc[j], 1, 1, 600, 600) for doc in aligned]
+    assert masks[-1].partial_bits.shape == masks[-2].partial_bits.shape == (0, 128, 4)
+    launches = []
+    full_path = sm90_fwd.RUNTIME.launch
+    monkeypatch.setattr(sm90_fwd.RUNTIME, "launch", lambda call, binary: launches.append(1) or full_path(call, binary))
+    for round_ in range(2):
         for bm in masks:
             out, lse = flashgen.attention_forward(q, k, v, block_mask=bm)
             check(q, k, v, bm, out, lse, "f16")
+        if round_ == 0:
+            first_round = len(launches)
+    assert first_round <= len(masks) - 1 and len(launches) == first_round  # the aligned pair shares a plan
 
 
 @needs_sparse

@@ -56,9 +56,13 @@ def attention_forward(q, k, v, *, attn_bias=None, block_mask=None, causal=None, 
     cupy = cupy_module()
     registry = registry or default_registry()
     memory, key = memory_for(q, cupy), None
-    if memory is not None and block_mask is None and cu_seqlens_q is None and cu_seqlens_k is None:
-        arrays = (q, k, v) if attn_bias is None else (q, k, v, attn_bias)
-        key, plan = plans.find(memory.signature, "fwd", arrays, (causal, scale, dropout_p, window, softcap, registry))
+    if memory is not None and cu_seqlens_q is None and cu_seqlens_k is None:
+        # a block mask's arrays end the signature (a sparse plan points at them), its block size joins
+        # the options; one that is not a BlockMask (validation says why) or lacks bits gets no plan
+        sparse = () if block_mask is None else getattr(block_mask, "kernel_arrays", lambda: (None,))()
+        arrays = ((q, k, v) if attn_bias is None else (q, k, v, attn_bias)) + sparse
+        key, plan = plans.find(memory.signature, "fwd", arrays, (causal, scale, dropout_p, window, softcap, registry,
+                                                                   getattr(block_mask, "block", None)))
         if plan is not None:
             if dropout_p or seed is not None or offset:
                 check_rng(dropout_p, seed, offset)

@@ -84,6 +84,13 @@ class BlockMask:
         """The array module of the lists: CuPy for a GPU mask, NumPy for a host one."""
         return np if self.device is None else cupy_module()
 
+    def kernel_arrays(self) -> tuple:
+        """What a sparse forward reads, in its order: partial counts and lists, full counts and
+        lists, partial_index, partial_bits (the last two None where the key blocks are not a
+        multiple of 32 wide: no kernel reads such a mask)."""
+        return (self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices,
+                self.partial_index, self.partial_bits)
+
     def density(self) -> float:
         """Visited blocks (full and partial) over all blocks: the share of the dense work a kernel
         that reads the lists does (reads the counts back to the host)."""

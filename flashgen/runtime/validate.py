@@ -375,8 +375,9 @@ def forward_call(q, k, v, options: dict, entry: Callable, plan_key=None) -> Call
     b, copied = checked_bias(cupy, options["attn_bias"], p, q, q.shape[1], k.shape[1])
     bm = check_block_mask(options["block_mask"], p, q, k)
     check_varlen_bottom_right(p)
-    # no plan for a block mask: the mask's arrays are not in the plan's signature or pointers
-    return Call("fwd", p, q, k, v, b, options, entry, plan_key=None if copied or bm else plan_key, block_mask=bm)
+    # a block mask's arrays are in the plan's key (api.py); a plan is left only where a sparse kernel
+    # reads them (the dense fallback clears the key: block_fallback.dense_call)
+    return Call("fwd", p, q, k, v, b, options, entry, plan_key=None if copied else plan_key, block_mask=bm)
 
 
 def backward_call(grad_out, q, k, v, out, lse, options: dict, entry: Callable, plan_key=None) -> Call:

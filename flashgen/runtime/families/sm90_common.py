@@ -237,9 +237,12 @@ class AmpereFamily(OwnKernelFamily):
 
 def replay_forward(plan, memory, arrays, stream):
     """(out, lse) of a planned sm90_fwd or sm80_fwd call: outputs allocated through ``memory``,
-    then one launch with the pointers of q, k, v and a bias if any (tensor maps' or Params'), out and lse."""
+    then one launch with the pointers of q, k, v and a bias if any (tensor maps' or Params'), out
+    and lse, then the plan's ``trailing`` arrays (a block mask's: they end ``arrays``)."""
     q, ptr = arrays[0], memory.ptr
+    lead = len(arrays) - plan.sizes.get("trailing", 0)
     with on_device(cupy_module(), plan.device):
         out, lse = planned_forward_outputs(memory, plan.sizes, q)
-        plan.launch(tuple(map(ptr, arrays)) + (ptr(out), ptr(lse)), 0, 0, memory.stream(stream, plan.device))
+        plan.launch(tuple(map(ptr, arrays[:lead])) + (ptr(out), ptr(lse)) + tuple(map(ptr, arrays[lead:])), 0, 0,
+                    memory.stream(stream, plan.device))
     return out, visible_lse(lse, plan.sizes["M"])

@@ -3,7 +3,8 @@
 A call with a ``block_mask`` runs here, sparse, when a ``sparse`` instance reads the mask's blocks
 (selection matches their size with the kernel's tile, from the cubin's constants) and the call has
 nothing such an instance lacks (``block_mask_refusal``); else the mask goes dense (block_fallback).
-Such calls leave no launch plan (validate.py): a replay would launch with the first mask's arrays.
+Such a call leaves a launch plan like any other: the mask's arrays end its signature (api.py) and their
+pointers follow out's and lse's (SPARSE_POINTERS), so a replay reads the call's own mask.
 """
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ from flashgen.spec.sm90_fwd import Sm90Fwd
 
 MAPS = ("q_map", "k_map", "v_map")
 POINTERS = ("out_ptr", "lse_ptr")  # per-call pointers after the tensor maps', in Params order
+# a sparse call's block mask: its arrays' pointers follow out's and lse's (BlockMask.kernel_arrays' order)
+SPARSE_POINTERS = ("sparse_partial_counts", "sparse_partial_blocks", "sparse_full_counts", "sparse_full_blocks",
+                   "sparse_tiles", "sparse_bits")
 
 
 # float32's smallest normal: as a zero scale, it gives every visible key the weight 1.0 exactly
@@ -56,12 +60,8 @@ def sparse_fields(block_mask) -> dict:
         return {}
     B, H = block_mask.shape[:2]
     QB, KB = block_mask.num_blocks
-    return {"sparse_partial_counts": block_mask.kv_num_blocks.data.ptr,
-            "sparse_partial_blocks": block_mask.kv_indices.data.ptr,
-            "sparse_full_counts": block_mask.full_kv_num_blocks.data.ptr,
-            "sparse_full_blocks": block_mask.full_kv_indices.data.ptr,
-            "sparse_tiles": block_mask.partial_index.data.ptr, "sparse_bits": block_mask.partial_bits.data.ptr,
-            "sparse_batch_step": H * QB if B > 1 else 0, "sparse_head_step": QB if H > 1 else 0,
+    pointers = {name: x.data.ptr for name, x in zip(SPARSE_POINTERS, block_mask.kernel_arrays())}
+    return {**pointers, "sparse_batch_step": H * QB if B > 1 else 0, "sparse_head_step": QB if H > 1 else 0,
             "sparse_key_blocks": KB}
 
 
@@ -124,9 +124,10 @@ class Sm90FwdRuntime(HopperFamily):
         launch(call.registry, binary, p.device, grid, block, params, call.stream)
         zero_unpacked_rows(p, out)
         if call.plan_key is not None:  # a bias's map follows q's, k's and v's (replay: the arrays in order)
+            sparse = () if call.block_mask is None else SPARSE_POINTERS
             plans.remember(call.plan_key, plans.LaunchPlan.from_params(
                 handle(call.registry, binary, p.device), p.device, grid, block, kc["shared_memory_bytes"], params,
-                POINTERS, False, {"out": out.shape, "lse": lse.shape, "M": p.M},
+                POINTERS + sparse, False, {"out": out.shape, "lse": lse.shape, "M": p.M, "trailing": len(sparse)},
                 tensor_maps=MAPS + (() if call.bias is None else ("bias_map",)), family=self.name))
         return out, visible_lse(lse, p.M)
 
