@@ -244,9 +244,10 @@ def bench_point(p: Point, impls: List[str], torch, repeats: int = 30, all_instan
                       compile_s=e.first_call_s if e.impl in JIT_IMPLS else None)
                for e in entries]
     del sets, t_sets
-    if all_instances and p.group > 1:  # tune.measure_choices builds multi-head inputs: its numbers would be wrong
-        results += [Result("flashgen[*]", direction, p, None, None, "instances not timed at GQA points: "
-                           "flashgen tune measures multi-head shapes only") for direction in ("fwd", "bwd")]
+    if all_instances and (p.group > 1 or p.mask):  # tune.measure_choices builds unmasked multi-head inputs
+        why = ("instances not timed at GQA points: flashgen tune measures multi-head shapes only" if p.group > 1
+               else "instances not timed at block-mask points: flashgen tune measures unmasked shapes only")
+        results += [Result("flashgen[*]", direction, p, None, None, why) for direction in ("fwd", "bwd")]
     elif all_instances:  # every tile (and split policy) the runtime could pick here, through a one-entry table
         from flashgen import tune
         from flashgen.runtime.device import device_info

@@ -121,3 +121,22 @@ def test_bench_cli_takes_masks_and_shows_them_in_the_table(monkeypatch):
     assert "document8 B8 H32/32 S2048" in result.output
     bad = CliRunner().invoke(main, ["bench", "--mask", "diagonal"])
     assert bad.exit_code != 0 and "document8" in bad.output
+
+
+def test_all_instances_are_not_timed_at_a_masked_point(monkeypatch):
+    """tune.measure_choices times unmasked shapes: at a block-mask point its numbers would be another call's."""
+    torch = pytest.importorskip("torch")
+    from test_bench import _host_torch
+
+    from flashgen import tune
+
+    monkeypatch.setattr(bench, "_inputs", lambda _t, p, sets=3: [[torch.randn(s) for s in bench.shapes(p)]
+                                                                  for _ in range(sets)])
+    pool = types.SimpleNamespace(free_all_blocks=lambda: None)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(get_default_memory_pool=lambda: pool))
+    monkeypatch.setattr(tune, "measure_choices", lambda *a, **k: pytest.fail("timed a masked point unmasked"))
+    point = bench.Point("f16", 8, False, 2, 3, 16, mask="document8")
+    results = bench.bench_point(point, [], _host_torch(torch), repeats=10, all_instances=True)
+    assert [(r.impl, r.direction, r.tflops) for r in results] == [("flashgen[*]", "fwd", None),
+                                                                  ("flashgen[*]", "bwd", None)]
+    assert results[0].note == "instances not timed at block-mask points: flashgen tune measures unmasked shapes only"
