@@ -1,12 +1,15 @@
-"""sm90_fwd's sparse instances on a GPU: block masks served without a dense bias, against float64.
+"""sm90_fwd's and sm90_bwd's sparse instances on a GPU: block masks served without a dense bias,
+against float64.
 
 Every built sparse instance runs on document masks (8 documents), causal + sliding-window masks,
 random block patterns with empty query blocks and rows, and all-full masks, at M, N in
 {1, 7, 129, 1000} with M != N, B/H broadcast, grouped-query k/v and head dims below the tier,
 into poisoned outputs.  Rows that see no key must come back as output 0 and lse -inf.  Through
-the public functions: the sparse kernel is the one selected, the dense backward agrees with the
+the public functions: the sparse kernel is the one selected, the backward agrees with the
 sparse forward's lse, and back-to-back calls with different masks each read their own (a replayed
-plan points at the call's own mask).  Skips without a 9.0 GPU or without the sparse kernels built
+plan points at the call's own mask).  The sparse backwards run on the same masks and sizes from a
+float64 forward's output and lse: dq, dk, dv against float64, rows without keys dq 0, keys no query
+sees dk = dv = 0.  Skips without a 9.0 GPU or without the sparse kernels built
 (`flashgen build --arch sm90a --kernels '*sparse*'`).
 """
 from __future__ import annotations
@@ -25,11 +28,14 @@ HAVE_GPU, pytestmark = gpu_marks()
 import flashgen  # noqa: E402
 from flashgen.runtime import block_fallback, validate  # noqa: E402
 from flashgen.runtime.block_masks import block_mask  # noqa: E402
-from flashgen.runtime.families import sm90_fwd  # noqa: E402
+from flashgen.runtime.families import sm90_bwd, sm90_fwd  # noqa: E402
 
 SPARSE = [b for b in hopper_kernels("sm90_fwd") if b.spec.sparse]
 needs_sparse = pytest.mark.skipif(not SPARSE, reason="needs a 9.0 GPU and sm90_fwd sparse kernels "
                                                       "(flashgen build --arch sm90a --kernels '*sparse*')")
+SPARSE_BWD = [b for b in hopper_kernels("sm90_bwd") if b.spec.sparse]
+needs_sparse_bwd = pytest.mark.skipif(not SPARSE_BWD, reason="needs a 9.0 GPU and sm90_bwd sparse kernels "
+                                                              "(flashgen build --arch sm90a --kernels '*sparse*')")
 
 
 @pytest.fixture(autouse=True)
@@ -108,7 +114,7 @@ def test_every_sparse_instance_matches_float64(binary, name):
 @needs_sparse
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 @pytest.mark.parametrize("K", [64, 128])
-def test_the_public_forward_runs_sparse_and_the_dense_backward_agrees(dtype, K):
+def test_the_public_forward_runs_sparse_and_the_backward_agrees(dtype, K):
     rng = np.random.default_rng(K)
     B, H, Hk, M, N = 2, 4, 2, 1000, 700
     q, do = randn(rng, (B, M, H, K), dtype), randn(rng, (B, M, H, K), dtype)
@@ -174,3 +180,74 @@ def test_calls_the_sparse_kernels_do_not_take_go_dense_and_explain_says_why():
         pytest.skip(f"no example-41 kernel built for the dense fallback: {e}")
     ro, rl = reference(q, q, q, bias=bm.to_dense(cupy.float32), causal="top_left")
     assert rel_err(out, ro) < FWD_TOL["f16"] and lse_err(lse, rl) < FWD_TOL["f16"]
+
+
+def check_backward(q, k, v, do, bm, out, grads, dtype):
+    """dq, dk, dv against float64 (delta from the rounded ``out``, as the kernels take it); rows without
+    keys exactly dq 0, keys that no query of their k/v group sees exactly dk = dv = 0."""
+    bias = bm.to_dense(cupy.float32)
+    _, rl, ref = grouped_reference(q, k, v, do, bias=bias, out_for_delta=out)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+        assert g.shape == r.shape and rel_err(g, r, zero_scale=np.sqrt(q.shape[3])) < BWD_TOL[dtype], name
+    empty = cupy.ascontiguousarray(cupy.transpose(cupy.isneginf(rl), (0, 2, 1)))
+    assert bool((grads[0][empty] == 0).all()), "rows without keys get no gradient"
+    group = q.shape[2] // k.shape[2]
+    seen = cupy.isfinite(cupy.broadcast_to(bias, rl.shape + (k.shape[1],))).any(axis=2)  # [B, H, N]
+    unseen = ~seen.reshape(seen.shape[0], k.shape[2], group, -1).any(axis=2).transpose(0, 2, 1)  # [B, N, Hk]
+    for g in grads[1:]:
+        assert bool((g[unseen] == 0).all()), "keys no query sees get no gradient"
+
+
+def float64_forward(q, k, v, bm):
+    """The forward's out (in q's dtype) and lse as a backward takes them, from float64."""
+    group = q.shape[2] // k.shape[2]
+    ro, rl = reference(q, cupy.repeat(k, group, axis=2), cupy.repeat(v, group, axis=2), bias=bm.to_dense(cupy.float32))
+    return ro.astype(q.dtype), rl.astype(cupy.float32)
+
+
+@needs_sparse_bwd
+@pytest.mark.parametrize("binary", SPARSE_BWD, ids=[b.name for b in SPARSE_BWD])
+@pytest.mark.parametrize("name", MASKS)
+def test_every_sparse_backward_matches_float64(binary, name):
+    spec = binary.spec
+    for i, (M, N) in enumerate(SIZES):
+        rng = np.random.default_rng(2000 * i + len(name))
+        B, H, Hk, K = 2, 4, (2 if i % 2 else 4), spec.max_k - (24 if i % 2 else 0)  # odd sizes: GQA, head dim below
+        q, do = randn(rng, (B, M, H, K), spec.dtype), randn(rng, (B, M, H, K), spec.dtype)
+        k, v = randn(rng, (B, N, Hk, K), spec.dtype), randn(rng, (B, N, Hk, K), spec.dtype)
+        mask, (mb, mh) = mask_of(name, B, H, M, N, seed=i)
+        bm = block_mask(mask, mb, mh, M, N)
+        out, lse = float64_forward(q, k, v, bm)
+        call = validate.backward_call(do, q, k, v, out, lse, {"block_mask": bm}, flashgen.attention_backward)
+        with poisoned_allocations():
+            grads = sm90_bwd.RUNTIME.launch(call, binary)
+        check_backward(q, k, v, do, bm, out, grads, spec.dtype)
+
+
+@needs_sparse_bwd
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("K", [64, 128])
+def test_the_public_backward_runs_sparse_and_deterministic_goes_dense(dtype, K):
+    rng = np.random.default_rng(K + 1)
+    B, H, Hk, M, N = 2, 4, 1, 700, 1000
+    q, do = randn(rng, (B, M, H, K), dtype), randn(rng, (B, M, H, K), dtype)
+    k, v = randn(rng, (B, N, Hk, K), dtype), randn(rng, (B, N, Hk, K), dtype)
+    bm = block_mask(random_blocks(1, H, M, N, 7), 1, H, M, N)
+    rows = flashgen.explain(q, k, v, block_mask=bm, backward=True)
+    tile = "q128x128" if K == 64 else "q64x128"
+    assert [n for n, _, verdict in rows if verdict == "selected"] == [f"sm90_bwd_{dtype}_k{K}_{tile}_s2_sparse_sm90a"]
+    out, lse = float64_forward(q, k, v, bm)
+    launches = []
+    full_path = sm90_bwd.RUNTIME.launch
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sm90_bwd.RUNTIME, "launch", lambda call, b: launches.append(b.name) or full_path(call, b))
+        for _ in range(2):  # never planned: each call launches with its own mask
+            with poisoned_allocations():
+                grads = flashgen.attention_backward(do, q, k, v, out, lse, block_mask=bm)
+            check_backward(q, k, v, do, bm, out, grads, dtype)
+    assert launches == [f"sm90_bwd_{dtype}_k{K}_{tile}_s2_sparse_sm90a"] * 2
+    try:
+        grads = flashgen.attention_backward(do, q, k, v, out, lse, block_mask=bm, deterministic=True)
+    except flashgen.UnsupportedError as e:
+        pytest.skip(f"no example-41 kernel built for the dense fallback: {e}")
+    check_backward(q, k, v, do, bm, out, grads, dtype)

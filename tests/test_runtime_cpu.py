@@ -848,7 +848,7 @@ def test_families_refuse_with_the_reason_and_dispatch_lists_them_all(direction, 
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 def test_block_masks_served_dense_go_to_example_41(direction, monkeypatch):
     """A block-mask call reaches the families that do not read block masks with the mask as a dense bias
-    (block_fallback): flashgen's own refuse it, saying why (sm90_fwd, which reads them, refuses the
+    (block_fallback): flashgen's own refuse it, saying why (sm90_fwd and sm90_bwd, which read them, refuse the
     dense call's bias), and example 41 takes it like any call with a bias."""
     monkeypatch.setattr(sm90_common, "device_info", lambda index: H100)
     padded_bias = FakeArray((2, 3, 5, 7), strides=(3 * 5 * 8, 5 * 8, 8, 1))
@@ -858,7 +858,7 @@ def test_block_masks_served_dense_go_to_example_41(direction, monkeypatch):
     for family in own:
         expected = "a block mask with attn_bias" if family.reads_block_masks else "no block masks (until"
         assert family.unfit(call).startswith(expected), family
-    assert [f.name for f in own if f.reads_block_masks] == (["sm90_fwd"] if direction == "fwd" else [])
+    assert [f.name for f in own if f.reads_block_masks] == [f"sm90_{direction}"]
     assert example41.refusal(call) is None
 
 

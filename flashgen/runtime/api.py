@@ -119,7 +119,9 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
     contiguous arrays carved from one allocation (freed once all three are).
     ``deterministic=True``: dq adds up in a fixed order, so repeated calls give the same bits
     (the example-41 kernels then run without key splits).  ``block_mask``: the forward's; the
-    mask gets no gradient (``dbias`` is that of ``attn_bias``).
+    mask gets no gradient (``dbias`` is that of ``attn_bias``).  sm90_bwd visits only its listed
+    blocks where it can (as the forward, and not ``deterministic`` or ``softcap``: ``explain`` says);
+    other calls run it as a dense bias on the example-41 kernels.
     """
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
@@ -141,7 +143,10 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
                    stream=stream, registry=registry)
     call = backward_call(grad_out, q, k, v, out, lse, options, attention_backward, key)
     with _full_path(cupy, memory, call):
-        if call.block_mask is not None:
+        if call.block_mask is not None:  # never planned (no key above): the mask's pointers are not replayed
+            family = families.sparse_family(call)
+            if family is not None:
+                return _adopt(memory, family.run(call))
             return _adopt(memory, block_fallback.backward(cupy, call, _backward))
         return _adopt(memory, _backward(cupy, call))
 

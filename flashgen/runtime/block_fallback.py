@@ -1,10 +1,11 @@
 """Serving a block mask where no flashgen kernel reads its lists: example 41 with a dense bias.
 
-sm90_fwd's sparse instances read them (a forward with 128 x 128 blocks, no causal, window or
-bias; ``families.sparse_family``); every other call with ``block_mask`` (every backward
-included) runs as a call with an additive bias: the mask as 0 / -inf over [B or 1, H or 1, M, N] (a causal mask folded in,
-so the kernel runs unmasked), plus ``attn_bias`` when one is given.  flashgen's own families
-refuse block masks for now (``explain`` says so), so the example-41 families serve them, at
+sm90_fwd's and sm90_bwd's sparse instances read them (128 x 128 blocks, no causal, window or
+bias, and for the backward no soft-capping or deterministic order; ``families.sparse_family``);
+every other call with ``block_mask`` runs as a call with an additive bias: the mask as 0 / -inf
+over [B or 1, H or 1, M, N] (a causal mask folded in, so the kernel runs unmasked), plus
+``attn_bias`` when one is given.  flashgen's own families refuse such calls (``explain`` says
+why), so the example-41 families serve them, at
 the cost of a dense attention with a bias; a warning says so once per process.  The bias is
 built on the first call for each dtype and causal setting and kept with the mask (freed with
 it); later calls on other streams wait for it on the device, never on the host.
@@ -29,7 +30,7 @@ from flashgen.runtime.validate import MASKS, Call, bias as validated_bias
 
 WARNING = ("flashgen: block_mask runs dense through the example-41 kernels (the mask becomes an additive "
            "[B, H, M, N] bias), so it is as slow as a dense attention with a bias, not faster for being "
-           "sparse; only sm90_fwd visits just the listed blocks, for the forward calls it takes "
+           "sparse; only sm90_fwd and sm90_bwd visit just the listed blocks, for the calls they take "
            "(flashgen.explain says why not).  (Warned once per process.)")
 
 _warned = False

@@ -91,6 +91,12 @@ class BlockMask:
         return (self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks, self.full_kv_indices,
                 self.partial_index, self.partial_bits)
 
+    def backward_arrays(self) -> tuple:
+        """What a sparse backward reads, in its order: the transposed lists (partial counts and lists,
+        full counts and lists, per key block), then partial_index and partial_bits as for the forward."""
+        return (self.q_num_blocks, self.q_indices, self.full_q_num_blocks, self.full_q_indices,
+                self.partial_index, self.partial_bits)
+
     def density(self) -> float:
         """Visited blocks (full and partial) over all blocks: the share of the dense work a kernel
         that reads the lists does (reads the counts back to the host)."""

@@ -60,6 +60,12 @@ def required_alignment(binary: KernelBinary) -> int:
     return c["optimal_alignment"] if binary.spec.aligned else c["minimum_alignment"]
 
 
+def mask_block(constants: dict) -> Tuple[int, int]:
+    """(queries, keys) of the block-mask blocks a sparse kernel reads: its tile, except where its
+    steps are smaller than the mask's rows (sm90_bwd's ``mask_rows``: 64-query steps walk 128-row blocks)."""
+    return constants.get("mask_rows", constants["block_m"]), constants["block_n"]
+
+
 def rejection(binary: KernelBinary, req: Request) -> Optional[str]:
     """Why ``binary`` cannot serve ``req``, or None if it can."""
     spec, c = binary.spec, binary.constants
@@ -81,8 +87,8 @@ def rejection(binary: KernelBinary, req: Request) -> Optional[str]:
     sparse = getattr(spec, "sparse", req.block_sparse is not None)
     if sparse != (req.block_sparse is not None):
         return f"built {'with' if sparse else 'without'} block-mask lists (sparse)"
-    if sparse and (c["block_m"], c["block_n"]) != req.block_sparse:
-        return (f"reads {c['block_m']} x {c['block_n']} mask blocks; the block mask's are "
+    if sparse and mask_block(c) != req.block_sparse:
+        return (f"reads {mask_block(c)[0]} x {mask_block(c)[1]} mask blocks; the block mask's are "
                 f"{req.block_sparse[0]} x {req.block_sparse[1]}")
     if getattr(spec, "block_aligned", False):
         rows, keys = req.seq_multiples

@@ -1,7 +1,7 @@
 """``sm90_bwd``: flashgen's own Hopper backward (``flashgen/csrc/flashgen/sm90_bwd.h``).
 
 Template: ``flashgen::sm90::BwdKernel<Element, kHeadDim, kBlockM, kBlockN,
-kStages, kBand, kSoftcap, kBias>`` -- one CTA per ``block_n`` keys of one (sequence, k/v head),
+kStages, kBand, kSoftcap, kBias, kSparse>`` -- one CTA per ``block_n`` keys of one (sequence, k/v head),
 one consumer warpgroup per 64 of them, Q/dO/lse/delta streamed by a producer
 warpgroup through a ``kStages``-deep ring of ``block_m``-query tiles.  Each instance
 holds three entry points, launched in order on one stream:
@@ -28,26 +28,36 @@ forward does (a step's tile into the dS buffer the step writes later: no extra s
 and, where ``dbias_ptr`` is not null, writes dS (the gradient of the biased score, in the input
 dtype) into dbias [B, H, M, N] (rows of ``dbias_row_stride`` elements, packed otherwise) at every
 (query, key) its CTAs visit; the rest is the caller's.
+
+A ``sparse`` instance serves a ``flashgen.block_mask`` of 128 x 128 blocks, the forward's: the CTA of a
+key block visits only the query blocks the mask's transposed lists (``q_*``) give for it, per query
+head of its k/v group, partial ones first, each in 128 / ``block_m`` steps, and zeroes P (so dS) where
+a partial block's bit is 0.  The ``sparse_*`` fields point at the lists, ``partial_index`` and
+``partial_bits``; ``sparse_batch_step`` (H of the mask, 0 where it broadcasts the batch) and
+``sparse_head_step`` (1, or 0 where it broadcasts the heads) pick a (batch, head)'s plane of them,
+``sparse_query_blocks`` and ``sparse_key_blocks`` are the mask's block counts.  No deterministic order
+(``deterministic`` must be 0), no packed batches.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from flashgen.spec.core import DTYPES, Constant, Field, Rule
-from flashgen.spec.sm90_tile import Sm90Tile, tile_constants
+from flashgen.spec.sm90_tile import SPARSE_POINTER_FIELDS, Sm90Tile, tile_constants
 
 
 @dataclass(frozen=True)
 class Sm90Bwd(Sm90Tile):
     softcap: bool  # soft-capping compiled in: it needs registers the plain path spares (BwdKernel::kSoftcap)
     bias: bool     # an additive attention bias, and dbias, compiled in (BwdKernel::kBias)
+    sparse: bool   # a block mask's transposed lists and bits compiled in (BwdKernel::kSparse)
 
     FAMILY = "sm90_bwd"
     DIRECTION = "bwd"
     TEMPLATE = "sm90_bwd.cu.j2"
     HEADER = "flashgen/sm90_bwd.h"
     KERNEL = "flashgen::sm90::BwdKernel"
-    FLAGS = ("band", "softcap", "bias")
+    FLAGS = ("band", "softcap", "bias", "sparse")
     AXES = {
         "arch": ("sm90a",),
         "dtype": ("f16", "bf16"),
@@ -58,6 +68,7 @@ class Sm90Bwd(Sm90Tile):
         "band": (False, True),
         "softcap": (False, True),
         "bias": (False, True),
+        "sparse": (False, True),
     }
     RULES = (
         Rule("a 64-query step of head dim 64 would split dQ into 32-column halves, less than one "
@@ -78,12 +89,22 @@ class Sm90Bwd(Sm90Tile):
         Rule("no soft-capping with bias at head dim 64: tanh's slope beside a 128-query step's bias and dbias "
              "spills 284 bytes; such calls run on the 128 tier's instance (TMA reads zeros past head dim 64)",
              lambda k: k.bias and k.softcap and k.max_k == 64),
+        # sparse: one instance per dtype and tier (each is a build job)
+        Rule("sparse on tiers 64 and 128 only: smaller head dims run on them (TMA zero-fills); the split head "
+             "dim's 64-key CTAs are half a mask block, and such calls stay on the dense fallback",
+             lambda k: k.sparse and k.max_k not in (64, 128)),
+        Rule("sparse without band: a causal mask or window is folded into the block mask",
+             lambda k: k.sparse and k.band),
+        Rule("sparse without soft-capping: its slope's registers beside the mask's are not built; such calls "
+             "are refused (the dense fallback has no soft-capping either)",
+             lambda k: k.sparse and k.softcap),
+        Rule("sparse without bias: such calls stay on the dense fallback", lambda k: k.sparse and k.bias),
     )
 
     @property
     def priority(self) -> tuple:
-        return (tuple(DTYPES).index(self.dtype), self.band, self.softcap, self.bias, self.max_k, self.block_m,
-                self.stages, self.block_n)
+        return (tuple(DTYPES).index(self.dtype), self.band, self.softcap, self.bias, self.sparse, self.max_k,
+                self.block_m, self.stages, self.block_n)
 
     # `flashgen::sm90::BwdParams`
     ABI = (
@@ -137,7 +158,14 @@ class Sm90Bwd(Sm90Tile):
         Field("bias_head_step", "i32"),
         Field("bias_row_step", "i32"),
         Field("bias_map", "tensor_map"),
+        *SPARSE_POINTER_FIELDS,
+        Field("sparse_batch_step", "i32"),
+        Field("sparse_head_step", "i32"),
+        Field("sparse_query_blocks", "i32"),
+        Field("sparse_key_blocks", "i32"),
     )
 
-    # prep and convert run aux_threads threads
-    CONSTANTS = tile_constants("flashgen::sm90::BwdParams") + (Constant("aux_threads", "Kernel::kAuxThreads"),)
+    # prep and convert run aux_threads threads; a sparse instance reads mask blocks of mask_rows queries
+    # (its block_m-query steps cover them in turn) and block_n keys
+    CONSTANTS = tile_constants("flashgen::sm90::BwdParams") + (Constant("aux_threads", "Kernel::kAuxThreads"),
+                                                                Constant("mask_rows", "Kernel::kMaskRows"))

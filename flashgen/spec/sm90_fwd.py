@@ -47,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashgen.spec.core import DTYPES, Field, Rule
-from flashgen.spec.sm90_tile import Sm90Tile, tile_constants
+from flashgen.spec.sm90_tile import SPARSE_POINTER_FIELDS, Sm90Tile, tile_constants
 
 
 @dataclass(frozen=True)
@@ -143,12 +143,7 @@ class Sm90Fwd(Sm90Tile):
         Field("bias_head_step", "i32"),
         Field("bias_row_step", "i32"),
         Field("bias_map", "tensor_map"),
-        Field("sparse_partial_counts", "ptr"),
-        Field("sparse_partial_blocks", "ptr"),
-        Field("sparse_full_counts", "ptr"),
-        Field("sparse_full_blocks", "ptr"),
-        Field("sparse_tiles", "ptr"),
-        Field("sparse_bits", "ptr"),
+        *SPARSE_POINTER_FIELDS,
         Field("sparse_batch_step", "i32"),
         Field("sparse_head_step", "i32"),
         Field("sparse_key_blocks", "i32"),

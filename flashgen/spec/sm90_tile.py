@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from flashgen.spec.core import DTYPES, Constant, KernelSpec, cpp_bool, normalize_target
+from flashgen.spec.core import DTYPES, Constant, Field, KernelSpec, cpp_bool, normalize_target
+
+# The pointers of a flashgen.block_mask's arrays that a sparse instance of either family reads, in the
+# order both Params structs hold them (sm90_fwd's lists per query block, sm90_bwd's per key block)
+SPARSE_POINTER_FIELDS = tuple(Field(name, "ptr") for name in (
+    "sparse_partial_counts", "sparse_partial_blocks", "sparse_full_counts", "sparse_full_blocks", "sparse_tiles",
+    "sparse_bits"))
 
 
 @dataclass(frozen=True)

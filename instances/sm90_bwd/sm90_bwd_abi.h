@@ -12,7 +12,7 @@
 template <class Params>
 struct FlashgenAbiCheck_sm90_bwd {
   static_assert(std::is_standard_layout<Params>::value, "flashgen ABI: Params is no longer standard-layout");
-  static_assert(sizeof(Params) == 896, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm90_bwd.py");
+  static_assert(sizeof(Params) == 1024, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm90_bwd.py");
   static_assert(offsetof(Params, q_map) == 0 && sizeof(((Params*)nullptr)->q_map) == 128,
                 "flashgen ABI: Params::q_map moved or changed size; update flashgen/spec/sm90_bwd.py");
   static_assert(offsetof(Params, k_map) == 128 && sizeof(((Params*)nullptr)->k_map) == 128,
@@ -113,4 +113,24 @@ struct FlashgenAbiCheck_sm90_bwd {
                 "flashgen ABI: Params::bias_row_step moved or changed size; update flashgen/spec/sm90_bwd.py");
   static_assert(offsetof(Params, bias_map) == 768 && sizeof(((Params*)nullptr)->bias_map) == 128,
                 "flashgen ABI: Params::bias_map moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, sparse_partial_counts) == 896 && sizeof(((Params*)nullptr)->sparse_partial_counts) == 8,
+                "flashgen ABI: Params::sparse_partial_counts moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, sparse_partial_blocks) == 904 && sizeof(((Params*)nullptr)->sparse_partial_blocks) == 8,
+                "flashgen ABI: Params::sparse_partial_blocks moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, sparse_full_counts) == 912 && sizeof(((Params*)nullptr)->sparse_full_counts) == 8,
+                "flashgen ABI: Params::sparse_full_counts moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, sparse_full_blocks) == 920 && sizeof(((Params*)nullptr)->sparse_full_blocks) == 8,
+                "flashgen ABI: Params::sparse_full_blocks moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, sparse_tiles) == 928 && sizeof(((Params*)nullptr)->sparse_tiles) == 8,
+                "flashgen ABI: Params::sparse_tiles moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, sparse_bits) == 936 && sizeof(((Params*)nullptr)->sparse_bits) == 8,
+                "flashgen ABI: Params::sparse_bits moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, sparse_batch_step) == 944 && sizeof(((Params*)nullptr)->sparse_batch_step) == 4,
+                "flashgen ABI: Params::sparse_batch_step moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, sparse_head_step) == 948 && sizeof(((Params*)nullptr)->sparse_head_step) == 4,
+                "flashgen ABI: Params::sparse_head_step moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, sparse_query_blocks) == 952 && sizeof(((Params*)nullptr)->sparse_query_blocks) == 4,
+                "flashgen ABI: Params::sparse_query_blocks moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, sparse_key_blocks) == 956 && sizeof(((Params*)nullptr)->sparse_key_blocks) == 4,
+                "flashgen ABI: Params::sparse_key_blocks moved or changed size; update flashgen/spec/sm90_bwd.py");
 };

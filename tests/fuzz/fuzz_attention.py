@@ -22,8 +22,8 @@ dropout (checked through the mask recovered with an identity V), varlen
 batches with empty sequences, the softmax scale (of either sign), and on flashgen's own
 kernels' path (sm90, sm80) sliding windows and soft-capping, and on the sm90 path bias (the
 sm90 bias instances), and block masks (documents, causal + window, random blocks with empty
-rows, all full; 128 x 128 blocks, which sm90_fwd's sparse instances read, or others, served
-dense).  Outputs come from poisoned memory, so an unwritten element fails.
+rows, all full; 128 x 128 blocks, which sm90_fwd's and sm90_bwd's sparse instances read, or others,
+served dense).  Outputs come from poisoned memory, so an unwritten element fails.
 
 A gradient passes if it matches the exact float64 gradient, or the exact
 gradient of the kernel's own rounded output: every flash-style backward takes
@@ -101,6 +101,8 @@ def draw(seed: int, case: int) -> dict:
         p.update(window=None, softcap=0.0, block_mask=pick(["documents", "causal-window", "random", "full"]),
                  block=pick([(128, 128), (128, 128), (64, 128), (32, 64)]), mask_seed=int(r.integers(2**31)),
                  mask_bh=pick([(1, 1), (p["B"], 1), (1, p["H"]), (p["B"], p["H"])]))
+        if r.random() < 0.5:  # drawn after the mask: half its calls are ones sm90's sparse kernels take
+            p.update(causal=None, bias=None, deterministic=False)
     return p
 
 

@@ -108,16 +108,21 @@ for K in (64, 128):
     out, lse = flashgen.attention_forward(q, kv, kv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal="top_left")
     flashgen.attention_backward(out, q, kv, kv, out, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal="top_left")
 cupy.cuda.runtime.deviceSynchronize()
-# sm90_fwd's sparse instances (block masks of 128 x 128 blocks, on a 9.0 GPU; served dense elsewhere):
-# partial and full blocks, a query block and rows without keys, ragged last blocks, the mask broadcast
-# over the batch; each array still its own allocation, so a read past the lists or the bits is seen
+# sm90_fwd's and sm90_bwd's sparse instances (block masks of 128 x 128 blocks, on a 9.0 GPU; served dense
+# elsewhere): partial and full blocks, a query block and rows without keys, ragged last blocks (M = 300: the
+# 64-query steps of head dim 128 stop at the last query), the mask broadcast over the batch, grouped-query
+# k/v (the backward walks each query head's lists), a key block no query sees; each array still its own
+# allocation, so a read past the lists, the bits or the workspace is seen
 for dtype, K in (("f16", 64), ("bf16", 128)):
-    visible = cupy.asarray(r.random((1, 2, 300, 259)) < 0.2)
+    visible = cupy.asarray(r.random((1, 4, 300, 259)) < 0.2)
     visible[:, 1, :, :128] = True
     visible[:, :, 128:256] = False
     visible[:, :, ::7] = False
-    q, kv = randn(r, (2, 300, 2, K), dtype), randn(r, (2, 259, 2, K), dtype)
-    flashgen.attention_forward(q, kv, kv, block_mask=flashgen.block_mask(visible, 1, 2, 300, 259))
+    visible[:, 2:, :, 128:] = False
+    q, do, kv = randn(r, (2, 300, 4, K), dtype), randn(r, (2, 300, 4, K), dtype), randn(r, (2, 259, 2, K), dtype)
+    mask = flashgen.block_mask(visible, 1, 4, 300, 259)
+    out, lse = flashgen.attention_forward(q, kv, kv, block_mask=mask)
+    flashgen.attention_backward(do, q, kv, kv, out, lse, block_mask=mask)
 cupy.cuda.runtime.deviceSynchronize()
 # flashgen's Ampere forward and backward (any 8.0+ GPU with sm80_fwd and sm80_bwd built; on Hopper a
 # plain sm90 build), forced ahead of the sm90 families: one and several key blocks, partial tiles, a head

@@ -34,6 +34,12 @@
 // add per CTA.  With `deterministic` the CTAs of one (head, query block)
 // add in key-block order (they wait for the part's counter to reach their key
 // block), so results repeat bit for bit.
+// kSparse instances serve a flashgen.block_mask of 128 x 128 blocks (runtime/block_masks.py): the
+// CTA of a key block visits, for each query head of its group, only the query blocks the mask's
+// transposed lists give for (batch, head, key block) -- partial ones first, then full ones -- each
+// in 128 / kBlockM steps (SparseWalk; producer and consumers walk the same lists).  A partial
+// block's element mask comes with the step's Q and dO: its rows of the mask's partial_bits, into
+// the stage's bits buffer, and zeroes P^T (so dS^T too) where a bit is 0 (consume()).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
@@ -111,10 +117,25 @@ struct BwdParams {
   int bias_head_step;
   int bias_row_step;
   CUtensorMap bias_map;
+  // kSparse: a flashgen.block_mask's transposed lists (runtime/block_masks.py).  Its (batch, head)
+  // plane is batch * sparse_batch_step + head * sparse_head_step (a step is 0 where the mask
+  // broadcasts); a key block's list row is plane * sparse_key_blocks + key block, of
+  // sparse_query_blocks entries, and a (query block, key block)'s entry in partial_index is
+  // (plane * sparse_query_blocks + query block) * sparse_key_blocks + key block.
+  int const* sparse_partial_counts;  // q_num_blocks [rows]: partial query blocks
+  int const* sparse_partial_blocks;  // q_indices [rows, query blocks]
+  int const* sparse_full_counts;     // full_q_num_blocks [rows]
+  int const* sparse_full_blocks;     // full_q_indices [rows, query blocks]
+  int const* sparse_tiles;           // partial_index [planes, query blocks, key blocks]: tile of bits, or -1
+  uint32_t const* sparse_bits;       // partial_bits [tiles, 128 queries, 4]: bit j of word w: key 32w + j
+  int sparse_batch_step;
+  int sparse_head_step;
+  int sparse_query_blocks;
+  int sparse_key_blocks;
 };
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBand_, bool kSoftcap_,
-          bool kBias_>
+          bool kBias_, bool kSparse_>
 struct BwdKernel {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -128,6 +149,16 @@ struct BwdKernel {
   // So is the bias: its loads, barriers and a step's bias values in registers are no cost of the
   // plain path.
   static constexpr bool kBias = kBias_;
+  // And so are a block mask's lists: the walk over them and the bit tests exist only here.
+  static constexpr bool kSparse = kSparse_;
+  // A mask block is 128 queries x 128 keys: a CTA's keys are one block's, and a step of kBlockM
+  // queries covers all of a block's rows or (64) half of them, its rows (m_block %
+  // kStepsPerMaskBlock) * kBlockM on of the block's bits (produce(), SparseWalk).
+  static constexpr int kMaskRows = 128;
+  static constexpr int kStepsPerMaskBlock = kMaskRows / kBlockM;
+  static_assert(!kSparse || (kBlockN == 128 && kMaskRows % kBlockM == 0 && !kBand && !kSoftcap && !kBias),
+                "sparse CTAs are the mask's 128-key blocks (one uint4 of bits per query), without band, "
+                "soft-capping or bias");
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
   static_assert(kBlockN % 64 == 0 && kBlockM % 64 == 0 && kHeadDim % 32 == 0, "wgmma tile shapes");
@@ -213,7 +244,14 @@ struct BwdKernel {
     uint64_t ds_free[2];
   };
   struct NoBias {};
-  struct SharedStorage : std::conditional_t<kBias, BiasBarriers, NoBias> {
+  // kSparse: a partial step's rows of the mask's bits, per stage (4 words per query, one per 32
+  // keys), filled with the stage's Q and dO.  Plain instances derive from the empty NoSparse.
+  struct SparseBits {
+    alignas(16) uint32_t bits[kStages][kBlockM * 4];
+  };
+  struct NoSparse {};
+  struct SharedStorage : std::conditional_t<kBias, BiasBarriers, NoBias>,
+                         std::conditional_t<kSparse, SparseBits, NoSparse> {
     alignas(1024) Element k[kBlockN * kHeadDim];
     alignas(1024) Element v[kBlockN * kHeadDim];
     alignas(1024) Element q[kStages * kBlockM * kHeadDim];
@@ -254,6 +292,65 @@ struct BwdKernel {
     return {0, (seq.num_keys + kBlockN - 1) / kBlockN};
   }
 
+  // kSparse: the steps of key block n_block, in the order the producer loads them: the query heads
+  // of the k/v group in turn, and for each the query blocks the mask lists for (batch, head,
+  // n_block), partial ones first, each as its kStepsPerMaskBlock steps of kBlockM queries (those
+  // that start before the last query: a 64-query step past it would read workspace rows of the
+  // next head).  Producer and consumers each keep one and call more() before every next().
+  struct Step {
+    int head;
+    int m_block;  // in kBlockM steps
+    int tile;     // a partial block's tile in sparse_bits, else -1
+  };
+  struct SparseWalk {
+    BwdParams const& p;
+    int n_block;
+    int head0;  // the group's first query head
+    int plane0;  // batch * sparse_batch_step
+    int g = -1;  // the head within the group whose lists are loaded
+    int i = 0;   // the next entry of its lists
+    int half = 0;  // the next step within that entry's mask block
+    int partial = 0;
+    int count = 0;  // partial + full entries
+    int plane = 0;
+    int const* partial_list = nullptr;
+    int const* full_list = nullptr;
+
+    __device__ SparseWalk(BwdParams const& p_, int batch, int head_kv, int n_block_)
+        : p(p_), n_block(n_block_), head0(head_kv * p_.head_group), plane0(batch * p_.sparse_batch_step) {}
+
+    // Whether a step remains (moving on past heads whose lists are empty).
+    __device__ bool more() {
+      while (i >= count && g + 1 < p.head_group) {
+        ++g;
+        i = 0;
+        plane = plane0 + (head0 + g) * p.sparse_head_step;
+        long long const row = (long long)plane * p.sparse_key_blocks + n_block;
+        partial = __ldg(p.sparse_partial_counts + row);
+        count = partial + __ldg(p.sparse_full_counts + row);
+        partial_list = p.sparse_partial_blocks + row * p.sparse_query_blocks;
+        full_list = p.sparse_full_blocks + row * p.sparse_query_blocks;
+      }
+      return i < count;
+    }
+
+    __device__ Step next() {
+      int const q_block = i < partial ? __ldg(partial_list + i) : __ldg(full_list + i - partial);
+      int tile = -1;
+      if (i < partial) {
+        tile = __ldg(p.sparse_tiles + ((long long)plane * p.sparse_query_blocks + q_block) * p.sparse_key_blocks +
+                     n_block);
+      }
+      Step const step{head0 + g, q_block * kStepsPerMaskBlock + half, tile};
+      ++half;
+      if (half == kStepsPerMaskBlock || (q_block * kStepsPerMaskBlock + half) * kBlockM >= p.num_queries) {
+        half = 0;
+        ++i;
+      }
+      return step;
+    }
+  };
+
   static __device__ void produce(BwdParams const& p, SharedStorage& s, Sequence const& seq, int n_block,
                                  int head_kv, Steps st) {
     using Barrier = cutlass::arch::ClusterBarrier;
@@ -261,25 +358,42 @@ struct BwdKernel {
     auto load = [&](CUtensorMap const* map, uint64_t* full, Element* smem, int rows, int row0, int head) {
       tma_load_tile<kBoxCols, kBoxesPerRow>(map, full, smem, rows, row0, head, seq.batch);
     };
+    SparseWalk walk(p, seq.batch, head_kv, n_block);
+    if constexpr (kSparse) {
+      if (!walk.more()) {  // no query block meets this key block: nothing to load (dK, dV are 0)
+        return;
+      }
+    }
     TxBarrier::arrive_and_expect_tx(&s.kv_full, 2 * kBlockN * kHeadDim * int(sizeof(Element)));
     load(&p.k_map, &s.kv_full, s.k, kBlockN, seq.k0 + n_block * kBlockN, head_kv);
     load(&p.v_map, &s.kv_full, s.v, kBlockN, seq.k0 + n_block * kBlockN, head_kv);
     int const total = p.head_group * st.m_blocks;
-    for (int t = 0; t < total; ++t) {
+    for (int t = 0; kSparse ? walk.more() : t < total; ++t) {
       int const stage = t % kStages;
       int const round = t / kStages;
       if (round > 0) {
         Barrier::wait(&s.empty[stage], (round - 1) & 1);
       }
-      int const head = head_kv * p.head_group + t / st.m_blocks;
-      int const m_block = st.m_begin + t % st.m_blocks;
+      Step const step = kSparse ? walk.next()
+                                : Step{head_kv * p.head_group + t / st.m_blocks, st.m_begin + t % st.m_blocks, -1};
+      int const head = step.head;
+      int const m_block = step.m_block;
       long long const row = workspace_row0<kBlockM>(p, seq, head) + m_block * kBlockM;
       int const query0 = seq.q0 + m_block * kBlockM;
-      TxBarrier::arrive_and_expect_tx(&s.full[stage], 2 * kBlockM * (kHeadDim * int(sizeof(Element)) + 4));
+      int const bits_bytes = kSparse && step.tile >= 0 ? kBlockM * 16 : 0;  // a partial block's rows of bits
+      TxBarrier::arrive_and_expect_tx(&s.full[stage],
+                                      2 * kBlockM * (kHeadDim * int(sizeof(Element)) + 4) + bits_bytes);
       load(&p.q_map, &s.full[stage], s.q + stage * kBlockM * kHeadDim, kBlockM, query0, head);
       load(&p.do_map, &s.full[stage], s.dout + stage * kBlockM * kHeadDim, kBlockM, query0, head);
       cute::SM90_BULK_COPY_G2S::copy(p.lse_log2_ptr + row, &s.full[stage], s.lse_log2[stage], kBlockM * 4);
       cute::SM90_BULK_COPY_G2S::copy(p.delta_ptr + row, &s.full[stage], s.delta[stage], kBlockM * 4);
+      if constexpr (kSparse) {  // the step's kBlockM rows of the tile (16 bytes each), from row m_block's in the block
+        if (step.tile >= 0) {
+          uint32_t const* rows = p.sparse_bits + ((long long)step.tile * kMaskRows +
+                                                  m_block % kStepsPerMaskBlock * kBlockM) * 4;
+          cute::SM90_BULK_COPY_G2S::copy(rows, &s.full[stage], s.bits[stage], bits_bytes);
+        }
+      }
       if constexpr (kBias) {  // into the dS buffer of step t, query box after query box (consume())
         int const buf = t % 2;
         if (t >= 2) {
@@ -368,7 +482,10 @@ struct BwdKernel {
 
     auto head_of = [&](int t) { return head_kv * p.head_group + t / st.m_blocks; };
     auto m_block_of = [&](int t) { return st.m_begin + t % st.m_blocks; };
-    if (total > 0) {
+    // kSparse: the steps come from the mask's lists, and the last one is kept for its dQ
+    SparseWalk walk(p, seq.batch, head_kv, n_block);
+    Step previous{0, -1, -1};
+    if (kSparse ? walk.more() : total > 0) {
       Barrier::wait(&s.kv_full, 0);
     }
     // Step t - 1's dQ leaves at the top of step t, next to the issue of step t's S^T and dP^T
@@ -376,7 +493,8 @@ struct BwdKernel {
     // the GEMMs, C7514).
     auto previous_dq_out = [&](int t) {
       if (kDqTile && t > 0) {
-        add_dq_tile(p, seq, s, head_of(t - 1), m_block_of(t - 1), n_block);
+        add_dq_tile(p, seq, s, kSparse ? previous.head : head_of(t - 1),
+                    kSparse ? previous.m_block : m_block_of(t - 1), n_block);
       }
     };
 
@@ -446,11 +564,12 @@ struct BwdKernel {
         }
       }
     };
-    for (int t = 0; t < total; ++t) {
+    for (int t = 0; kSparse ? walk.more() : t < total; ++t) {
       int const stage = t % kStages;
       int const buf = t % 2;
-      int const head = head_of(t);
-      int const m_block = m_block_of(t);
+      Step const step = kSparse ? walk.next() : Step{head_of(t), m_block_of(t), -1};
+      int const head = step.head;
+      int const m_block = step.m_block;
       int const query0 = m_block * kBlockM;
       // The GEMMs go first and run while the last step's dQ leaves.  (With lse, delta and dS
       // in generic memory accesses, 128-query steps had done better the other way round.)
@@ -511,6 +630,24 @@ struct BwdKernel {
           CUTE_UNROLL
           for (int r = 0; r < size(tSrS); ++r) {
             tSrS(r) = hidden(r, (r / 4) * 8 + col0 + r % 2) ? 0.f : tSrS(r);
+          }
+        }
+        if constexpr (kSparse) {
+          if (step.tile >= 0) {
+            // A partial block: P^T is 0 (and so dS^T) where the mask's bit is.  Register r holds key
+            // key_row + (r / 2) % 2 * 8 and query (r / 4) * 8 + col0 + r % 2 of the step (see col0):
+            // both keys of a thread lie in word key_row / 32 of a query's 4 (key_row % 32 is at most
+            // 23), at bits key_row % 32 and + 8; the stage's bits hold the step's queries' words in
+            // query order (the producer copied the step's rows of the tile), so a thread reads one
+            // word per query, kBlockM / 4 of them, the 4 lanes of a key row 32 bytes apart (no bank
+            // conflicts; the 8 key rows of a quad's lanes read the same words).
+            uint32_t const* words = s.bits[stage] + key_row / 32;
+            int const bit = key_row % 32;
+            CUTE_UNROLL
+            for (int r = 0; r < size(tSrS); ++r) {
+              uint32_t const word = words[((r / 4) * 8 + col0 + r % 2) * 4];
+              tSrS(r) = (word >> (bit + (r / 2) % 2 * 8)) & 1u ? tSrS(r) : 0.f;
+            }
           }
         }
         free_dq_part();
@@ -620,9 +757,13 @@ struct BwdKernel {
       } else {
         add_dq_atomic(p, seq, acc_dq, head, m_block, n_block);
       }
+      if constexpr (kSparse) {
+        previous = step;
+      }
     }
-    if (kDqTile && total > 0) {
-      add_dq_tile(p, seq, s, head_of(total - 1), m_block_of(total - 1), n_block);
+    if (kDqTile && (kSparse ? previous.m_block >= 0 : total > 0)) {
+      add_dq_tile(p, seq, s, kSparse ? previous.head : head_of(total - 1),
+                  kSparse ? previous.m_block : m_block_of(total - 1), n_block);
     }
     if constexpr (kDqTile) {
       tile_free();  // the shared memory stays until the TMA unit has read the last tile
@@ -688,13 +829,14 @@ struct BwdKernel {
     if (threadIdx.x % 128 == 0) {
       long long const block_row0 = workspace_row0<kBlockM>(p, seq, head) + m_block * kBlockM;
       DqOrder const order(p, seq, block_row0, m_block, n_block);
-      if (p.deterministic) {
+      bool const ordered = !kSparse && p.deterministic;  // the runtime never asks a sparse instance
+      if (ordered) {
         order.wait_turn();
         fence_proxy_async_global();  // the acquire, before the TMA unit's adds
       }
       bulk_reduce_add(p.dq_accum_ptr + block_row0 * kHeadDim + part * kDqPartFloats, s.dq + part * kDqPartFloats,
                       kDqPartFloats * int(sizeof(float)));
-      if (p.deterministic) {
+      if (ordered) {
         bulk_wait_all();             // the adds are done ...
         fence_proxy_async_global();  // ... and ordered before the release
         order.done();

@@ -6,6 +6,11 @@ the dQ accumulator into dq.  The outputs and that workspace are carved from one
 allocation (``layout``), so a training step costs one pool call per backward.
 ``ThreeKernelBackward`` launches the three and replays their plan, for this family and for
 sm80_bwd, whose kernels keep the same contract.
+
+A call with a ``block_mask`` runs here, sparse, when a ``sparse`` instance reads the mask's blocks and
+the call has nothing such an instance lacks (``block_mask_refusal``); else the mask goes dense
+(block_fallback).  Such calls leave no launch plan (api.py makes no key for them): a plan would have
+to replay the mask's pointers too.
 """
 from __future__ import annotations
 
@@ -13,8 +18,9 @@ from typing import Tuple
 
 from flashgen.runtime import plans
 from flashgen.runtime.arrays import cupy_module, elem_strides
-from flashgen.runtime.families.sm90_common import (HopperFamily, band_fields, bias_fields, check_compiled_bias,
-                                                   dbias_fields, encode_bias_map, encode_maps, zero_unpacked_rows)
+from flashgen.runtime.families.sm90_common import (SPARSE_POINTERS, HopperFamily, band_fields, bias_fields,
+                                                   check_compiled_bias, check_compiled_sparse, dbias_fields,
+                                                   encode_bias_map, encode_maps, sparse_refusal, zero_unpacked_rows)
 from flashgen.runtime.launch import fill, handle, launch, on_device, packed_offsets, params_buffer
 from flashgen.runtime.memory import CupyMemory
 from flashgen.runtime.limits import check_int32
@@ -26,6 +32,19 @@ MAPS = ("q_map", "k_map", "v_map", "do_map")
 # per-call pointers after the four tensor maps' (q, k, v, grad_out), in Params order
 POINTERS = ("out_ptr", "dout_ptr", "lse_ptr", "lse_log2_ptr", "delta_ptr", "dq_accum_ptr", "dq_counter_ptr",
             "dq_ptr", "dk_ptr", "dv_ptr")
+
+
+def sparse_fields(block_mask) -> dict:
+    """The Params fields of a block mask (``BwdParams``' sparse_*): the pointers of its transposed lists,
+    partial_index and bits, the steps from (batch, head) to its planes (0 where it broadcasts) and its
+    block counts; nothing without one."""
+    if block_mask is None:
+        return {}
+    B, H = block_mask.shape[:2]
+    QB, KB = block_mask.num_blocks
+    pointers = {name: x.data.ptr for name, x in zip(SPARSE_POINTERS, block_mask.backward_arrays())}
+    return {**pointers, "sparse_batch_step": H if B > 1 else 0, "sparse_head_step": int(H > 1),
+            "sparse_query_blocks": QB, "sparse_key_blocks": KB}
 
 
 def layout(kc: dict, p: Problem, q, k) -> tuple:
@@ -122,7 +141,9 @@ class ThreeKernelBackward:
         zero_unpacked_rows(p, dq, dk, dv)
         if extra:  # never planned (api.py plans no call that asks for dbias): a replay returns dq, dk, dv
             return (dq, dk, dv) + extra
-        if plan_key is not None:  # a bias's map follows the family's own (replay: the arrays in order)
+        # a bias's map follows the family's own (replay: the arrays in order); a block mask's pointers
+        # are not replayed, so its calls leave no plan
+        if plan_key is not None and call.block_mask is None:
             entry = lambda name: handle(call.registry, binary, p.device, name)  # noqa: E731
             maps = self.MAPS + (() if call.bias is None else ("bias_map",))
             plans.remember(plan_key, plans.LaunchPlan.from_params(
@@ -149,12 +170,27 @@ class Sm90BwdRuntime(ThreeKernelBackward, HopperFamily):
     spec = Sm90Bwd
     POINTERS = POINTERS
     MAPS = MAPS
+    reads_block_masks = True
+
+    def block_mask_refusal(self, call: Call):
+        """What of a block-mask call the sparse instances lack, or None: the forward's refusals
+        (``sparse_refusal``), soft-capping and the deterministic order."""
+        why = sparse_refusal(call)
+        if why is None and call.p.softcap:
+            why = "a block mask with softcap: the sparse backward has no soft-capping"
+        if why is None and call.options["deterministic"]:
+            why = ("a block mask with deterministic=True: the sparse backward adds dQ in no fixed order (the "
+                   "dense fallback runs it)")
+        return why
 
     def check_launch(self, call: Call, binary: KernelBinary) -> None:
         check_compiled_bias(binary, call)
+        check_compiled_sparse(binary, call)
+        if binary.spec.sparse and call.options["deterministic"]:
+            raise ValueError(f"{binary.name} adds dQ in no fixed order: deterministic=True is not for it")
 
     def own_fields(self, call: Call):
-        return {}, bias_fields(call.bias)
+        return {}, {**bias_fields(call.bias), **sparse_fields(call.block_mask)}
 
     def own_outputs(self, call: Call):
         dbias = self.dbias(call)

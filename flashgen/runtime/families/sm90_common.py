@@ -26,8 +26,9 @@ from flashgen.runtime.device import device_info
 from flashgen.runtime.families import RuntimeFamily, planned_forward_outputs, selector, visible_lse
 from flashgen.runtime.launch import on_device
 from flashgen.runtime.registry import KernelBinary
-from flashgen.runtime.select import Request
+from flashgen.runtime.select import Request, mask_block
 from flashgen.runtime.validate import MASKS, Call, Problem
+from flashgen.spec.sm90_tile import SPARSE_POINTER_FIELDS
 
 UNBOUNDED = 2**30  # an unbounded side of the band mask (flashgen::sm90::kUnbounded)
 PACKED_ROWS_LIMIT = 2**28  # packed batches: a sequence's band shift stays in int32
@@ -110,6 +111,40 @@ def check_compiled_bias(binary: KernelBinary, call: Call) -> None:
         built = "with" if binary.spec.bias else "without"
         raise ValueError(f"{binary.name} is built {built} an attention bias (compiled in); "
                          f"the call has {'none' if binary.spec.bias else 'one'}")
+
+
+# a sparse call's block mask: its arrays' pointers, in Params order (BlockMask.kernel_arrays' for the
+# forward, backward_arrays' for the backward): after the family's own per-call pointers
+SPARSE_POINTERS = tuple(field.name for field in SPARSE_POINTER_FIELDS)
+
+
+def sparse_refusal(call: Call) -> Optional[str]:
+    """What of a block-mask call both Hopper families' sparse instances lack (the tile size, dtype and
+    head dim are selection's: see ``Request.block_sparse``), or None."""
+    p, bm = call.p, call.block_mask
+    if p.mask or p.window is not None:
+        return ("a block mask with causal or window: the sparse kernels take neither; fold it into the mask "
+                "(e.g. & (q_idx >= kv_idx)) to run sparse")
+    if call.bias is not None:
+        return "a block mask with attn_bias: the sparse kernels have no bias"
+    if bm.partial_bits is None:
+        return f"a block mask whose key blocks ({bm.block[1]}) are not a multiple of 32 wide (no element bits)"
+    return None
+
+
+def check_compiled_sparse(binary: KernelBinary, call: Call) -> None:
+    """A sparse instance reads the mask's lists (without them it would fault) and a plain one would
+    ignore the mask; selection keeps them apart (``Request.block_sparse``), this stops a launch that
+    names the kernel itself."""
+    bm = call.block_mask
+    if binary.spec.sparse != (bm is not None):
+        built = "with" if binary.spec.sparse else "without"
+        raise ValueError(f"{binary.name} is built {built} block-mask lists (compiled in); the call has "
+                         f"{'none' if binary.spec.sparse else 'one'}")
+    rows, keys = mask_block(binary.constants)
+    if bm is not None and (bm.block != (rows, keys) or bm.partial_bits is None):
+        raise ValueError(f"{binary.name} reads {rows} x {keys} mask blocks; the block mask's are "
+                         f"{bm.block[0]} x {bm.block[1]}")
 
 
 def zero_unpacked_rows(p: Problem, *arrays) -> None:

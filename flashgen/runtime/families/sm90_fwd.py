@@ -17,8 +17,9 @@ from flashgen.runtime import plans
 from flashgen.runtime.arrays import cupy_module
 from flashgen.runtime.device import device_info
 from flashgen.runtime.families import visible_lse
-from flashgen.runtime.families.sm90_common import (HopperFamily, band_fields, bias_fields, check_compiled_bias,
-                                                   encode_bias_map, encode_maps, replay_forward, zero_unpacked_rows)
+from flashgen.runtime.families.sm90_common import (SPARSE_POINTERS, HopperFamily, band_fields, bias_fields,
+                                                   check_compiled_bias, check_compiled_sparse, encode_bias_map,
+                                                   encode_maps, replay_forward, sparse_refusal, zero_unpacked_rows)
 from flashgen.runtime.launch import fill, handle, launch, params_buffer
 from flashgen.runtime.limits import check_int32, lse_rows
 from flashgen.runtime.registry import KernelBinary
@@ -26,10 +27,7 @@ from flashgen.runtime.validate import Call
 from flashgen.spec.sm90_fwd import Sm90Fwd
 
 MAPS = ("q_map", "k_map", "v_map")
-POINTERS = ("out_ptr", "lse_ptr")  # per-call pointers after the tensor maps', in Params order
-# a sparse call's block mask: its arrays' pointers follow out's and lse's (BlockMask.kernel_arrays' order)
-SPARSE_POINTERS = ("sparse_partial_counts", "sparse_partial_blocks", "sparse_full_counts", "sparse_full_blocks",
-                   "sparse_tiles", "sparse_bits")
+POINTERS = ("out_ptr", "lse_ptr")  # per-call pointers after the tensor maps', in Params order (a mask's follow)
 
 
 # float32's smallest normal: as a zero scale, it gives every visible key the weight 1.0 exactly
@@ -65,36 +63,13 @@ def sparse_fields(block_mask) -> dict:
             "sparse_key_blocks": KB}
 
 
-def check_compiled_sparse(binary: KernelBinary, call: Call) -> None:
-    """A sparse instance reads the mask's lists (without them it would fault) and a plain one would
-    ignore the mask; selection keeps them apart (``Request.block_sparse``), this stops a launch that
-    names the kernel itself."""
-    bm, c = call.block_mask, binary.constants
-    if binary.spec.sparse != (bm is not None):
-        built = "with" if binary.spec.sparse else "without"
-        raise ValueError(f"{binary.name} is built {built} block-mask lists (compiled in); the call has "
-                         f"{'none' if binary.spec.sparse else 'one'}")
-    if bm is not None and (bm.block != (c["block_m"], c["block_n"]) or bm.partial_bits is None):
-        raise ValueError(f"{binary.name} reads {c['block_m']} x {c['block_n']} mask blocks; the block mask's are "
-                         f"{bm.block[0]} x {bm.block[1]}")
-
-
 class Sm90FwdRuntime(HopperFamily):
     spec = Sm90Fwd
     reads_block_masks = True
 
     def block_mask_refusal(self, call: Call):
-        """What of a block-mask call the sparse instances lack (the tile size, dtype and head dim are
-        selection's: see ``Request.block_sparse``), or None."""
-        p, bm = call.p, call.block_mask
-        if p.mask or p.window is not None:
-            return ("a block mask with causal or window: the sparse kernels take neither; fold it into the mask "
-                    "(e.g. & (q_idx >= kv_idx)) to run sparse")
-        if call.bias is not None:
-            return "a block mask with attn_bias: the sparse kernels have no bias"
-        if bm.partial_bits is None:
-            return f"a block mask whose key blocks ({bm.block[1]}) are not a multiple of 32 wide (no element bits)"
-        return None
+        """What of a block-mask call the sparse instances lack, or None (``sparse_refusal``)."""
+        return sparse_refusal(call)
 
     def launch(self, call: Call, binary: KernelBinary):
         """(out, lse) of the forward on ``binary`` (on the call's device, api.py makes it current)."""
