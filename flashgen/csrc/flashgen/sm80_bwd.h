@@ -16,10 +16,10 @@
 // file's own: sm90_bwd.h's dQ accumulator is laid out in wgmma register order, this one's
 // row-major.)
 //
-// In the main kernel warp w owns keys 16 (w % kKeyWarps) .. +15 of the CTA's block and, when
-// the block has 64 keys (kKeyWarps = 4), query half w / kKeyWarps of every query block.
-// Per query block:
-//   S^T  = K Q^T,  dP^T = V dO^T             (16 keys x the warp's queries each)
+// In the main kernel warp w owns kKeysPerWarp keys of the CTA's block (16-key MMA tiles w %
+// kKeyWarps, + kKeyWarps, ...) and, where there are 4 key warps, query half w / kKeyWarps of
+// every query block.  Per query block:
+//   S^T  = K Q^T,  dP^T = V dO^T             (the warp's keys x its queries each)
 //   P^T  = exp2(S^T * scale_log2 - lse_log2),   dS^T = P^T * (dP^T - delta)
 //          (soft-capped: S^T goes through tanh first and dS^T carries tanh's slope 1 - t^2)
 //   dV  += P^T dO,  dK += dS^T Q              (P^T, dS^T straight from the accumulators: the
@@ -30,7 +30,7 @@
 //                                             accumulator with red.global.add (float2 on sm_90)
 // Computing S transposed keeps a warp's dK and dV rows its own, so P never goes through shared
 // memory (FlashAttention-2's layout writes P and dS there and reads them back transposed).
-// With 64-key CTAs each warp's dK and dV are partial sums over its query half; the two halves
+// With two query halves each warp's dK and dV are partial sums over its half; the two halves
 // meet once at the end, through shared memory.  With `deterministic` the key-block CTAs of one
 // (head, query block) add their dQ in key-block order behind a counter, as sm90_bwd's do.
 //
@@ -126,23 +126,27 @@ struct BwdKernel {
   static constexpr int kMinBlocksPerSm = 1;  // dK and dV in registers: over 128 of them a thread
   static constexpr int kAuxThreads = 128;    // prep and convert
 
-  // S^T, dP^T, dK, dV: 16 keys per warp; 64-key CTAs split each query block between two warps.
-  static constexpr int kKeyWarps = kBlockN / 16;
+  // S^T, dP^T, dK, dV: kKeysPerWarp keys per warp; with fewer than 8 key warps each query block
+  // is split between two warps.  Per warp and step, S^T and dP^T read (keys + queries) x head dim
+  // / 256 ldmatrix.x4 each and dV, dK queries x head dim / 256 each (P^T, dS^T are registers),
+  // so at head dim 64 and 128 x 64 a tile of 32 keys x 32 queries reads 16 + 16 + 8 + 8 where
+  // 16 keys x 64 queries read 16 + 16 + 16 + 16 (K and V then held in registers; they no longer
+  // fit).  32 keys take 2 x 32 x kHeadDim / 32 registers of dK and dV: 128 at head dim 64 only.
+  static constexpr int kKeysPerWarp = kHeadDim == 64 && kBlockN == 128 ? 32 : 16;
+  static constexpr int kKeyWarps = kBlockN / kKeysPerWarp;
   static constexpr int kQueryWarps = kWarps / kKeyWarps;
   static constexpr int kQuerySlice = kBlockM / kQueryWarps;  // queries of one warp per step
   static constexpr int kKeyThreads = 32 * kKeyWarps;         // the threads of one query slice
-  // A warp takes its slice kQueryChunk queries at a time; now always the whole slice.  At head
-  // dim 128, S^T and dP^T of 64 queries (64 accumulators) beside dK and dV (128) fit in 255
-  // registers only (kTightRegisters) with B loaded an ldmatrix at a time (gemm_ss_fine,
-  // gemm_rs_fine) and the per-thread offsets of add_dq and of the dS^T stores recomputed each
-  // step rather than kept live (opaque thread indices: some 60 integer instructions a step);
-  // two chunks of 32, as before, read K and V twice a step (16 ldmatrix more).
+  // A warp takes its slice kQueryChunk queries at a time; now always the whole slice.  Where S^T
+  // and dP^T (64 accumulators) sit beside 128 of dK and dV, all fit in 255 registers only
+  // (kTightRegisters) with B loaded an ldmatrix at a time (gemm_ss_fine, gemm_rs_fine) and the
+  // per-thread offsets of add_dq and of the dS^T stores recomputed each step rather than kept
+  // live (opaque thread indices: some 60 integer instructions a step); two chunks of 32, as
+  // before, read K and V twice a step (16 ldmatrix more at head dim 128).
   static constexpr int kQueryChunk = kQuerySlice;
-  static constexpr bool kTightRegisters = kHeadDim > 64 && kQueryChunk > 32;
+  static constexpr int kAccumulators = 2 * kKeysPerWarp * (kHeadDim + kQueryChunk) / 32;  // a thread's
+  static constexpr bool kTightRegisters = kAccumulators > 160;
   static constexpr int kChunks = kQuerySlice / kQueryChunk;
-  // The warp's 16 rows of K and V as A fragments in registers for the whole CTA (2 x 16 of them)
-  // where dK and dV leave room (head dim 64), rather than by ldmatrix at every step.
-  static constexpr bool kKVInRegisters = kHeadDim == 64;
   // dQ (kBlockM queries x kHeadDim columns): kDqRowWarps warps along the queries, each 16 rows of
   // every 16 * kDqRowWarps, and the head dim split among the warps that share rows.  A warp's
   // ldmatrix count per step is proportional to its rows plus its columns, so the squarest split
@@ -158,7 +162,7 @@ struct BwdKernel {
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
   static_assert(kHeadDim % 64 == 0, "swizzle atoms are 64 columns wide");
-  static_assert(kBlockN == 64 || kBlockN == 128, "16 keys per warp, and at most two query slices");
+  static_assert(kKeyWarps * kKeysPerWarp == kBlockN && kQueryWarps <= 2, "whole key tiles, at most two query slices");
   static_assert(kQueryChunk % 16 == 0 && kBlockM % 32 == 0, "a query chunk is whole 16-query MMA steps");
   static_assert(kBlockM % (kDqRowWarps * 16) == 0 && kDqCols % 16 == 0, "dQ tiles whole 16 x 16 ldmatrix tiles");
 
@@ -378,11 +382,8 @@ struct BwdKernel {
     Tensor sV = make_tensor(make_smem_ptr(s.v), SmemLayoutKV{});
     Tensor tSsK = load_a.partition_S(sK);
     Tensor tSsV = load_a.partition_S(sV);
-    Tensor tSrK = thr.partition_fragment_A(sK);  // K, then V: (MMA, 1, head dim / 16)
+    Tensor tSrK = thr.partition_fragment_A(sK);  // K, then V: (MMA, keys / (16 kKeyWarps), head dim / 16)
     Tensor tSrK_view = load_a.retile_D(tSrK);
-    // At head dim 64 the warp's K and V rows stay in registers as A fragments (16 each), read
-    // once: 8 fewer ldmatrix a step, and S^T, dP^T take B alone from shared memory.
-    Tensor tSrV = thr.partition_fragment_A(sV);
     Tensor tSrQ = thr.partition_fragment_B(chunk_rows(s.qdo[0][0], 0));  // Q, then dO
     Tensor tSrQ_view = load_b.retile_D(tSrQ);
     Tensor tKrQt = thr.partition_fragment_B(chunk_cols(s.qdo[0][0], 0));  // dO^T, then Q^T: (MMA, head dim / 8, queries / 16)
@@ -398,10 +399,6 @@ struct BwdKernel {
     bool const softcap = p.softcap_in != 0.f;
     cp_async_wait<1>();  // step 0 (and K, V) landed; step 1 may still be in flight
     __syncthreads();
-    if constexpr (kKVInRegisters) {
-      copy(copy_a, tSsK, tSrK_view);
-      copy(copy_a, tSsV, load_a.retile_D(tSrV));
-    }
     for (int t = 0; t < total; ++t) {
       int const buf = t % 2;
 
@@ -409,21 +406,17 @@ struct BwdKernel {
       for (int chunk = 0; chunk < kChunks; ++chunk) {
         int const part = slice + chunk;  // one of them is 0 (static_assert above)
         int const query0 = at.m_block * kBlockM + part * kQueryChunk;  // the chunk's first query
+        // Q and dO's ldmatrix offsets (and below, those of dO^T and Q^T) from an opaque index where
+        // registers are tight: kept through the loop, at head dim 64 with 32 keys a warp, they
+        // spilled (20 bytes on sm_80, 4 on sm_90)
+        auto const load_q = copy_b.get_thread_slice(opaque<kTightRegisters>(mma_tid));
         clear(tSrS);
-        if constexpr (kKVInRegisters) {
-          gemm_rs(mma, tSrS, tSrK, copy_b, load_b.partition_S(chunk_rows(s.qdo[buf][0], part)), tSrQ, tSrQ_view);
-        } else {
-          gemm_ss_or_fine<kTightRegisters>(mma, tSrS, copy_a, tSsK, tSrK, tSrK_view, copy_b,
-                                           load_b.partition_S(chunk_rows(s.qdo[buf][0], part)), tSrQ, tSrQ_view);
-        }
+        gemm_ss_or_fine<kTightRegisters>(mma, tSrS, copy_a, tSsK, tSrK, tSrK_view, copy_b,
+                                         load_q.partition_S(chunk_rows(s.qdo[buf][0], part)), tSrQ, tSrQ_view);
         clear(tSrDp);
         auto gemm_dp = [&] {
-          if constexpr (kKVInRegisters) {
-            gemm_rs(mma, tSrDp, tSrV, copy_b, load_b.partition_S(chunk_rows(s.qdo[buf][1], part)), tSrQ, tSrQ_view);
-          } else {
-            gemm_ss_or_fine<kTightRegisters>(mma, tSrDp, copy_a, tSsV, tSrK, tSrK_view, copy_b,
-                                             load_b.partition_S(chunk_rows(s.qdo[buf][1], part)), tSrQ, tSrQ_view);
-          }
+          gemm_ss_or_fine<kTightRegisters>(mma, tSrDp, copy_a, tSsV, tSrK, tSrK_view, copy_b,
+                                           load_q.partition_S(chunk_rows(s.qdo[buf][1], part)), tSrQ, tSrQ_view);
         };
 
         // P^T and dS^T in place of S^T and dP^T.  lse_log2 and delta are per query: per column.
@@ -494,10 +487,11 @@ struct BwdKernel {
         // dV += P^T dO, dK += dS^T Q: P^T and dS^T as A operands where the accumulators are.
         auto const rP_a = make_tensor(rP.data(), accumulator_as_a(rP.layout()));
         auto const rDs_a = make_tensor(rDs.data(), accumulator_as_a(rDs.layout()));
+        auto const load_qt = copy_bt.get_thread_slice(opaque<kTightRegisters>(mma_tid));
         gemm_rs_or_fine<kTightRegisters>(mma, acc_dv, rP_a, copy_bt,
-                                         load_bt.partition_S(chunk_cols(s.qdo[buf][1], part)), tKrQt, tKrQt_view);
+                                         load_qt.partition_S(chunk_cols(s.qdo[buf][1], part)), tKrQt, tKrQt_view);
         gemm_rs_or_fine<kTightRegisters>(mma, acc_dk, rDs_a, copy_bt,
-                                         load_bt.partition_S(chunk_cols(s.qdo[buf][0], part)), tKrQt, tKrQt_view);
+                                         load_qt.partition_S(chunk_cols(s.qdo[buf][0], part)), tKrQt, tKrQt_view);
       }
 
       cp_async_wait<0>();  // step t + 1, this thread's part
