@@ -24,14 +24,18 @@
 //          (soft-capped: S^T goes through tanh first and dS^T carries tanh's slope 1 - t^2)
 //   dV  += P^T dO,  dK += dS^T Q              (P^T, dS^T straight from the accumulators: the
 //                                             register layout of a 16x8 MMA pair is the A
-//                                             operand of one 16x16; dO^T, Q^T by ldmatrix.trans)
+//                                             operand of one 16x16; dO^T, Q^T by ldmatrix.trans;
+//                                             with kSplitColumns the other query half's P^T and
+//                                             dS^T from shared memory)
 //   dQ   = dS K                               (dS^T through shared memory; each warp 16 or 32
 //                                             query rows x kDqCols head-dim columns), added into the
 //                                             accumulator with red.global.add (float2 on sm_90)
-// Computing S transposed keeps a warp's dK and dV rows its own, so P never goes through shared
-// memory (FlashAttention-2's layout writes P and dS there and reads them back transposed).
-// With two query halves each warp's dK and dV are partial sums over its half; the two halves
-// meet once at the end, through shared memory.  With `deterministic` the key-block CTAs of one
+// Computing S transposed keeps a warp's dK and dV rows its own, so its P^T and dS^T are A
+// operands where they are computed.  With two query halves each warp's dK and dV are partial
+// sums over its half, and the two halves meet once at the end, through shared memory; or, where
+// a warp's dK and dV over all columns would not fit in registers (kSplitColumns), the two warps
+// of the same keys split the columns, and each reads the other's P^T and dS^T from dS^T's
+// shared-memory buffer, P^T first (see mainloop).  With `deterministic` the key-block CTAs of one
 // (head, query block) add their dQ in key-block order behind a counter, as sm90_bwd's do.
 //
 // Rows and keys past the ends, and head-dim columns past head_dim (a multiple of 8), are
@@ -126,25 +130,31 @@ struct BwdKernel {
   static constexpr int kMinBlocksPerSm = 1;  // dK and dV in registers: over 128 of them a thread
   static constexpr int kAuxThreads = 128;    // prep and convert
 
-  // S^T, dP^T, dK, dV: kKeysPerWarp keys per warp; with fewer than 8 key warps each query block
-  // is split between two warps.  Per warp and step, S^T and dP^T read (keys + queries) x head dim
-  // / 256 ldmatrix.x4 each and dV, dK queries x head dim / 256 each (P^T, dS^T are registers),
-  // so at head dim 64 and 128 x 64 a tile of 32 keys x 32 queries reads 16 + 16 + 8 + 8 where
-  // 16 keys x 64 queries read 16 + 16 + 16 + 16 (K and V then held in registers; they no longer
-  // fit).  32 keys take 2 x 32 x kHeadDim / 32 registers of dK and dV: 128 at head dim 64 only.
-  static constexpr int kKeysPerWarp = kHeadDim == 64 && kBlockN == 128 ? 32 : 16;
+  // S^T, dP^T, dK, dV: kKeysPerWarp keys per warp (16-key MMA tiles w % kKeyWarps, + kKeyWarps);
+  // with 4 key warps each query block is split between two warps.  Per warp and step, S^T and
+  // dP^T read (keys + queries) x head dim / 256 ldmatrix.x4 each, dV and dK queries x columns /
+  // 256 each (P^T and dS^T are registers): at 128 x 64 and head dim 64 a 32 x 32 tile of S^T
+  // reads 16 + 16 + 8 + 8 where 16 keys x 64 queries read 16 + 16 + 16 + 16 (K and V then held
+  // in registers, which 32 keys leave no room for).
+  static constexpr int kKeysPerWarp = kBlockN == 128 ? 32 : 16;
   static constexpr int kKeyWarps = kBlockN / kKeysPerWarp;
   static constexpr int kQueryWarps = kWarps / kKeyWarps;
+  // dK and dV of kKeysPerWarp keys over all columns take 2 x kKeysPerWarp x kHeadDim / 32
+  // registers a thread.  Over 128 (32 keys at head dim 128) the two warps of the same keys split
+  // the columns instead of the queries, kDkvCols each, and each takes the other's P^T and dS^T
+  // from shared memory: 32 + 32 + 20 + 20 ldmatrix (4 of the other's P^T or dS^T, 16 of dO^T or
+  // Q^T) where 16 keys x 64 queries read 40 + 40 + 32 + 32.
+  static constexpr bool kSplitColumns = 2 * kKeysPerWarp * kHeadDim / 32 > 128;
+  static constexpr int kDkvCols = kSplitColumns ? kHeadDim / kQueryWarps : kHeadDim;
   static constexpr int kQuerySlice = kBlockM / kQueryWarps;  // queries of one warp per step
   static constexpr int kKeyThreads = 32 * kKeyWarps;         // the threads of one query slice
   // A warp takes its slice kQueryChunk queries at a time; now always the whole slice.  Where S^T
   // and dP^T (64 accumulators) sit beside 128 of dK and dV, all fit in 255 registers only
   // (kTightRegisters) with B loaded an ldmatrix at a time (gemm_ss_fine, gemm_rs_fine) and the
   // per-thread offsets of add_dq and of the dS^T stores recomputed each step rather than kept
-  // live (opaque thread indices: some 60 integer instructions a step); two chunks of 32, as
-  // before, read K and V twice a step (16 ldmatrix more at head dim 128).
+  // live (opaque thread indices: some 60 integer instructions a step).
   static constexpr int kQueryChunk = kQuerySlice;
-  static constexpr int kAccumulators = 2 * kKeysPerWarp * (kHeadDim + kQueryChunk) / 32;  // a thread's
+  static constexpr int kAccumulators = 2 * kKeysPerWarp * (kDkvCols + kQueryChunk) / 32;  // a thread's
   static constexpr bool kTightRegisters = kAccumulators > 160;
   static constexpr int kChunks = kQuerySlice / kQueryChunk;
   // dQ (kBlockM queries x kHeadDim columns): kDqRowWarps warps along the queries, each 16 rows of
@@ -163,6 +173,7 @@ struct BwdKernel {
   static_assert(sizeof(Element) == 2, "f16 or bf16");
   static_assert(kHeadDim % 64 == 0, "swizzle atoms are 64 columns wide");
   static_assert(kKeyWarps * kKeysPerWarp == kBlockN && kQueryWarps <= 2, "whole key tiles, at most two query slices");
+  static_assert(!kSplitColumns || kQueryWarps == 2, "columns split between the two warps of the same keys");
   static_assert(kQueryChunk % 16 == 0 && kBlockM % 32 == 0, "a query chunk is whole 16-query MMA steps");
   static_assert(kBlockM % (kDqRowWarps * 16) == 0 && kDqCols % 16 == 0, "dQ tiles whole 16 x 16 ldmatrix tiles");
 
@@ -253,8 +264,8 @@ struct BwdKernel {
       return;
     }
     TiledMmaKeys mma;
-    Tensor acc_dk = partition_fragment_C(mma, Shape<Int<kBlockN>, Int<kHeadDim>>{});
-    Tensor acc_dv = partition_fragment_C(mma, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+    Tensor acc_dk = partition_fragment_C(mma, Shape<Int<kBlockN>, Int<kDkvCols>>{});
+    Tensor acc_dv = partition_fragment_C(mma, Shape<Int<kBlockN>, Int<kDkvCols>>{});
     clear(acc_dk);
     clear(acc_dv);
     Steps const st = steps(seq, n_block);
@@ -267,7 +278,8 @@ struct BwdKernel {
   // The pipeline, one __syncthreads per step t (buffer b = t % 2 of Q/dO, lse/delta and dS^T):
   //
   //   compute   S^T, dP^T from Q/dO[b]; P^T, dS^T with lse/delta[b]; dS^T -> ds[b];
-  //             dV, dK from Q/dO[b]
+  //             dV, dK from Q/dO[b] (kSplitColumns: and from ds[b], P^T there before dS^T,
+  //             under barriers of the two warps that share keys; see below)
   //   wait      cp.async.wait_group 0: this thread's part of step t + 1 (issued a step ago) landed
   //   barrier   (1) all of ds[b] is written, and every thread's part of step t + 1 is visible;
   //             (2) every warp is past its last read of Q/dO[b] and lse/delta[b] (this step's
@@ -334,12 +346,14 @@ struct BwdKernel {
         }
         // a whole block of lse_log2 and delta: prep wrote every row of the blocks visited
         constexpr int kChunks = kBlockM / 4;  // 16-byte chunks of each
-        if (tid < 2 * kChunks) {
-          bool const is_delta = tid >= kChunks;
-          long long const at = workspace_row0<kBlockM>(p, seq, c.head) + query0 + tid % kChunks * 4;
+        int const copy_tid = opaque<kTightRegisters>(threadIdx.x);  // (see fresh_tid below)
+        if (copy_tid < 2 * kChunks) {
+          bool const is_delta = copy_tid >= kChunks;
+          long long const at = workspace_row0<kBlockM>(p, seq, c.head) + query0 + copy_tid % kChunks * 4;
           cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>::copy(
               *reinterpret_cast<cute::uint128_t const*>((is_delta ? p.delta_ptr : p.lse_log2_ptr) + at),
-              *reinterpret_cast<cute::uint128_t*>((is_delta ? s.delta[buf] : s.lse_log2[buf]) + tid % kChunks * 4));
+              *reinterpret_cast<cute::uint128_t*>((is_delta ? s.delta[buf] : s.lse_log2[buf]) +
+                                                  copy_tid % kChunks * 4));
         }
       }
       cp_async_fence();
@@ -365,14 +379,15 @@ struct BwdKernel {
     auto load_bt = copy_bt.get_thread_slice(mma_tid);
 
     // Query chunk `part` (kQueryChunk queries from part * kQueryChunk) of a Q or dO tile, as
-    // (queries, head dim) and as (head dim, queries), and of dS^T (keys, queries).
+    // (queries, head dim) and as (this warp's kDkvCols columns, queries), and of dS^T (keys, queries).
+    int const cols = kSplitColumns ? slice : 0;
     auto chunk_rows = [&](Element* tile, int part) {
       return local_tile(make_tensor(make_smem_ptr(tile), SmemLayoutQ{}), Shape<Int<kQueryChunk>, Int<kHeadDim>>{},
                         make_coord(part, 0));
     };
     auto chunk_cols = [&](Element* tile, int part) {
-      return local_tile(make_tensor(make_smem_ptr(tile), SmemLayoutQt{}), Shape<Int<kHeadDim>, Int<kQueryChunk>>{},
-                        make_coord(0, part));
+      return local_tile(make_tensor(make_smem_ptr(tile), SmemLayoutQt{}), Shape<Int<kDkvCols>, Int<kQueryChunk>>{},
+                        make_coord(cols, part));
     };
     auto chunk_ds = [&](int buf, int part) {
       return local_tile(make_tensor(make_smem_ptr(s.ds[buf]), SmemLayoutDsT{}), Shape<Int<kBlockN>, Int<kQueryChunk>>{},
@@ -386,15 +401,13 @@ struct BwdKernel {
     Tensor tSrK_view = load_a.retile_D(tSrK);
     Tensor tSrQ = thr.partition_fragment_B(chunk_rows(s.qdo[0][0], 0));  // Q, then dO
     Tensor tSrQ_view = load_b.retile_D(tSrQ);
-    Tensor tKrQt = thr.partition_fragment_B(chunk_cols(s.qdo[0][0], 0));  // dO^T, then Q^T: (MMA, head dim / 8, queries / 16)
+    Tensor tKrQt = thr.partition_fragment_B(chunk_cols(s.qdo[0][0], 0));  // dO^T, then Q^T: (MMA, kDkvCols / 8, queries / 16)
     Tensor tKrQt_view = load_bt.retile_D(tKrQt);
 
     Tensor tSrS = partition_fragment_C(mma, Shape<Int<kBlockN>, Int<kQueryChunk>>{});   // S^T, then P^T
     Tensor tSrDp = partition_fragment_C(mma, Shape<Int<kBlockN>, Int<kQueryChunk>>{});  // dP^T, then dS^T
     Tensor S = make_tensor(tSrS.data(), rows_cols_layout(tSrS.layout()));  // (this thread's keys, its queries)
     Tensor dP = make_tensor(tSrDp.data(), rows_cols_layout(tSrDp.layout()));
-    // each accumulator element's (key, query) within (block, chunk): where the mask applies
-    Tensor tScS = rows_cols(thr.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kQueryChunk>>{})));
 
     bool const softcap = p.softcap_in != 0.f;
     cp_async_wait<1>();  // step 0 (and K, V) landed; step 1 may still be in flight
@@ -406,10 +419,15 @@ struct BwdKernel {
       for (int chunk = 0; chunk < kChunks; ++chunk) {
         int const part = slice + chunk;  // one of them is 0 (static_assert above)
         int const query0 = at.m_block * kBlockM + part * kQueryChunk;  // the chunk's first query
-        // Q and dO's ldmatrix offsets (and below, those of dO^T and Q^T) from an opaque index where
-        // registers are tight: kept through the loop, at head dim 64 with 32 keys a warp, they
-        // spilled (20 bytes on sm_80, 4 on sm_90)
-        auto const load_q = copy_b.get_thread_slice(opaque<kTightRegisters>(mma_tid));
+        // Where registers are tight, the step's per-thread shared-memory offsets and element
+        // coordinates (ldmatrix of Q, dO, their transposes and the other warp's P^T and dS^T,
+        // the stores, tScS below) derive from an opaque thread index, one per use, so they are
+        // recomputed each step: kept through the loop, ptxas spilled them (4-20 bytes).
+        auto fresh_tid = [&] { return opaque<kTightRegisters>(mma_tid); };
+        auto const load_q = copy_b.get_thread_slice(fresh_tid());
+        // each accumulator element's (key, query) within (block, chunk): where the mask applies
+        Tensor tScS = rows_cols(mma.get_thread_slice(fresh_tid())
+                                    .partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kQueryChunk>>{})));
         clear(tSrS);
         gemm_ss_or_fine<kTightRegisters>(mma, tSrS, copy_a, tSsK, tSrK, tSrK_view, copy_b,
                                          load_q.partition_S(chunk_rows(s.qdo[buf][0], part)), tSrQ, tSrQ_view);
@@ -479,19 +497,50 @@ struct BwdKernel {
         }
         Tensor rP = sm80::convert<Element>(tSrS);  // (qualified: convert() is also the last kernel)
         Tensor rDs = sm80::convert<Element>(tSrDp);
-        {  // dS^T, for dQ; the thread's offsets through an opaque index, as in add_dq (registers)
-          auto store_c = copy_c.get_thread_slice(opaque<kTightRegisters>(mma_tid));
-          copy(copy_c, store_c.retile_S(rDs), store_c.partition_D(chunk_ds(buf, part)));
-        }
+        // dS^T into ds[buf], for dQ (and P^T before it with kSplitColumns)
+        auto const store_c = copy_c.get_thread_slice(fresh_tid());
+        auto store = [&](auto const& r) {
+          copy(copy_c, store_c.retile_S(r), store_c.partition_D(chunk_ds(buf, part)));
+        };
 
         // dV += P^T dO, dK += dS^T Q: P^T and dS^T as A operands where the accumulators are.
         auto const rP_a = make_tensor(rP.data(), accumulator_as_a(rP.layout()));
         auto const rDs_a = make_tensor(rDs.data(), accumulator_as_a(rDs.layout()));
-        auto const load_qt = copy_bt.get_thread_slice(opaque<kTightRegisters>(mma_tid));
-        gemm_rs_or_fine<kTightRegisters>(mma, acc_dv, rP_a, copy_bt,
-                                         load_qt.partition_S(chunk_cols(s.qdo[buf][1], part)), tKrQt, tKrQt_view);
-        gemm_rs_or_fine<kTightRegisters>(mma, acc_dk, rDs_a, copy_bt,
-                                         load_qt.partition_S(chunk_cols(s.qdo[buf][0], part)), tKrQt, tKrQt_view);
+        auto const load_qt = copy_bt.get_thread_slice(fresh_tid());
+        auto own_chunk = [&](auto& acc, auto const& a, Element* tile) {
+          gemm_rs_or_fine<kTightRegisters>(mma, acc, a, copy_bt, load_qt.partition_S(chunk_cols(tile, part)), tKrQt,
+                                           tKrQt_view);
+        };
+        if constexpr (kSplitColumns) {
+          // The other query chunk's P^T and dS^T come from the warp of the same keys in the other
+          // slice, through this step's dS^T buffer (free: add_dq read it two steps ago, before
+          // the last barrier), P^T first, then dS^T in its place; a named barrier of the two
+          // warps orders each write before the other's read, and the other's read of P^T
+          // before dS^T replaces it.  The own chunk's MMAs go between write and barrier.
+          int const other = 1 - part;
+          auto pair_sync = [&] { named_barrier_sync(1 + fresh_tid() / 32, 64); };  // (0: __syncthreads)
+          Tensor tKrPt = thr.partition_fragment_A(chunk_ds(buf, other));  // the other's P^T, then dS^T
+          Tensor tKrPt_view = load_a.retile_D(tKrPt);
+          auto other_chunk = [&](auto& acc, Element* tile) {
+            auto const load_pt = copy_a.get_thread_slice(fresh_tid());
+            gemm_ss_or_fine<kTightRegisters>(mma, acc, copy_a, load_pt.partition_S(chunk_ds(buf, other)), tKrPt,
+                                             tKrPt_view, copy_bt, load_qt.partition_S(chunk_cols(tile, other)),
+                                             tKrQt, tKrQt_view);
+          };
+          store(rP);
+          own_chunk(acc_dv, rP_a, s.qdo[buf][1]);
+          pair_sync();  // the other's P^T is in
+          other_chunk(acc_dv, s.qdo[buf][1]);
+          pair_sync();  // and read: dS^T may replace it
+          store(rDs);
+          own_chunk(acc_dk, rDs_a, s.qdo[buf][0]);
+          pair_sync();  // the other's dS^T is in
+          other_chunk(acc_dk, s.qdo[buf][0]);
+        } else {
+          store(rDs);
+          own_chunk(acc_dv, rP_a, s.qdo[buf][1]);
+          own_chunk(acc_dk, rDs_a, s.qdo[buf][0]);
+        }
       }
 
       cp_async_wait<0>();  // step t + 1, this thread's part
@@ -591,15 +640,16 @@ struct BwdKernel {
     }
   }
 
-  // dK (times scale) and dV to memory.  With two query slices, slice 1's partial sums go through
-  // the Q/dO buffers (a fragment's element e of thread t at e * kKeyThreads + t: conflict-free)
-  // into slice 0, which stores.
+  // dK (times scale) and dV to memory.  With two query slices (and whole columns), slice 1's
+  // partial sums go through the Q/dO buffers (a fragment's element e of thread t at e *
+  // kKeyThreads + t: conflict-free) into slice 0, which stores; with kSplitColumns each stores
+  // its own columns.
   template <class Acc>
   static __device__ void epilogue(BwdParams const& p, SharedStorage& s, Sequence const& seq, int n_block,
                                   int head_kv, Acc& acc_dk, Acc& acc_dv) {
     using namespace cute;
     int const tid = threadIdx.x;
-    if constexpr (kQueryWarps > 1) {
+    if constexpr (kQueryWarps > 1 && !kSplitColumns) {
       static_assert(kQueryWarps == 2, "two query slices");
       static_assert(decltype(size(acc_dk))::value * kKeyThreads * sizeof(float) <= sizeof(s.qdo), "one sum at a time");
       float* partial = reinterpret_cast<float*>(&s.qdo[0][0][0]) + tid % kKeyThreads;
@@ -628,7 +678,8 @@ struct BwdKernel {
     TiledMmaKeys mma;
     auto thr = mma.get_thread_slice(tid % kKeyThreads);
     // (key, column) of each accumulator element; elements 2i and 2i + 1 are neighbouring columns
-    Tensor tDcD = thr.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    Tensor tDcD = thr.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kDkvCols>>{}));
+    int const col0 = kSplitColumns ? tid / kKeyThreads * kDkvCols : 0;
     int const key0 = n_block * kBlockN;
     long long const offset = seq.batch * p.dkv_stride_b + (seq.k0 + key0) * (long long)p.dkv_stride_n +
                              head_kv * (long long)p.dkv_stride_h;
@@ -637,7 +688,7 @@ struct BwdKernel {
       CUTE_UNROLL
       for (int e = 0; e < size(acc); e += 2) {
         int const key = get<0>(tDcD(e));
-        int const col = get<1>(tDcD(e));
+        int const col = col0 + get<1>(tDcD(e));
         if (key0 + key < seq.num_keys && col < p.head_dim) {
           cutlass::Array<Element, 2> pair;
           pair[0] = static_cast<Element>(acc(e) * scale);
