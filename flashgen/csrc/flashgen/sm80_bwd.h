@@ -16,9 +16,8 @@
 // file's own: sm90_bwd.h's dQ accumulator is laid out in wgmma register order, this one's
 // row-major.)
 //
-// In the main kernel warp w owns kKeysPerWarp keys of the CTA's block (16-key MMA tiles w %
-// kKeyWarps, + kKeyWarps, ...) and, where there are 4 key warps, query half w / kKeyWarps of
-// every query block.  Per query block:
+// In the main kernel warp w owns kKeysPerWarp keys of the CTA's block (16-key MMA tiles w % 4,
+// + 4, ...; kKeyWarps = 4) and query half w / 4 of every query block.  Per query block:
 //   S^T  = K Q^T,  dP^T = V dO^T             (the warp's keys x its queries each)
 //   P^T  = exp2(S^T * scale_log2 - lse_log2),   dS^T = P^T * (dP^T - delta)
 //          (soft-capped: S^T goes through tanh first and dS^T carries tanh's slope 1 - t^2)
@@ -130,12 +129,12 @@ struct BwdKernel {
   static constexpr int kMinBlocksPerSm = 1;  // dK and dV in registers: over 128 of them a thread
   static constexpr int kAuxThreads = 128;    // prep and convert
 
-  // S^T, dP^T, dK, dV: kKeysPerWarp keys per warp (16-key MMA tiles w % kKeyWarps, + kKeyWarps);
-  // with 4 key warps each query block is split between two warps.  Per warp and step, S^T and
-  // dP^T read (keys + queries) x head dim / 256 ldmatrix.x4 each, dV and dK queries x columns /
-  // 256 each (P^T and dS^T are registers): at 128 x 64 and head dim 64 a 32 x 32 tile of S^T
-  // reads 16 + 16 + 8 + 8 where 16 keys x 64 queries read 16 + 16 + 16 + 16 (K and V then held
-  // in registers, which 32 keys leave no room for).
+  // S^T, dP^T, dK, dV: kKeysPerWarp keys per warp (16-key MMA tiles w % kKeyWarps, + kKeyWarps),
+  // 4 key warps, each query block split between the two warps of the same keys.  Per warp and
+  // step, S^T and dP^T read (keys + queries) x head dim / 256 ldmatrix.x4 each, dV and dK
+  // queries x columns / 256 each (P^T and dS^T are registers): at 128 x 64 and head dim 64 a
+  // 32 x 32 tile of S^T reads 16 + 16 + 8 + 8 where 16 keys x 64 queries read 16 + 16 + 16 + 16
+  // (K and V then held in registers, which 32 keys leave no room for).
   static constexpr int kKeysPerWarp = kBlockN == 128 ? 32 : 16;
   static constexpr int kKeyWarps = kBlockN / kKeysPerWarp;
   static constexpr int kQueryWarps = kWarps / kKeyWarps;
@@ -146,17 +145,14 @@ struct BwdKernel {
   // Q^T) where 16 keys x 64 queries read 40 + 40 + 32 + 32.
   static constexpr bool kSplitColumns = 2 * kKeysPerWarp * kHeadDim / 32 > 128;
   static constexpr int kDkvCols = kSplitColumns ? kHeadDim / kQueryWarps : kHeadDim;
-  static constexpr int kQuerySlice = kBlockM / kQueryWarps;  // queries of one warp per step
-  static constexpr int kKeyThreads = 32 * kKeyWarps;         // the threads of one query slice
-  // A warp takes its slice kQueryChunk queries at a time; now always the whole slice.  Where S^T
-  // and dP^T (64 accumulators) sit beside 128 of dK and dV, all fit in 255 registers only
+  static constexpr int kQueryChunk = kBlockM / kQueryWarps;  // queries of one warp per step
+  static constexpr int kKeyThreads = 32 * kKeyWarps;         // the threads of one query chunk
+  // Where S^T and dP^T (64 accumulators) sit beside 128 of dK and dV, all fit in 255 registers only
   // (kTightRegisters) with B loaded an ldmatrix at a time (gemm_ss_fine, gemm_rs_fine) and the
   // per-thread offsets of add_dq and of the dS^T stores recomputed each step rather than kept
   // live (opaque thread indices: some 60 integer instructions a step).
-  static constexpr int kQueryChunk = kQuerySlice;
   static constexpr int kAccumulators = 2 * kKeysPerWarp * (kDkvCols + kQueryChunk) / 32;  // a thread's
   static constexpr bool kTightRegisters = kAccumulators > 160;
-  static constexpr int kChunks = kQuerySlice / kQueryChunk;
   // dQ (kBlockM queries x kHeadDim columns): kDqRowWarps warps along the queries, each 16 rows of
   // every 16 * kDqRowWarps, and the head dim split among the warps that share rows.  A warp's
   // ldmatrix count per step is proportional to its rows plus its columns, so the squarest split
@@ -172,8 +168,7 @@ struct BwdKernel {
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
   static_assert(kHeadDim % 64 == 0, "swizzle atoms are 64 columns wide");
-  static_assert(kKeyWarps * kKeysPerWarp == kBlockN && kQueryWarps <= 2, "whole key tiles, at most two query slices");
-  static_assert(!kSplitColumns || kQueryWarps == 2, "columns split between the two warps of the same keys");
+  static_assert(kKeyWarps * kKeysPerWarp == kBlockN && kQueryWarps == 2, "whole key tiles, two query chunks");
   static_assert(kQueryChunk % 16 == 0 && kBlockM % 32 == 0, "a query chunk is whole 16-query MMA steps");
   static_assert(kBlockM % (kDqRowWarps * 16) == 0 && kDqCols % 16 == 0, "dQ tiles whole 16 x 16 ldmatrix tiles");
 
@@ -367,8 +362,7 @@ struct BwdKernel {
 
     TiledMmaKeys mma;
     int const mma_tid = tid % kKeyThreads;
-    int const slice = kQueryWarps == 1 ? 0 : tid / kKeyThreads;  // this warp's query slice
-    static_assert(kQueryWarps == 1 || kChunks == 1, "a slice is one chunk or the whole block");
+    int const part = tid / kKeyThreads;  // this warp's query chunk of every block
     auto thr = mma.get_thread_slice(mma_tid);
     auto copy_a = make_tiled_copy_A(LoadOperand{}, mma);
     auto copy_b = make_tiled_copy_B(LoadOperand{}, mma);
@@ -378,20 +372,20 @@ struct BwdKernel {
     auto load_b = copy_b.get_thread_slice(mma_tid);
     auto load_bt = copy_bt.get_thread_slice(mma_tid);
 
-    // Query chunk `part` (kQueryChunk queries from part * kQueryChunk) of a Q or dO tile, as
+    // Query chunk `chunk` (kQueryChunk queries from chunk * kQueryChunk) of a Q or dO tile, as
     // (queries, head dim) and as (this warp's kDkvCols columns, queries), and of dS^T (keys, queries).
-    int const cols = kSplitColumns ? slice : 0;
-    auto chunk_rows = [&](Element* tile, int part) {
+    int const cols = kSplitColumns ? part : 0;
+    auto chunk_rows = [&](Element* tile, int chunk) {
       return local_tile(make_tensor(make_smem_ptr(tile), SmemLayoutQ{}), Shape<Int<kQueryChunk>, Int<kHeadDim>>{},
-                        make_coord(part, 0));
+                        make_coord(chunk, 0));
     };
-    auto chunk_cols = [&](Element* tile, int part) {
+    auto chunk_cols = [&](Element* tile, int chunk) {
       return local_tile(make_tensor(make_smem_ptr(tile), SmemLayoutQt{}), Shape<Int<kDkvCols>, Int<kQueryChunk>>{},
-                        make_coord(cols, part));
+                        make_coord(cols, chunk));
     };
-    auto chunk_ds = [&](int buf, int part) {
+    auto chunk_ds = [&](int buf, int chunk) {
       return local_tile(make_tensor(make_smem_ptr(s.ds[buf]), SmemLayoutDsT{}), Shape<Int<kBlockN>, Int<kQueryChunk>>{},
-                        make_coord(0, part));
+                        make_coord(0, chunk));
     };
     Tensor sK = make_tensor(make_smem_ptr(s.k), SmemLayoutKV{});
     Tensor sV = make_tensor(make_smem_ptr(s.v), SmemLayoutKV{});
@@ -415,132 +409,128 @@ struct BwdKernel {
     for (int t = 0; t < total; ++t) {
       int const buf = t % 2;
 
-#pragma unroll 1
-      for (int chunk = 0; chunk < kChunks; ++chunk) {
-        int const part = slice + chunk;  // one of them is 0 (static_assert above)
-        int const query0 = at.m_block * kBlockM + part * kQueryChunk;  // the chunk's first query
-        // Where registers are tight, the step's per-thread shared-memory offsets and element
-        // coordinates (ldmatrix of Q, dO, their transposes and the other warp's P^T and dS^T,
-        // the stores, tScS below) derive from an opaque thread index, one per use, so they are
-        // recomputed each step: kept through the loop, ptxas spilled them (4-20 bytes).
-        auto fresh_tid = [&] { return opaque<kTightRegisters>(mma_tid); };
-        auto const load_q = copy_b.get_thread_slice(fresh_tid());
-        // each accumulator element's (key, query) within (block, chunk): where the mask applies
-        Tensor tScS = rows_cols(mma.get_thread_slice(fresh_tid())
-                                    .partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kQueryChunk>>{})));
-        clear(tSrS);
-        gemm_ss_or_fine<kTightRegisters>(mma, tSrS, copy_a, tSsK, tSrK, tSrK_view, copy_b,
-                                         load_q.partition_S(chunk_rows(s.qdo[buf][0], part)), tSrQ, tSrQ_view);
-        clear(tSrDp);
-        auto gemm_dp = [&] {
-          gemm_ss_or_fine<kTightRegisters>(mma, tSrDp, copy_a, tSsV, tSrK, tSrK_view, copy_b,
-                                           load_q.partition_S(chunk_rows(s.qdo[buf][1], part)), tSrQ, tSrQ_view);
-        };
+      int const query0 = at.m_block * kBlockM + part * kQueryChunk;  // the chunk's first query
+      // Where registers are tight, the step's per-thread shared-memory offsets and element
+      // coordinates (ldmatrix of Q, dO, their transposes and the other warp's P^T and dS^T,
+      // the stores, tScS below) derive from an opaque thread index, one per use, so they are
+      // recomputed each step: kept through the loop, ptxas spilled them (4-20 bytes).
+      auto fresh_tid = [&] { return opaque<kTightRegisters>(mma_tid); };
+      auto const load_q = copy_b.get_thread_slice(fresh_tid());
+      // each accumulator element's (key, query) within (block, chunk): where the mask applies
+      Tensor tScS = rows_cols(mma.get_thread_slice(fresh_tid())
+                                  .partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kQueryChunk>>{})));
+      clear(tSrS);
+      gemm_ss_or_fine<kTightRegisters>(mma, tSrS, copy_a, tSsK, tSrK, tSrK_view, copy_b,
+                                       load_q.partition_S(chunk_rows(s.qdo[buf][0], part)), tSrQ, tSrQ_view);
+      clear(tSrDp);
+      auto gemm_dp = [&] {
+        gemm_ss_or_fine<kTightRegisters>(mma, tSrDp, copy_a, tSsV, tSrK, tSrK_view, copy_b,
+                                         load_q.partition_S(chunk_rows(s.qdo[buf][1], part)), tSrQ, tSrQ_view);
+      };
 
-        // P^T and dS^T in place of S^T and dP^T.  lse_log2 and delta are per query: per column.
-        // Soft-capping is decided once per chunk, not per element.
-        float const* lse_log2 = s.lse_log2[buf] + part * kQueryChunk;
-        float const* delta = s.delta[buf] + part * kQueryChunk;
-        if (softcap) {  // d(softcap_out * t) / dS = scale (1 - t^2); scale comes at the end
-          gemm_dp();
-          CUTE_UNROLL
-          for (int c = 0; c < size<1>(S); ++c) {
-            int const query = get<1>(tScS(0, c));
-            float const row_lse = lse_log2[query];
-            float const row_delta = delta[query];
-            CUTE_UNROLL
-            for (int r = 0; r < size<0>(S); ++r) {
-              float const th = tanh_approx(S(r, c) * p.softcap_in);
-              float const prob = exp2_approx(fmaf(th * p.softcap_out, p.scale_log2, -row_lse));
-              S(r, c) = prob;
-              dP(r, c) = prob * (dP(r, c) - row_delta) * (1.f - th * th);
-            }
-          }
-        } else {
-          // P^T before dP^T's GEMM and in the same basic block, so that the exp2s (MUFU, a
-          // quarter-rate pipe: 8 cycles a warp instruction) issue between its MMAs instead of
-          // after them, while the tensor cores would otherwise wait.  Same registers: P^T
-          // replaces S^T in place, as before.
-          CUTE_UNROLL
-          for (int c = 0; c < size<1>(S); ++c) {
-            float const row_lse = lse_log2[get<1>(tScS(0, c))];
-            CUTE_UNROLL
-            for (int r = 0; r < size<0>(S); ++r) {
-              S(r, c) = exp2_approx(fmaf(S(r, c), p.scale_log2, -row_lse));
-            }
-          }
-          gemm_dp();
-          CUTE_UNROLL
-          for (int c = 0; c < size<1>(S); ++c) {
-            float const row_delta = delta[get<1>(tScS(0, c))];
-            CUTE_UNROLL
-            for (int r = 0; r < size<0>(S); ++r) {
-              dP(r, c) = S(r, c) * (dP(r, c) - row_delta);
-            }
-          }
-        }
-        // Keys past num_keys or outside the band: P = dS = 0 (a select per element, in a loop of
-        // its own so that the exp2 loop stays free of branches).
-        if (key0 + kBlockN > seq.num_keys || key0 + kBlockN - 1 > query0 + seq.band_hi ||
-            key0 < query0 + kQueryChunk - 1 + seq.band_lo) {
+      // P^T and dS^T in place of S^T and dP^T.  lse_log2 and delta are per query: per column.
+      // Soft-capping is decided once per chunk, not per element.
+      float const* lse_log2 = s.lse_log2[buf] + part * kQueryChunk;
+      float const* delta = s.delta[buf] + part * kQueryChunk;
+      if (softcap) {  // d(softcap_out * t) / dS = scale (1 - t^2); scale comes at the end
+        gemm_dp();
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) {
+          int const query = get<1>(tScS(0, c));
+          float const row_lse = lse_log2[query];
+          float const row_delta = delta[query];
           CUTE_UNROLL
           for (int r = 0; r < size<0>(S); ++r) {
-            int const key = key0 + get<0>(tScS(r, 0));
-            CUTE_UNROLL
-            for (int c = 0; c < size<1>(S); ++c) {
-              int const query = query0 + get<1>(tScS(0, c));
-              bool const hidden = (key >= seq.num_keys) | (key > query + seq.band_hi) | (key < query + seq.band_lo);
-              S(r, c) = hidden ? 0.f : S(r, c);
-              dP(r, c) = hidden ? 0.f : dP(r, c);
-            }
+            float const th = tanh_approx(S(r, c) * p.softcap_in);
+            float const prob = exp2_approx(fmaf(th * p.softcap_out, p.scale_log2, -row_lse));
+            S(r, c) = prob;
+            dP(r, c) = prob * (dP(r, c) - row_delta) * (1.f - th * th);
           }
         }
-        Tensor rP = sm80::convert<Element>(tSrS);  // (qualified: convert() is also the last kernel)
-        Tensor rDs = sm80::convert<Element>(tSrDp);
-        // dS^T into ds[buf], for dQ (and P^T before it with kSplitColumns)
-        auto const store_c = copy_c.get_thread_slice(fresh_tid());
-        auto store = [&](auto const& r) {
-          copy(copy_c, store_c.retile_S(r), store_c.partition_D(chunk_ds(buf, part)));
-        };
-
-        // dV += P^T dO, dK += dS^T Q: P^T and dS^T as A operands where the accumulators are.
-        auto const rP_a = make_tensor(rP.data(), accumulator_as_a(rP.layout()));
-        auto const rDs_a = make_tensor(rDs.data(), accumulator_as_a(rDs.layout()));
-        auto const load_qt = copy_bt.get_thread_slice(fresh_tid());
-        auto own_chunk = [&](auto& acc, auto const& a, Element* tile) {
-          gemm_rs_or_fine<kTightRegisters>(mma, acc, a, copy_bt, load_qt.partition_S(chunk_cols(tile, part)), tKrQt,
-                                           tKrQt_view);
-        };
-        if constexpr (kSplitColumns) {
-          // The other query chunk's P^T and dS^T come from the warp of the same keys in the other
-          // slice, through this step's dS^T buffer (free: add_dq read it two steps ago, before
-          // the last barrier), P^T first, then dS^T in its place; a named barrier of the two
-          // warps orders each write before the other's read, and the other's read of P^T
-          // before dS^T replaces it.  The own chunk's MMAs go between write and barrier.
-          int const other = 1 - part;
-          auto pair_sync = [&] { named_barrier_sync(1 + fresh_tid() / 32, 64); };  // (0: __syncthreads)
-          Tensor tKrPt = thr.partition_fragment_A(chunk_ds(buf, other));  // the other's P^T, then dS^T
-          Tensor tKrPt_view = load_a.retile_D(tKrPt);
-          auto other_chunk = [&](auto& acc, Element* tile) {
-            auto const load_pt = copy_a.get_thread_slice(fresh_tid());
-            gemm_ss_or_fine<kTightRegisters>(mma, acc, copy_a, load_pt.partition_S(chunk_ds(buf, other)), tKrPt,
-                                             tKrPt_view, copy_bt, load_qt.partition_S(chunk_cols(tile, other)),
-                                             tKrQt, tKrQt_view);
-          };
-          store(rP);
-          own_chunk(acc_dv, rP_a, s.qdo[buf][1]);
-          pair_sync();  // the other's P^T is in
-          other_chunk(acc_dv, s.qdo[buf][1]);
-          pair_sync();  // and read: dS^T may replace it
-          store(rDs);
-          own_chunk(acc_dk, rDs_a, s.qdo[buf][0]);
-          pair_sync();  // the other's dS^T is in
-          other_chunk(acc_dk, s.qdo[buf][0]);
-        } else {
-          store(rDs);
-          own_chunk(acc_dv, rP_a, s.qdo[buf][1]);
-          own_chunk(acc_dk, rDs_a, s.qdo[buf][0]);
+      } else {
+        // P^T before dP^T's GEMM and in the same basic block, so that the exp2s (MUFU, a
+        // quarter-rate pipe: 8 cycles a warp instruction) issue between its MMAs instead of
+        // after them, while the tensor cores would otherwise wait.  Same registers: P^T
+        // replaces S^T in place, as before.
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) {
+          float const row_lse = lse_log2[get<1>(tScS(0, c))];
+          CUTE_UNROLL
+          for (int r = 0; r < size<0>(S); ++r) {
+            S(r, c) = exp2_approx(fmaf(S(r, c), p.scale_log2, -row_lse));
+          }
         }
+        gemm_dp();
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) {
+          float const row_delta = delta[get<1>(tScS(0, c))];
+          CUTE_UNROLL
+          for (int r = 0; r < size<0>(S); ++r) {
+            dP(r, c) = S(r, c) * (dP(r, c) - row_delta);
+          }
+        }
+      }
+      // Keys past num_keys or outside the band: P = dS = 0 (a select per element, in a loop of
+      // its own so that the exp2 loop stays free of branches).
+      if (key0 + kBlockN > seq.num_keys || key0 + kBlockN - 1 > query0 + seq.band_hi ||
+          key0 < query0 + kQueryChunk - 1 + seq.band_lo) {
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(S); ++r) {
+          int const key = key0 + get<0>(tScS(r, 0));
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(S); ++c) {
+            int const query = query0 + get<1>(tScS(0, c));
+            bool const hidden = (key >= seq.num_keys) | (key > query + seq.band_hi) | (key < query + seq.band_lo);
+            S(r, c) = hidden ? 0.f : S(r, c);
+            dP(r, c) = hidden ? 0.f : dP(r, c);
+          }
+        }
+      }
+      Tensor rP = sm80::convert<Element>(tSrS);  // (qualified: convert() is also the last kernel)
+      Tensor rDs = sm80::convert<Element>(tSrDp);
+      // dS^T into ds[buf], for dQ (and P^T before it with kSplitColumns)
+      auto const store_c = copy_c.get_thread_slice(fresh_tid());
+      auto store = [&](auto const& r) {
+        copy(copy_c, store_c.retile_S(r), store_c.partition_D(chunk_ds(buf, part)));
+      };
+
+      // dV += P^T dO, dK += dS^T Q: P^T and dS^T as A operands where the accumulators are.
+      auto const rP_a = make_tensor(rP.data(), accumulator_as_a(rP.layout()));
+      auto const rDs_a = make_tensor(rDs.data(), accumulator_as_a(rDs.layout()));
+      auto const load_qt = copy_bt.get_thread_slice(fresh_tid());
+      auto own_chunk = [&](auto& acc, auto const& a, Element* tile) {
+        gemm_rs_or_fine<kTightRegisters>(mma, acc, a, copy_bt, load_qt.partition_S(chunk_cols(tile, part)), tKrQt,
+                                         tKrQt_view);
+      };
+      if constexpr (kSplitColumns) {
+        // The other query chunk's P^T and dS^T come from the warp of the same keys and that
+        // chunk, through this step's dS^T buffer (free: add_dq read it two steps ago, before
+        // the last barrier), P^T first, then dS^T in its place; a named barrier of the two
+        // warps orders each write before the other's read, and the other's read of P^T
+        // before dS^T replaces it.  The own chunk's MMAs go between write and barrier.
+        int const other = 1 - part;
+        auto pair_sync = [&] { named_barrier_sync(1 + fresh_tid() / 32, 64); };  // (0: __syncthreads)
+        Tensor tKrPt = thr.partition_fragment_A(chunk_ds(buf, other));  // the other's P^T, then dS^T
+        Tensor tKrPt_view = load_a.retile_D(tKrPt);
+        auto other_chunk = [&](auto& acc, Element* tile) {
+          auto const load_pt = copy_a.get_thread_slice(fresh_tid());
+          gemm_ss_or_fine<kTightRegisters>(mma, acc, copy_a, load_pt.partition_S(chunk_ds(buf, other)), tKrPt,
+                                           tKrPt_view, copy_bt, load_qt.partition_S(chunk_cols(tile, other)),
+                                           tKrQt, tKrQt_view);
+        };
+        store(rP);
+        own_chunk(acc_dv, rP_a, s.qdo[buf][1]);
+        pair_sync();  // the other's P^T is in
+        other_chunk(acc_dv, s.qdo[buf][1]);
+        pair_sync();  // and read: dS^T may replace it
+        store(rDs);
+        own_chunk(acc_dk, rDs_a, s.qdo[buf][0]);
+        pair_sync();  // the other's dS^T is in
+        other_chunk(acc_dk, s.qdo[buf][0]);
+      } else {
+        store(rDs);
+        own_chunk(acc_dv, rP_a, s.qdo[buf][1]);
+        own_chunk(acc_dk, rDs_a, s.qdo[buf][0]);
       }
 
       cp_async_wait<0>();  // step t + 1, this thread's part
@@ -640,17 +630,15 @@ struct BwdKernel {
     }
   }
 
-  // dK (times scale) and dV to memory.  With two query slices (and whole columns), slice 1's
-  // partial sums go through the Q/dO buffers (a fragment's element e of thread t at e *
-  // kKeyThreads + t: conflict-free) into slice 0, which stores; with kSplitColumns each stores
-  // its own columns.
+  // dK (times scale) and dV to memory.  With whole columns, query chunk 1's warps' partial sums
+  // go through the Q/dO buffers (a fragment's element e of thread t at e * kKeyThreads + t:
+  // conflict-free) into chunk 0's, which store; with kSplitColumns each stores its own columns.
   template <class Acc>
   static __device__ void epilogue(BwdParams const& p, SharedStorage& s, Sequence const& seq, int n_block,
                                   int head_kv, Acc& acc_dk, Acc& acc_dv) {
     using namespace cute;
     int const tid = threadIdx.x;
-    if constexpr (kQueryWarps > 1 && !kSplitColumns) {
-      static_assert(kQueryWarps == 2, "two query slices");
+    if constexpr (!kSplitColumns) {
       static_assert(decltype(size(acc_dk))::value * kKeyThreads * sizeof(float) <= sizeof(s.qdo), "one sum at a time");
       float* partial = reinterpret_cast<float*>(&s.qdo[0][0][0]) + tid % kKeyThreads;
       auto gather = [&](Acc& acc) {
