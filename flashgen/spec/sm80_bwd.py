@@ -4,9 +4,11 @@ Template: ``flashgen::sm80::BwdKernel<Element, kHeadDim, kBlockM, kBlockN>`` -- 
 with mma.sync, ldmatrix and cp.async.  One CTA per ``block_n`` keys of one (sequence, k/v
 head) keeps K and V in shared memory and walks every query head of the k/v head's group and
 every query block of ``block_m`` rows it meets, Q, dO, lse, delta and dS double-buffered.  Each
-warp owns 16 keys (and, with 64-key CTAs, half of each query block), so dK and dV stay in its
-registers; dQ goes into a float32 accumulator by atomics.  Each instance holds three entry
-points, launched in order on one stream, with the contract of ``sm90_bwd``:
+warp owns 16 keys of a 64-key CTA or 32 of a 128-key one, and half of each query block; dK and
+dV stay in registers (at head dim 128 with 32 keys, split by columns between the two warps of
+the same keys, which trade P^T and dS^T through shared memory); dQ goes into a float32
+accumulator by atomics.  Each instance holds three entry points, launched in order on one
+stream, with the contract of ``sm90_bwd``:
 
 * ``<name>_prep``: grid (ceil(M / block_m), heads, batch or sequences), ``aux_threads``
   threads -- delta, the lse in log2, zeroed dQ accumulator and counters;

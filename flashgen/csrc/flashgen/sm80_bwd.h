@@ -16,22 +16,25 @@
 // file's own: sm90_bwd.h's dQ accumulator is laid out in wgmma register order, this one's
 // row-major.)
 //
-// In the main kernel warp w owns keys 16 (w % kKeyWarps) .. +15 of the CTA's block and, when
-// the block has 64 keys (kKeyWarps = 4), query half w / kKeyWarps of every query block.
-// Per query block:
-//   S^T  = K Q^T,  dP^T = V dO^T             (16 keys x the warp's queries each)
+// In the main kernel warp w owns kKeysPerWarp keys of the CTA's block (16-key MMA tiles w % 4,
+// + 4, ...; kKeyWarps = 4) and query half w / 4 of every query block.  Per query block:
+//   S^T  = K Q^T,  dP^T = V dO^T             (the warp's keys x its queries each)
 //   P^T  = exp2(S^T * scale_log2 - lse_log2),   dS^T = P^T * (dP^T - delta)
 //          (soft-capped: S^T goes through tanh first and dS^T carries tanh's slope 1 - t^2)
 //   dV  += P^T dO,  dK += dS^T Q              (P^T, dS^T straight from the accumulators: the
 //                                             register layout of a 16x8 MMA pair is the A
-//                                             operand of one 16x16; dO^T, Q^T by ldmatrix.trans)
+//                                             operand of one 16x16; dO^T, Q^T by ldmatrix.trans;
+//                                             with kSplitColumns the other query half's P^T and
+//                                             dS^T from shared memory)
 //   dQ   = dS K                               (dS^T through shared memory; each warp 16 or 32
 //                                             query rows x kDqCols head-dim columns), added into the
 //                                             accumulator with red.global.add (float2 on sm_90)
-// Computing S transposed keeps a warp's dK and dV rows its own, so P never goes through shared
-// memory (FlashAttention-2's layout writes P and dS there and reads them back transposed).
-// With 64-key CTAs each warp's dK and dV are partial sums over its query half; the two halves
-// meet once at the end, through shared memory.  With `deterministic` the key-block CTAs of one
+// Computing S transposed keeps a warp's dK and dV rows its own, so its P^T and dS^T are A
+// operands where they are computed.  With two query halves each warp's dK and dV are partial
+// sums over its half, and the two halves meet once at the end, through shared memory; or, where
+// a warp's dK and dV over all columns would not fit in registers (kSplitColumns), the two warps
+// of the same keys split the columns, and each reads the other's P^T and dS^T from dS^T's
+// shared-memory buffer, P^T first (see mainloop).  With `deterministic` the key-block CTAs of one
 // (head, query block) add their dQ in key-block order behind a counter, as sm90_bwd's do.
 //
 // Rows and keys past the ends, and head-dim columns past head_dim (a multiple of 8), are
@@ -126,23 +129,30 @@ struct BwdKernel {
   static constexpr int kMinBlocksPerSm = 1;  // dK and dV in registers: over 128 of them a thread
   static constexpr int kAuxThreads = 128;    // prep and convert
 
-  // S^T, dP^T, dK, dV: 16 keys per warp; 64-key CTAs split each query block between two warps.
-  static constexpr int kKeyWarps = kBlockN / 16;
+  // S^T, dP^T, dK, dV: kKeysPerWarp keys per warp (16-key MMA tiles w % kKeyWarps, + kKeyWarps),
+  // 4 key warps, each query block split between the two warps of the same keys.  Per warp and
+  // step, S^T and dP^T read (keys + queries) x head dim / 256 ldmatrix.x4 each, dV and dK
+  // queries x columns / 256 each (P^T and dS^T are registers): at 128 x 64 and head dim 64 a
+  // 32 x 32 tile of S^T reads 16 + 16 + 8 + 8 where 16 keys x 64 queries read 16 + 16 + 16 + 16
+  // (K and V then held in registers, which 32 keys leave no room for).
+  static constexpr int kKeysPerWarp = kBlockN == 128 ? 32 : 16;
+  static constexpr int kKeyWarps = kBlockN / kKeysPerWarp;
   static constexpr int kQueryWarps = kWarps / kKeyWarps;
-  static constexpr int kQuerySlice = kBlockM / kQueryWarps;  // queries of one warp per step
-  static constexpr int kKeyThreads = 32 * kKeyWarps;         // the threads of one query slice
-  // A warp takes its slice kQueryChunk queries at a time; now always the whole slice.  At head
-  // dim 128, S^T and dP^T of 64 queries (64 accumulators) beside dK and dV (128) fit in 255
-  // registers only (kTightRegisters) with B loaded an ldmatrix at a time (gemm_ss_fine,
-  // gemm_rs_fine) and the per-thread offsets of add_dq and of the dS^T stores recomputed each
-  // step rather than kept live (opaque thread indices: some 60 integer instructions a step);
-  // two chunks of 32, as before, read K and V twice a step (16 ldmatrix more).
-  static constexpr int kQueryChunk = kQuerySlice;
-  static constexpr bool kTightRegisters = kHeadDim > 64 && kQueryChunk > 32;
-  static constexpr int kChunks = kQuerySlice / kQueryChunk;
-  // The warp's 16 rows of K and V as A fragments in registers for the whole CTA (2 x 16 of them)
-  // where dK and dV leave room (head dim 64), rather than by ldmatrix at every step.
-  static constexpr bool kKVInRegisters = kHeadDim == 64;
+  // dK and dV of kKeysPerWarp keys over all columns take 2 x kKeysPerWarp x kHeadDim / 32
+  // registers a thread.  Over 128 (32 keys at head dim 128) the two warps of the same keys split
+  // the columns instead of the queries, kDkvCols each, and each takes the other's P^T and dS^T
+  // from shared memory: 32 + 32 + 20 + 20 ldmatrix (4 of the other's P^T or dS^T, 16 of dO^T or
+  // Q^T) where 16 keys x 64 queries read 40 + 40 + 32 + 32.
+  static constexpr bool kSplitColumns = 2 * kKeysPerWarp * kHeadDim / 32 > 128;
+  static constexpr int kDkvCols = kSplitColumns ? kHeadDim / kQueryWarps : kHeadDim;
+  static constexpr int kQueryChunk = kBlockM / kQueryWarps;  // queries of one warp per step
+  static constexpr int kKeyThreads = 32 * kKeyWarps;         // the threads of one query chunk
+  // Where S^T and dP^T (64 accumulators) sit beside 128 of dK and dV, all fit in 255 registers only
+  // (kTightRegisters) with B loaded an ldmatrix at a time (gemm_ss_fine, gemm_rs_fine) and the
+  // per-thread offsets of add_dq and of the dS^T stores recomputed each step rather than kept
+  // live (opaque thread indices: some 60 integer instructions a step).
+  static constexpr int kAccumulators = 2 * kKeysPerWarp * (kDkvCols + kQueryChunk) / 32;  // a thread's
+  static constexpr bool kTightRegisters = kAccumulators > 160;
   // dQ (kBlockM queries x kHeadDim columns): kDqRowWarps warps along the queries, each 16 rows of
   // every 16 * kDqRowWarps, and the head dim split among the warps that share rows.  A warp's
   // ldmatrix count per step is proportional to its rows plus its columns, so the squarest split
@@ -158,7 +168,7 @@ struct BwdKernel {
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
   static_assert(kHeadDim % 64 == 0, "swizzle atoms are 64 columns wide");
-  static_assert(kBlockN == 64 || kBlockN == 128, "16 keys per warp, and at most two query slices");
+  static_assert(kKeyWarps * kKeysPerWarp == kBlockN && kQueryWarps == 2, "whole key tiles, two query chunks");
   static_assert(kQueryChunk % 16 == 0 && kBlockM % 32 == 0, "a query chunk is whole 16-query MMA steps");
   static_assert(kBlockM % (kDqRowWarps * 16) == 0 && kDqCols % 16 == 0, "dQ tiles whole 16 x 16 ldmatrix tiles");
 
@@ -249,8 +259,8 @@ struct BwdKernel {
       return;
     }
     TiledMmaKeys mma;
-    Tensor acc_dk = partition_fragment_C(mma, Shape<Int<kBlockN>, Int<kHeadDim>>{});
-    Tensor acc_dv = partition_fragment_C(mma, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+    Tensor acc_dk = partition_fragment_C(mma, Shape<Int<kBlockN>, Int<kDkvCols>>{});
+    Tensor acc_dv = partition_fragment_C(mma, Shape<Int<kBlockN>, Int<kDkvCols>>{});
     clear(acc_dk);
     clear(acc_dv);
     Steps const st = steps(seq, n_block);
@@ -263,7 +273,8 @@ struct BwdKernel {
   // The pipeline, one __syncthreads per step t (buffer b = t % 2 of Q/dO, lse/delta and dS^T):
   //
   //   compute   S^T, dP^T from Q/dO[b]; P^T, dS^T with lse/delta[b]; dS^T -> ds[b];
-  //             dV, dK from Q/dO[b]
+  //             dV, dK from Q/dO[b] (kSplitColumns: and from ds[b], P^T there before dS^T,
+  //             under barriers of the two warps that share keys; see below)
   //   wait      cp.async.wait_group 0: this thread's part of step t + 1 (issued a step ago) landed
   //   barrier   (1) all of ds[b] is written, and every thread's part of step t + 1 is visible;
   //             (2) every warp is past its last read of Q/dO[b] and lse/delta[b] (this step's
@@ -330,12 +341,14 @@ struct BwdKernel {
         }
         // a whole block of lse_log2 and delta: prep wrote every row of the blocks visited
         constexpr int kChunks = kBlockM / 4;  // 16-byte chunks of each
-        if (tid < 2 * kChunks) {
-          bool const is_delta = tid >= kChunks;
-          long long const at = workspace_row0<kBlockM>(p, seq, c.head) + query0 + tid % kChunks * 4;
+        int const copy_tid = opaque<kTightRegisters>(threadIdx.x);  // (see fresh_tid below)
+        if (copy_tid < 2 * kChunks) {
+          bool const is_delta = copy_tid >= kChunks;
+          long long const at = workspace_row0<kBlockM>(p, seq, c.head) + query0 + copy_tid % kChunks * 4;
           cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>::copy(
               *reinterpret_cast<cute::uint128_t const*>((is_delta ? p.delta_ptr : p.lse_log2_ptr) + at),
-              *reinterpret_cast<cute::uint128_t*>((is_delta ? s.delta[buf] : s.lse_log2[buf]) + tid % kChunks * 4));
+              *reinterpret_cast<cute::uint128_t*>((is_delta ? s.delta[buf] : s.lse_log2[buf]) +
+                                                  copy_tid % kChunks * 4));
         }
       }
       cp_async_fence();
@@ -349,8 +362,7 @@ struct BwdKernel {
 
     TiledMmaKeys mma;
     int const mma_tid = tid % kKeyThreads;
-    int const slice = kQueryWarps == 1 ? 0 : tid / kKeyThreads;  // this warp's query slice
-    static_assert(kQueryWarps == 1 || kChunks == 1, "a slice is one chunk or the whole block");
+    int const part = tid / kKeyThreads;  // this warp's query chunk of every block
     auto thr = mma.get_thread_slice(mma_tid);
     auto copy_a = make_tiled_copy_A(LoadOperand{}, mma);
     auto copy_b = make_tiled_copy_B(LoadOperand{}, mma);
@@ -360,144 +372,165 @@ struct BwdKernel {
     auto load_b = copy_b.get_thread_slice(mma_tid);
     auto load_bt = copy_bt.get_thread_slice(mma_tid);
 
-    // Query chunk `part` (kQueryChunk queries from part * kQueryChunk) of a Q or dO tile, as
-    // (queries, head dim) and as (head dim, queries), and of dS^T (keys, queries).
-    auto chunk_rows = [&](Element* tile, int part) {
+    // Query chunk `chunk` (kQueryChunk queries from chunk * kQueryChunk) of a Q or dO tile, as
+    // (queries, head dim) and as (this warp's kDkvCols columns, queries), and of dS^T (keys, queries).
+    int const cols = kSplitColumns ? part : 0;
+    auto chunk_rows = [&](Element* tile, int chunk) {
       return local_tile(make_tensor(make_smem_ptr(tile), SmemLayoutQ{}), Shape<Int<kQueryChunk>, Int<kHeadDim>>{},
-                        make_coord(part, 0));
+                        make_coord(chunk, 0));
     };
-    auto chunk_cols = [&](Element* tile, int part) {
-      return local_tile(make_tensor(make_smem_ptr(tile), SmemLayoutQt{}), Shape<Int<kHeadDim>, Int<kQueryChunk>>{},
-                        make_coord(0, part));
+    auto chunk_cols = [&](Element* tile, int chunk) {
+      return local_tile(make_tensor(make_smem_ptr(tile), SmemLayoutQt{}), Shape<Int<kDkvCols>, Int<kQueryChunk>>{},
+                        make_coord(cols, chunk));
     };
-    auto chunk_ds = [&](int buf, int part) {
+    auto chunk_ds = [&](int buf, int chunk) {
       return local_tile(make_tensor(make_smem_ptr(s.ds[buf]), SmemLayoutDsT{}), Shape<Int<kBlockN>, Int<kQueryChunk>>{},
-                        make_coord(0, part));
+                        make_coord(0, chunk));
     };
     Tensor sK = make_tensor(make_smem_ptr(s.k), SmemLayoutKV{});
     Tensor sV = make_tensor(make_smem_ptr(s.v), SmemLayoutKV{});
     Tensor tSsK = load_a.partition_S(sK);
     Tensor tSsV = load_a.partition_S(sV);
-    Tensor tSrK = thr.partition_fragment_A(sK);  // K, then V: (MMA, 1, head dim / 16)
+    Tensor tSrK = thr.partition_fragment_A(sK);  // K, then V: (MMA, keys / (16 kKeyWarps), head dim / 16)
     Tensor tSrK_view = load_a.retile_D(tSrK);
-    // At head dim 64 the warp's K and V rows stay in registers as A fragments (16 each), read
-    // once: 8 fewer ldmatrix a step, and S^T, dP^T take B alone from shared memory.
-    Tensor tSrV = thr.partition_fragment_A(sV);
     Tensor tSrQ = thr.partition_fragment_B(chunk_rows(s.qdo[0][0], 0));  // Q, then dO
     Tensor tSrQ_view = load_b.retile_D(tSrQ);
-    Tensor tKrQt = thr.partition_fragment_B(chunk_cols(s.qdo[0][0], 0));  // dO^T, then Q^T: (MMA, head dim / 8, queries / 16)
+    Tensor tKrQt = thr.partition_fragment_B(chunk_cols(s.qdo[0][0], 0));  // dO^T, then Q^T: (MMA, kDkvCols / 8, queries / 16)
     Tensor tKrQt_view = load_bt.retile_D(tKrQt);
 
     Tensor tSrS = partition_fragment_C(mma, Shape<Int<kBlockN>, Int<kQueryChunk>>{});   // S^T, then P^T
     Tensor tSrDp = partition_fragment_C(mma, Shape<Int<kBlockN>, Int<kQueryChunk>>{});  // dP^T, then dS^T
     Tensor S = make_tensor(tSrS.data(), rows_cols_layout(tSrS.layout()));  // (this thread's keys, its queries)
     Tensor dP = make_tensor(tSrDp.data(), rows_cols_layout(tSrDp.layout()));
-    // each accumulator element's (key, query) within (block, chunk): where the mask applies
-    Tensor tScS = rows_cols(thr.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kQueryChunk>>{})));
 
     bool const softcap = p.softcap_in != 0.f;
     cp_async_wait<1>();  // step 0 (and K, V) landed; step 1 may still be in flight
     __syncthreads();
-    if constexpr (kKVInRegisters) {
-      copy(copy_a, tSsK, tSrK_view);
-      copy(copy_a, tSsV, load_a.retile_D(tSrV));
-    }
     for (int t = 0; t < total; ++t) {
       int const buf = t % 2;
 
-#pragma unroll 1
-      for (int chunk = 0; chunk < kChunks; ++chunk) {
-        int const part = slice + chunk;  // one of them is 0 (static_assert above)
-        int const query0 = at.m_block * kBlockM + part * kQueryChunk;  // the chunk's first query
-        clear(tSrS);
-        if constexpr (kKVInRegisters) {
-          gemm_rs(mma, tSrS, tSrK, copy_b, load_b.partition_S(chunk_rows(s.qdo[buf][0], part)), tSrQ, tSrQ_view);
-        } else {
-          gemm_ss_or_fine<kTightRegisters>(mma, tSrS, copy_a, tSsK, tSrK, tSrK_view, copy_b,
-                                           load_b.partition_S(chunk_rows(s.qdo[buf][0], part)), tSrQ, tSrQ_view);
-        }
-        clear(tSrDp);
-        auto gemm_dp = [&] {
-          if constexpr (kKVInRegisters) {
-            gemm_rs(mma, tSrDp, tSrV, copy_b, load_b.partition_S(chunk_rows(s.qdo[buf][1], part)), tSrQ, tSrQ_view);
-          } else {
-            gemm_ss_or_fine<kTightRegisters>(mma, tSrDp, copy_a, tSsV, tSrK, tSrK_view, copy_b,
-                                             load_b.partition_S(chunk_rows(s.qdo[buf][1], part)), tSrQ, tSrQ_view);
-          }
-        };
+      int const query0 = at.m_block * kBlockM + part * kQueryChunk;  // the chunk's first query
+      // Where registers are tight, the step's per-thread shared-memory offsets and element
+      // coordinates (ldmatrix of Q, dO, their transposes and the other warp's P^T and dS^T,
+      // the stores, tScS below) derive from an opaque thread index, one per use, so they are
+      // recomputed each step: kept through the loop, ptxas spilled them (4-20 bytes).
+      auto fresh_tid = [&] { return opaque<kTightRegisters>(mma_tid); };
+      auto const load_q = copy_b.get_thread_slice(fresh_tid());
+      // each accumulator element's (key, query) within (block, chunk): where the mask applies
+      Tensor tScS = rows_cols(mma.get_thread_slice(fresh_tid())
+                                  .partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kQueryChunk>>{})));
+      clear(tSrS);
+      gemm_ss_or_fine<kTightRegisters>(mma, tSrS, copy_a, tSsK, tSrK, tSrK_view, copy_b,
+                                       load_q.partition_S(chunk_rows(s.qdo[buf][0], part)), tSrQ, tSrQ_view);
+      clear(tSrDp);
+      auto gemm_dp = [&] {
+        gemm_ss_or_fine<kTightRegisters>(mma, tSrDp, copy_a, tSsV, tSrK, tSrK_view, copy_b,
+                                         load_q.partition_S(chunk_rows(s.qdo[buf][1], part)), tSrQ, tSrQ_view);
+      };
 
-        // P^T and dS^T in place of S^T and dP^T.  lse_log2 and delta are per query: per column.
-        // Soft-capping is decided once per chunk, not per element.
-        float const* lse_log2 = s.lse_log2[buf] + part * kQueryChunk;
-        float const* delta = s.delta[buf] + part * kQueryChunk;
-        if (softcap) {  // d(softcap_out * t) / dS = scale (1 - t^2); scale comes at the end
-          gemm_dp();
-          CUTE_UNROLL
-          for (int c = 0; c < size<1>(S); ++c) {
-            int const query = get<1>(tScS(0, c));
-            float const row_lse = lse_log2[query];
-            float const row_delta = delta[query];
-            CUTE_UNROLL
-            for (int r = 0; r < size<0>(S); ++r) {
-              float const th = tanh_approx(S(r, c) * p.softcap_in);
-              float const prob = exp2_approx(fmaf(th * p.softcap_out, p.scale_log2, -row_lse));
-              S(r, c) = prob;
-              dP(r, c) = prob * (dP(r, c) - row_delta) * (1.f - th * th);
-            }
-          }
-        } else {
-          // P^T before dP^T's GEMM and in the same basic block, so that the exp2s (MUFU, a
-          // quarter-rate pipe: 8 cycles a warp instruction) issue between its MMAs instead of
-          // after them, while the tensor cores would otherwise wait.  Same registers: P^T
-          // replaces S^T in place, as before.
-          CUTE_UNROLL
-          for (int c = 0; c < size<1>(S); ++c) {
-            float const row_lse = lse_log2[get<1>(tScS(0, c))];
-            CUTE_UNROLL
-            for (int r = 0; r < size<0>(S); ++r) {
-              S(r, c) = exp2_approx(fmaf(S(r, c), p.scale_log2, -row_lse));
-            }
-          }
-          gemm_dp();
-          CUTE_UNROLL
-          for (int c = 0; c < size<1>(S); ++c) {
-            float const row_delta = delta[get<1>(tScS(0, c))];
-            CUTE_UNROLL
-            for (int r = 0; r < size<0>(S); ++r) {
-              dP(r, c) = S(r, c) * (dP(r, c) - row_delta);
-            }
-          }
-        }
-        // Keys past num_keys or outside the band: P = dS = 0 (a select per element, in a loop of
-        // its own so that the exp2 loop stays free of branches).
-        if (key0 + kBlockN > seq.num_keys || key0 + kBlockN - 1 > query0 + seq.band_hi ||
-            key0 < query0 + kQueryChunk - 1 + seq.band_lo) {
+      // P^T and dS^T in place of S^T and dP^T.  lse_log2 and delta are per query: per column.
+      // Soft-capping is decided once per chunk, not per element.
+      float const* lse_log2 = s.lse_log2[buf] + part * kQueryChunk;
+      float const* delta = s.delta[buf] + part * kQueryChunk;
+      if (softcap) {  // d(softcap_out * t) / dS = scale (1 - t^2); scale comes at the end
+        gemm_dp();
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) {
+          int const query = get<1>(tScS(0, c));
+          float const row_lse = lse_log2[query];
+          float const row_delta = delta[query];
           CUTE_UNROLL
           for (int r = 0; r < size<0>(S); ++r) {
-            int const key = key0 + get<0>(tScS(r, 0));
-            CUTE_UNROLL
-            for (int c = 0; c < size<1>(S); ++c) {
-              int const query = query0 + get<1>(tScS(0, c));
-              bool const hidden = (key >= seq.num_keys) | (key > query + seq.band_hi) | (key < query + seq.band_lo);
-              S(r, c) = hidden ? 0.f : S(r, c);
-              dP(r, c) = hidden ? 0.f : dP(r, c);
-            }
+            float const th = tanh_approx(S(r, c) * p.softcap_in);
+            float const prob = exp2_approx(fmaf(th * p.softcap_out, p.scale_log2, -row_lse));
+            S(r, c) = prob;
+            dP(r, c) = prob * (dP(r, c) - row_delta) * (1.f - th * th);
           }
         }
-        Tensor rP = sm80::convert<Element>(tSrS);  // (qualified: convert() is also the last kernel)
-        Tensor rDs = sm80::convert<Element>(tSrDp);
-        {  // dS^T, for dQ; the thread's offsets through an opaque index, as in add_dq (registers)
-          auto store_c = copy_c.get_thread_slice(opaque<kTightRegisters>(mma_tid));
-          copy(copy_c, store_c.retile_S(rDs), store_c.partition_D(chunk_ds(buf, part)));
+      } else {
+        // P^T before dP^T's GEMM and in the same basic block, so that the exp2s (MUFU, a
+        // quarter-rate pipe: 8 cycles a warp instruction) issue between its MMAs instead of
+        // after them, while the tensor cores would otherwise wait.  Same registers: P^T
+        // replaces S^T in place, as before.
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) {
+          float const row_lse = lse_log2[get<1>(tScS(0, c))];
+          CUTE_UNROLL
+          for (int r = 0; r < size<0>(S); ++r) {
+            S(r, c) = exp2_approx(fmaf(S(r, c), p.scale_log2, -row_lse));
+          }
         }
+        gemm_dp();
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) {
+          float const row_delta = delta[get<1>(tScS(0, c))];
+          CUTE_UNROLL
+          for (int r = 0; r < size<0>(S); ++r) {
+            dP(r, c) = S(r, c) * (dP(r, c) - row_delta);
+          }
+        }
+      }
+      // Keys past num_keys or outside the band: P = dS = 0 (a select per element, in a loop of
+      // its own so that the exp2 loop stays free of branches).
+      if (key0 + kBlockN > seq.num_keys || key0 + kBlockN - 1 > query0 + seq.band_hi ||
+          key0 < query0 + kQueryChunk - 1 + seq.band_lo) {
+        CUTE_UNROLL
+        for (int r = 0; r < size<0>(S); ++r) {
+          int const key = key0 + get<0>(tScS(r, 0));
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(S); ++c) {
+            int const query = query0 + get<1>(tScS(0, c));
+            bool const hidden = (key >= seq.num_keys) | (key > query + seq.band_hi) | (key < query + seq.band_lo);
+            S(r, c) = hidden ? 0.f : S(r, c);
+            dP(r, c) = hidden ? 0.f : dP(r, c);
+          }
+        }
+      }
+      Tensor rP = sm80::convert<Element>(tSrS);  // (qualified: convert() is also the last kernel)
+      Tensor rDs = sm80::convert<Element>(tSrDp);
+      // dS^T into ds[buf], for dQ (and P^T before it with kSplitColumns)
+      auto const store_c = copy_c.get_thread_slice(fresh_tid());
+      auto store = [&](auto const& r) {
+        copy(copy_c, store_c.retile_S(r), store_c.partition_D(chunk_ds(buf, part)));
+      };
 
-        // dV += P^T dO, dK += dS^T Q: P^T and dS^T as A operands where the accumulators are.
-        auto const rP_a = make_tensor(rP.data(), accumulator_as_a(rP.layout()));
-        auto const rDs_a = make_tensor(rDs.data(), accumulator_as_a(rDs.layout()));
-        gemm_rs_or_fine<kTightRegisters>(mma, acc_dv, rP_a, copy_bt,
-                                         load_bt.partition_S(chunk_cols(s.qdo[buf][1], part)), tKrQt, tKrQt_view);
-        gemm_rs_or_fine<kTightRegisters>(mma, acc_dk, rDs_a, copy_bt,
-                                         load_bt.partition_S(chunk_cols(s.qdo[buf][0], part)), tKrQt, tKrQt_view);
+      // dV += P^T dO, dK += dS^T Q: P^T and dS^T as A operands where the accumulators are.
+      auto const rP_a = make_tensor(rP.data(), accumulator_as_a(rP.layout()));
+      auto const rDs_a = make_tensor(rDs.data(), accumulator_as_a(rDs.layout()));
+      auto const load_qt = copy_bt.get_thread_slice(fresh_tid());
+      auto own_chunk = [&](auto& acc, auto const& a, Element* tile) {
+        gemm_rs_or_fine<kTightRegisters>(mma, acc, a, copy_bt, load_qt.partition_S(chunk_cols(tile, part)), tKrQt,
+                                         tKrQt_view);
+      };
+      if constexpr (kSplitColumns) {
+        // The other query chunk's P^T and dS^T come from the warp of the same keys and that
+        // chunk, through this step's dS^T buffer (free: add_dq read it two steps ago, before
+        // the last barrier), P^T first, then dS^T in its place; a named barrier of the two
+        // warps orders each write before the other's read, and the other's read of P^T
+        // before dS^T replaces it.  The own chunk's MMAs go between write and barrier.
+        int const other = 1 - part;
+        auto pair_sync = [&] { named_barrier_sync(1 + fresh_tid() / 32, 64); };  // (0: __syncthreads)
+        Tensor tKrPt = thr.partition_fragment_A(chunk_ds(buf, other));  // the other's P^T, then dS^T
+        Tensor tKrPt_view = load_a.retile_D(tKrPt);
+        auto other_chunk = [&](auto& acc, Element* tile) {
+          auto const load_pt = copy_a.get_thread_slice(fresh_tid());
+          gemm_ss_or_fine<kTightRegisters>(mma, acc, copy_a, load_pt.partition_S(chunk_ds(buf, other)), tKrPt,
+                                           tKrPt_view, copy_bt, load_qt.partition_S(chunk_cols(tile, other)),
+                                           tKrQt, tKrQt_view);
+        };
+        store(rP);
+        own_chunk(acc_dv, rP_a, s.qdo[buf][1]);
+        pair_sync();  // the other's P^T is in
+        other_chunk(acc_dv, s.qdo[buf][1]);
+        pair_sync();  // and read: dS^T may replace it
+        store(rDs);
+        own_chunk(acc_dk, rDs_a, s.qdo[buf][0]);
+        pair_sync();  // the other's dS^T is in
+        other_chunk(acc_dk, s.qdo[buf][0]);
+      } else {
+        store(rDs);
+        own_chunk(acc_dv, rP_a, s.qdo[buf][1]);
+        own_chunk(acc_dk, rDs_a, s.qdo[buf][0]);
       }
 
       cp_async_wait<0>();  // step t + 1, this thread's part
@@ -597,16 +630,15 @@ struct BwdKernel {
     }
   }
 
-  // dK (times scale) and dV to memory.  With two query slices, slice 1's partial sums go through
-  // the Q/dO buffers (a fragment's element e of thread t at e * kKeyThreads + t: conflict-free)
-  // into slice 0, which stores.
+  // dK (times scale) and dV to memory.  With whole columns, query chunk 1's warps' partial sums
+  // go through the Q/dO buffers (a fragment's element e of thread t at e * kKeyThreads + t:
+  // conflict-free) into chunk 0's, which store; with kSplitColumns each stores its own columns.
   template <class Acc>
   static __device__ void epilogue(BwdParams const& p, SharedStorage& s, Sequence const& seq, int n_block,
                                   int head_kv, Acc& acc_dk, Acc& acc_dv) {
     using namespace cute;
     int const tid = threadIdx.x;
-    if constexpr (kQueryWarps > 1) {
-      static_assert(kQueryWarps == 2, "two query slices");
+    if constexpr (!kSplitColumns) {
       static_assert(decltype(size(acc_dk))::value * kKeyThreads * sizeof(float) <= sizeof(s.qdo), "one sum at a time");
       float* partial = reinterpret_cast<float*>(&s.qdo[0][0][0]) + tid % kKeyThreads;
       auto gather = [&](Acc& acc) {
@@ -634,7 +666,8 @@ struct BwdKernel {
     TiledMmaKeys mma;
     auto thr = mma.get_thread_slice(tid % kKeyThreads);
     // (key, column) of each accumulator element; elements 2i and 2i + 1 are neighbouring columns
-    Tensor tDcD = thr.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    Tensor tDcD = thr.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kDkvCols>>{}));
+    int const col0 = kSplitColumns ? tid / kKeyThreads * kDkvCols : 0;
     int const key0 = n_block * kBlockN;
     long long const offset = seq.batch * p.dkv_stride_b + (seq.k0 + key0) * (long long)p.dkv_stride_n +
                              head_kv * (long long)p.dkv_stride_h;
@@ -643,7 +676,7 @@ struct BwdKernel {
       CUTE_UNROLL
       for (int e = 0; e < size(acc); e += 2) {
         int const key = get<0>(tDcD(e));
-        int const col = get<1>(tDcD(e));
+        int const col = col0 + get<1>(tDcD(e));
         if (key0 + key < seq.num_keys && col < p.head_dim) {
           cutlass::Array<Element, 2> pair;
           pair[0] = static_cast<Element>(acc(e) * scale);

@@ -141,6 +141,12 @@ __device__ auto convert(cute::Tensor<Engine, Layout> const& from) {
   return to;
 }
 
+// bar.sync of barrier `id` (1-15; __syncthreads is 0) for `threads` threads, whole warps: a
+// barrier among some warps of the CTA.  (CUTLASS's NamedBarrier emits nothing below sm_90.)
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 // acc += A B over the K mode, both operands from shared memory by ldmatrix; the next k-slice's
 // fragments load while this one's MMAs run.
 template <class Mma, class Acc, class CopyA, class SrcA, class RegA, class ViewA, class CopyB, class SrcB,
