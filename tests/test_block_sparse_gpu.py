@@ -202,7 +202,7 @@ def float64_forward(q, k, v, bm):
     """The forward's out (in q's dtype) and lse as a backward takes them, from float64."""
     group = q.shape[2] // k.shape[2]
     ro, rl = reference(q, cupy.repeat(k, group, axis=2), cupy.repeat(v, group, axis=2), bias=bm.to_dense(cupy.float32))
-    return ro.astype(q.dtype), rl.astype(cupy.float32)
+    return cupy.ascontiguousarray(ro.astype(q.dtype)), rl.astype(cupy.float32)  # out as a forward writes it
 
 
 @needs_sparse_bwd
