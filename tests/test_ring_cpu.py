@@ -34,6 +34,9 @@ CASES = {
     "gqa-full-contiguous": dict(H=8, Hk=2, K=5, Kv=3, layout="contiguous"),
     "causal-window": dict(causal=True, window=(5, None)),
     "window-softcap-scale": dict(window=(4, 6), softcap=1.5, scale=0.4, layout="contiguous"),
+    # the backward's own shard in two halves by k/v heads (above), by batch, or whole
+    "one-kv-head": dict(causal=True, H=4, Hk=1),
+    "one-kv-head-one-sequence": dict(causal=True, B=1, H=4, Hk=1),
 }
 
 

@@ -66,8 +66,9 @@ def attention_step(run, q, k, v, grad):
 
 
 def transfers_step(ring, k, v, world):
-    """The ring's transfers alone: world - 1 hops of k, v (forward); world - 1 hops of k, v with
-    float32 dk, dv after the first step, and the last hop of dk, dv (backward)."""
+    """The ring's transfers alone: world - 1 hops of k, v (forward); in the backward, the first
+    hop of k, v, then world - 2 hops of k, v with the float32 dk, dv of the shard before, and
+    the last hop of dk, dv home."""
     kv_in = [torch.empty_like(x) for x in (k, v)]
     acc = [torch.empty_like(x, dtype=torch.float32) for x in (k, v)]
     acc_in = [torch.empty_like(x) for x in acc]
@@ -78,12 +79,14 @@ def transfers_step(ring, k, v, world):
         for _ in range(world - 1):
             ring.wait(ring.exchange((k, v), kv_in, ring.mark()))
         mid.record()
-        for hop in range(world):
-            sends, recvs = ([k, v], list(kv_in)) if hop < world - 1 else ([], [])
-            if hop > 0:
-                sends, recvs = sends + acc, recvs + acc_in
-            ring.wait(ring.exchange(sends, recvs, ring.mark()))
-        ring.wait(ring.exchange(acc, acc_in, ring.mark()))
+        if world > 1:
+            ring.wait(ring.exchange((k, v), kv_in, ring.mark()))
+            for hop in range(world - 1):
+                sends, recvs = ([k, v], list(kv_in)) if hop + 1 < world - 1 else ([], [])
+                if hop > 0:
+                    sends, recvs = sends + acc, recvs + acc_in
+                ring.wait(ring.exchange(sends, recvs, ring.mark()))
+            ring.wait(ring.exchange(acc, acc_in, ring.mark()))
         end.record()
         return start, mid, end
     return step

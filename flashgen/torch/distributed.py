@@ -9,12 +9,14 @@
 Each rank keeps its queries; the key/value shards travel around the ring (rank r sends to
 r + 1 and receives from r - 1, ``torch.distributed.batch_isend_irecv``) while the block
 that has arrived is computed, and the partial outputs merge through their log-sum-exp
-(``flashgen.runtime.context``).  The backward sends the key/value shards around again,
-together with the float32 dk/dv accumulators of the shard each rank has just worked on,
-which arrive back at their owner after a last hop.  Grouped-query k/v travel with their
-Hk heads.  Every sum runs in a fixed order (dq over the steps, a shard's dk/dv over the
-ranks from its owner on), so with ``deterministic=True`` for the kernels a fixed world size
-repeats the same bits.
+(``flashgen.runtime.context``).  The backward works on the other ranks' shards first and
+on its own last: the key/value shards go around again, each with the float32 dk/dv
+accumulators of the ranks that have worked on it, and their last hop home runs beside the
+owner's work on its own shard, whose first half (by heads, else batch) runs beside the
+first key/value hop: no transfer waits for nothing but itself.  Grouped-query k/v travel
+with their Hk heads.  Every sum runs in a fixed order (dq over the steps, a shard's dk/dv
+over the ranks after its owner, the owner's share last), so with ``deterministic=True`` for
+the kernels a fixed world size repeats the same bits.
 
 Overlap: at each step the compute stream records an event, enqueues the block's kernels,
 then the transfers for the next step are posted from a side stream that waits only for
@@ -129,36 +131,89 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         config = ctx.config
-        ring = config.ring
+        ring, world = config.ring, config.ring.world
         grad_out = grad_out.contiguous()
+        options = dict(scale=config.scale, softcap=config.softcap, deterministic=config.deterministic,
+                       backward=config.kernels.backward)
+        own_blocks, remote_plans = config.plans[0], config.plans[1:]  # the others: shards r-1, r-2, ..., r+1
+        dq = _filled_like(q, torch.float32)
+        own_dk, own_dv = _filled_like(k, torch.float32), _filled_like(v, torch.float32)
+
+        def own_part(part):  # this rank's own key shard, over one slice of heads (or batch)
+            views = [x[part.q] for x in (grad_out, q)] + [x[part.kv] for x in (k, v)] + [out[part.q], lse[part.lse]]
+            context.partial_backward(*views, own_blocks, dq[part.q], own_dk[part.kv], own_dv[part.kv], **options)
+
+        first, last = _halves(q, k) if world > 1 else (None, _EVERY)
         held, spare = (k, v), [None, None]
         inbox = [None, None]  # the dk/dv accumulators that arrive, alternately
-        dq = done = None  # done: the finished float32 (dk, dv) of the shard held at the previous step
-        for step, blocks in enumerate(config.plans):
+        done = None  # the finished float32 (dk, dv) of the shard worked on at the previous step
+        pending = []
+        if world > 1:  # the first shard's k/v travel while the first half of the own shard is computed
+            spare[0] = _like(held)
+            pending = ring.exchange(held, spare[0], ring.mark())
+            if first is not None:
+                own_part(first)
+            ring.wait(pending)
+            held = spare[0]
+        for step, blocks in enumerate(remote_plans):
             ready = ring.mark()
-            dq, dk, dv = context.partial_backward(grad_out, q, *held, out, lse, blocks, dq, scale=config.scale,
-                                                  softcap=config.softcap, deterministic=config.deterministic,
-                                                  backward=config.kernels.backward)
             sends, recvs = [], []
-            if step + 1 < ring.world:
-                spare[step % 2] = spare[step % 2] or _like(held)
-                sends, recvs = list(held), list(spare[step % 2])
-            if step > 0:  # the accumulators of this step's shard, from the ranks before this one
-                inbox[step % 2] = inbox[step % 2] or _like((dk, dv))
+            if step + 1 < len(remote_plans):  # pass the k/v on; the next shard's arrive
+                spare[(step + 1) % 2] = spare[(step + 1) % 2] or _like(held)
+                sends, recvs = list(held), list(spare[(step + 1) % 2])
+            if step > 0:  # this step's shard's accumulators, from the ranks before this one
+                inbox[step % 2] = inbox[step % 2] or _like(done)
                 sends, recvs = sends + list(done), recvs + list(inbox[step % 2])
-            ring.wait(ring.exchange(sends, recvs, ready))
+            pending = ring.exchange(sends, recvs, ready)
+            dq, dk, dv = context.partial_backward(grad_out, q, *held, out, lse, blocks, dq, **options)
+            ring.wait(pending)
             if step > 0:
                 inbox[step % 2][0].add_(dk)
                 inbox[step % 2][1].add_(dv)
                 dk, dv = inbox[step % 2]
             done = dk.contiguous(), dv.contiguous()  # sent next (a kernel's own gradient may be strided)
-            if step + 1 < ring.world:
-                held = spare[step % 2]
-        if ring.world > 1:  # the last hop: each shard's accumulators back to their owner
-            home = inbox[ring.world % 2] or _like(done)
-            ring.wait(ring.exchange(done, home, ring.mark()))
-            done = home
-        return dq.to(q.dtype), done[0].to(k.dtype), done[1].to(v.dtype), None
+            if step + 1 < len(remote_plans):
+                held = spare[(step + 1) % 2]
+        if world > 1:  # the last hop (the accumulators to their owner) runs beside the own shard's rest
+            home = inbox[len(remote_plans) % 2] or _like(done)
+            pending = ring.exchange(done, home, ring.mark())
+        own_part(last)
+        ring.wait(pending)
+        dk, dv = (own_dk, own_dv) if world == 1 else (home[0].add_(own_dk), home[1].add_(own_dv))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+class _Part(NamedTuple):
+    """Index tuples of one slice of the heads (or the batch): into q-shaped, k-shaped and lse tensors."""
+
+    q: tuple
+    kv: tuple
+    lse: tuple
+
+
+_EVERY = _Part((slice(None),), (slice(None),), (slice(None),))
+
+
+def _halves(q, k) -> Tuple[Optional[_Part], _Part]:
+    """The own shard's backward in two parts: the first hides the first k/v hop, the second the
+    accumulators' last hop.  Split by k/v heads (with their query heads), else by batch; with
+    one k/v head and one sequence, all of it comes last (the first hop, k and v in q's dtype,
+    is the shorter one)."""
+    batch, heads, kv_heads = q.shape[0], q.shape[2], k.shape[2]
+    if kv_heads > 1:
+        kv_cut = kv_heads // 2
+        cut = kv_cut * (heads // kv_heads)
+        def part(qs, ks):
+            return _Part((slice(None), slice(None), qs), (slice(None), slice(None), ks), (slice(None), qs))
+        return part(slice(0, cut), slice(0, kv_cut)), part(slice(cut, None), slice(kv_cut, None))
+    if batch > 1:
+        return _Part(*[(slice(0, batch // 2),)] * 3), _Part(*[(slice(batch // 2, None),)] * 3)
+    return None, _EVERY
+
+
+def _filled_like(x, dtype):
+    """Zeros in x's shape, in the accumulators' dtype (float32; float64 for a float64 reference run)."""
+    return torch.zeros(x.shape, dtype=torch.float64 if x.dtype == torch.float64 else dtype, device=x.device)
 
 
 def _like(tensors) -> Tuple[torch.Tensor, ...]:
