@@ -242,7 +242,7 @@ def _add_rows(acc, rows: slice, part, shape):
         return _wide(part)
     if acc is None:
         acc = _filled(part, shape, 0.0)
-    acc[:, rows] += _wide(part)
+    acc[:, rows] += part  # widened inside the add, with no float32 copy of part
     return acc
 
 
