@@ -128,11 +128,13 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
     cupy = cupy_module()
     registry = registry or default_registry()
     memory, key = memory_for(q, cupy), None
-    if (memory is not None and block_mask is None and not bias_requires_grad and cu_seqlens_q is None
-            and cu_seqlens_k is None):
-        arrays = (grad_out, q, k, v, out, lse) + (() if attn_bias is None else (attn_bias,))
-        key, plan = plans.find(memory.signature, "bwd", arrays,
-                               (causal, scale, dropout_p, window, softcap, deterministic, registry))
+    if memory is not None and not bias_requires_grad and cu_seqlens_q is None and cu_seqlens_k is None:
+        # as in the forward: a block mask's (transposed) arrays end the signature, its block size joins the options
+        sparse = () if block_mask is None else getattr(block_mask, "backward_arrays", lambda: (None,))()
+        arrays = (grad_out, q, k, v, out, lse) + (() if attn_bias is None else (attn_bias,)) + sparse
+        key, plan = plans.find(memory.signature, "bwd", arrays, (causal, scale, dropout_p, window, softcap,
+                                                                   deterministic, registry,
+                                                                   getattr(block_mask, "block", None)))
         if plan is not None:
             if dropout_p or seed is not None or offset:
                 check_rng(dropout_p, seed, offset)
@@ -143,7 +145,7 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
                    stream=stream, registry=registry)
     call = backward_call(grad_out, q, k, v, out, lse, options, attention_backward, key)
     with _full_path(cupy, memory, call):
-        if call.block_mask is not None:  # never planned (no key above): the mask's pointers are not replayed
+        if call.block_mask is not None:  # a sparse kernel leaves a plan; the dense fallback clears the key
             family = families.sparse_family(call)
             if family is not None:
                 return _adopt(memory, family.run(call))

@@ -407,4 +407,4 @@ def backward_call(grad_out, q, k, v, out, lse, options: dict, entry: Callable, p
     bm = check_block_mask(options["block_mask"], p, q, k)
     check_varlen_bottom_right(p)
     return Call("bwd", p, q, k, v, b, options, entry, out=out, grad_out=grad_out, lse=lse,
-                plan_key=None if copied or bm else plan_key, block_mask=bm)
+                plan_key=None if copied else plan_key, block_mask=bm)  # as forward_call: block masks too

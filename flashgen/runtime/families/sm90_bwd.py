@@ -9,8 +9,9 @@ sm80_bwd, whose kernels keep the same contract.
 
 A call with a ``block_mask`` runs here, sparse, when a ``sparse`` instance reads the mask's blocks and
 the call has nothing such an instance lacks (``block_mask_refusal``); else the mask goes dense
-(block_fallback).  Such calls leave no launch plan (api.py makes no key for them): a plan would have
-to replay the mask's pointers too.
+(block_fallback).  Such a call leaves a launch plan as the forward's does: the mask's transposed
+arrays end its signature (api.py) and their pointers follow the family's own (SPARSE_POINTERS), so a
+replay reads the call's own mask.
 """
 from __future__ import annotations
 
@@ -142,18 +143,20 @@ class ThreeKernelBackward:
         if extra:  # never planned (api.py plans no call that asks for dbias): a replay returns dq, dk, dv
             return (dq, dk, dv) + extra
         # a bias's map follows the family's own (replay: the arrays in order); a block mask's pointers
-        # are not replayed, so its calls leave no plan
-        if plan_key is not None and call.block_mask is None:
+        # follow POINTERS (its arrays end the replayed ones: the plan's ``trailing``)
+        if plan_key is not None:
             entry = lambda name: handle(call.registry, binary, p.device, name)  # noqa: E731
             maps = self.MAPS + (() if call.bias is None else ("bias_map",))
+            sparse = () if call.block_mask is None else SPARSE_POINTERS
             plans.remember(plan_key, plans.LaunchPlan.from_params(
-                entry(""), p.device, grid, block, kc["shared_memory_bytes"], params, self.POINTERS, False,
-                {"layout": tuple(offsets)}, tensor_maps=maps, family=self.name,
+                entry(""), p.device, grid, block, kc["shared_memory_bytes"], params, self.POINTERS + sparse, False,
+                {"layout": tuple(offsets), "trailing": len(sparse)}, tensor_maps=maps, family=self.name,
                 before=[(entry("_prep"), aux_grid, aux_block)], after=[(entry("_convert"), aux_grid, aux_block)]))
         return dq, dk, dv
 
     def replay(self, plan, memory, arrays, seed, offset, stream):
-        grad_out, q, k, v, out, lse, *bias = arrays
+        lead = len(arrays) - plan.sizes.get("trailing", 0)  # a block mask's arrays end ``arrays``
+        (grad_out, q, k, v, out, lse, *bias), sparse = arrays[:lead], arrays[lead:]
         ptr = memory.ptr
         given = self.replay_pointers(ptr, q, k, v, out, grad_out, lse)
         if bias:  # its tensor map's address right after the family's own maps'
@@ -161,7 +164,7 @@ class ThreeKernelBackward:
         with on_device(cupy_module(), plan.device):
             handle_ = memory.stream(stream, plan.device)
             dq, dk, dv, carved, workspace = buffers(memory, plan.sizes["layout"], q, k, v, handle_)
-            plan.launch(given + carved, 0, 0, handle_)
+            plan.launch(given + carved + tuple(map(ptr, sparse)), 0, 0, handle_)
             del workspace  # after the launch: the allocator reuses it in stream order
         return dq, dk, dv
 
