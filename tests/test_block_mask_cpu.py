@@ -251,7 +251,8 @@ def test_to_dense_refuses_other_dtypes():
 
 def test_a_mask_built_on_the_host_is_frozen_and_says_what_it_is():
     bm = block_mask(causal, 1, 4, 256, 512, block=(64, 128), device="cpu")
-    assert repr(bm) == "BlockMask(shape=(1, 4, 256, 512), block=(64, 128), device=None)"
+    assert repr(bm) == "BlockMask(shape=(1, 4, 256, 512), block=(64, 128), device=None, diagonal=None)"
+    assert repr(bm.with_causal(256)).endswith("diagonal=256)")  # a causal mask folded in says so
     assert bm.num_blocks == (4, 4) and bm.xp is np
     with pytest.raises(AttributeError):
         bm.block = (128, 128)
@@ -354,3 +355,40 @@ def test_the_dense_fallback_gives_rows_without_keys_zeros_and_no_gradient(monkey
     for g, ref in ((dq, rdq), (dk, rdk), (dv, rdv)):
         assert not np.isnan(g).any() and np.allclose(g, ref, atol=1e-5)
     assert (dq.transpose(0, 2, 1, 3)[np.isneginf(rl)] == 0).all()
+
+
+def same_lists(a: BlockMask, b: BlockMask):
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+                 "full_q_num_blocks", "full_q_indices", "partial_index", "partial_bits"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None) and (x is None or np.array_equal(x, y)), name
+
+
+@pytest.mark.parametrize("causal", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("M, N", [(300, 700), (700, 300), (257, 257)])
+@pytest.mark.parametrize("block", [(128, 128), (64, 96)])
+def test_a_causal_mask_folds_into_the_lists_as_if_the_mask_had_it(causal, M, N, block):
+    """with_causal(d) has exactly the lists (bits too) of the mask built with the causal condition in
+    it, for a function mask and for an array mask; it is built once per diagonal."""
+    diagonal = 0 if causal == "top_left" else N - M
+    doc = np.repeat(np.arange(5), -(-max(M, N) // 5))
+
+    def documents(b, h, q, kv):
+        return (doc[q] == doc[kv]) | ((h == 1) & (kv % 7 == 0))
+
+    for mask in (documents, dense(documents, 1, 2, M, N)):
+        bm = block_mask(mask, 1, 2, M, N, block=block, device="cpu")
+        folded, kept = block_masks.fold_causal(bm, causal, None)
+        assert kept is None and folded is bm.with_causal(diagonal) and folded.diagonal == diagonal
+        direct = block_mask(lambda b, h, q, kv: documents(b, h, q, kv) & (kv <= q + diagonal), 1, 2, M, N,
+                            block=block, device="cpu")
+        same_lists(folded, direct)
+        assert np.array_equal(folded.to_dense(), direct.to_dense())
+        assert folded.density() <= bm.density()
+
+
+def test_only_a_causal_mask_beside_a_block_mask_is_folded():
+    bm = block_mask(lambda b, h, q, kv: q >= 0, 1, 1, 64, 64, device="cpu")
+    for args in ((bm, None, None), (bm, "top_left", (8, 0)), ("not a mask", "top_left", None), (None, "top_left", None)):
+        assert block_masks.fold_causal(*args) == args[:2]
+    assert block_masks.fold_causal(bm, "bogus", None) == (bm, "bogus")  # validation names the bad value
