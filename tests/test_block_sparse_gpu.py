@@ -137,6 +137,15 @@ def test_the_public_forward_runs_sparse_and_the_backward_agrees(dtype, K):
     assert bool((dq[empty] == 0).all()), "rows without keys get no gradient"
 
 
+def masks_of_one_signature():
+    """Five masks over 600 x 600 scores: three of documents with partial blocks, and two whose
+    documents end on block boundaries (no partial block), whose arrays have the same shapes and
+    different contents."""
+    aligned = [cupy.asarray(np.searchsorted(cuts, np.arange(600), side="right")) for cuts in ([256], [128, 384])]
+    masks = [block_mask(documents(8, 600, seed), 1, 1, 600, 600) for seed in range(3)]
+    return masks + [block_mask(lambda b, h, i, j, doc=doc: doc[i] == doc[j], 1, 1, 600, 600) for doc in aligned]
+
+
 @needs_sparse
 def test_back_to_back_masks_of_one_signature_each_read_their_own(monkeypatch):
     """Same shapes, strides and options, different masks: a call replays the launch plan its
@@ -145,9 +154,7 @@ def test_back_to_back_masks_of_one_signature_each_read_their_own(monkeypatch):
     boundaries: no partial block) and different contents."""
     rng = np.random.default_rng(9)
     q, k, v = (randn(rng, (1, 600, 2, 64), "f16") for _ in range(3))
-    aligned = [cupy.asarray(np.searchsorted(cuts, np.arange(600), side="right")) for cuts in ([256], [128, 384])]
-    masks = [block_mask(documents(8, 600, seed), 1, 1, 600, 600) for seed in range(3)]
-    masks += [block_mask(lambda b, h, i, j, doc=doc: doc[i] == doc[j], 1, 1, 600, 600) for doc in aligned]
+    masks = masks_of_one_signature()
     assert masks[-1].partial_bits.shape == masks[-2].partial_bits.shape  # one signature, two contents
     assert not int(masks[-1].kv_num_blocks.sum()) and not int(masks[-2].kv_num_blocks.sum())  # no partial block
     launches = []
@@ -278,9 +285,7 @@ def test_back_to_back_backwards_of_one_signature_each_read_their_own(monkeypatch
     call's own mask (the transposed lists end the key), two masks with arrays of one shape included."""
     rng = np.random.default_rng(19)
     q, k, v, do = (randn(rng, (1, 600, 2, 64), "f16") for _ in range(4))
-    aligned = [cupy.asarray(np.searchsorted(cuts, np.arange(600), side="right")) for cuts in ([256], [128, 384])]
-    masks = [block_mask(documents(8, 600, seed), 1, 1, 600, 600) for seed in range(3)]
-    masks += [block_mask(lambda b, h, i, j, doc=doc: doc[i] == doc[j], 1, 1, 600, 600) for doc in aligned]
+    masks = masks_of_one_signature()
     forwards = [float64_forward(q, k, v, bm) for bm in masks]
     launches = []
     full_path = sm90_bwd.RUNTIME.launch
