@@ -251,8 +251,8 @@ def test_to_dense_refuses_other_dtypes():
 
 def test_a_mask_built_on_the_host_is_frozen_and_says_what_it_is():
     bm = block_mask(causal, 1, 4, 256, 512, block=(64, 128), device="cpu")
-    assert repr(bm) == "BlockMask(shape=(1, 4, 256, 512), block=(64, 128), device=None, diagonal=None)"
-    assert repr(bm.with_causal(256)).endswith("diagonal=256)")  # a causal mask folded in says so
+    assert repr(bm) == "BlockMask(shape=(1, 4, 256, 512), block=(64, 128), device=None, band=None)"
+    assert repr(bm.with_band(None, 256)).endswith("band=(None, 256))")  # a folded band says so
     assert bm.num_blocks == (4, 4) and bm.xp is np
     with pytest.raises(AttributeError):
         bm.block = (128, 128)
@@ -364,31 +364,53 @@ def same_lists(a: BlockMask, b: BlockMask):
         assert (x is None) == (y is None) and (x is None or np.array_equal(x, y)), name
 
 
-@pytest.mark.parametrize("causal", ["top_left", "bottom_right"])
+BANDS = [("top_left", None), ("bottom_right", None), (None, (40, 0)), (None, (None, 25)), ("top_left", (100, None)),
+         ("bottom_right", (60, 30))]
+
+
+def in_band(causal, window, M, N):
+    """The band as the kernels' own masks apply it, written out: the window on the causal diagonal
+    (top-left unless bottom_right), a causal mask capping its right side at the diagonal."""
+    d = N - M if causal == "bottom_right" else 0
+    left, right = window or (None, None)
+
+    def visible(q, kv):
+        keep = (kv <= q + d) if causal else (kv >= 0)
+        if left is not None:
+            keep = keep & (kv >= q + d - left)
+        if right is not None:
+            keep = keep & (kv <= q + d + right)
+        return keep
+    return visible
+
+
+@pytest.mark.parametrize("causal, window", BANDS)
 @pytest.mark.parametrize("M, N", [(300, 700), (700, 300), (257, 257)])
 @pytest.mark.parametrize("block", [(128, 128), (64, 96)])
-def test_a_causal_mask_folds_into_the_lists_as_if_the_mask_had_it(causal, M, N, block):
-    """with_causal(d) has exactly the lists (bits too) of the mask built with the causal condition in
-    it, for a function mask and for an array mask; it is built once per diagonal."""
-    diagonal = 0 if causal == "top_left" else N - M
+def test_a_causal_mask_and_window_fold_into_the_lists_as_if_the_mask_had_them(causal, window, M, N, block):
+    """fold_band gives exactly the lists (bits too) of the mask built with the band in it, for a
+    function mask and for an array mask; the folded mask is built once per band."""
     doc = np.repeat(np.arange(5), -(-max(M, N) // 5))
+    band = in_band(causal, window, M, N)
 
     def documents(b, h, q, kv):
         return (doc[q] == doc[kv]) | ((h == 1) & (kv % 7 == 0))
 
     for mask in (documents, dense(documents, 1, 2, M, N)):
         bm = block_mask(mask, 1, 2, M, N, block=block, device="cpu")
-        folded, kept = block_masks.fold_causal(bm, causal, None)
-        assert kept is None and folded is bm.with_causal(diagonal) and folded.diagonal == diagonal
-        direct = block_mask(lambda b, h, q, kv: documents(b, h, q, kv) & (kv <= q + diagonal), 1, 2, M, N,
-                            block=block, device="cpu")
+        folded, kept_causal, kept_window = block_masks.fold_band(bm, causal, window)
+        assert kept_causal is None and kept_window is None and folded.band is not None
+        assert block_masks.fold_band(bm, causal, window)[0] is folded  # kept with the mask
+        direct = block_mask(lambda b, h, q, kv: documents(b, h, q, kv) & band(q, kv), 1, 2, M, N, block=block,
+                            device="cpu")
         same_lists(folded, direct)
         assert np.array_equal(folded.to_dense(), direct.to_dense())
         assert folded.density() <= bm.density()
 
 
-def test_only_a_causal_mask_beside_a_block_mask_is_folded():
+def test_only_a_well_formed_band_beside_a_block_mask_is_folded():
     bm = block_mask(lambda b, h, q, kv: q >= 0, 1, 1, 64, 64, device="cpu")
-    for args in ((bm, None, None), (bm, "top_left", (8, 0)), ("not a mask", "top_left", None), (None, "top_left", None)):
-        assert block_masks.fold_causal(*args) == args[:2]
-    assert block_masks.fold_causal(bm, "bogus", None) == (bm, "bogus")  # validation names the bad value
+    for args in ((bm, None, None), (bm, None, (None, None)), ("not a mask", "top_left", None),
+                 (None, "top_left", (4, 0)), (bm, "bogus", None), (bm, None, (-1, 0)), (bm, None, (True, 0)),
+                 (bm, None, "wide")):
+        assert block_masks.fold_band(*args) == args  # validation names what is wrong

@@ -27,7 +27,7 @@ HAVE_GPU, pytestmark = gpu_marks()
 
 import flashgen  # noqa: E402
 from flashgen.runtime import block_fallback, validate  # noqa: E402
-from flashgen.runtime.block_masks import block_mask  # noqa: E402
+from flashgen.runtime.block_masks import block_mask, fold_band  # noqa: E402
 from flashgen.runtime.families import sm90_bwd, sm90_fwd  # noqa: E402
 
 SPARSE = [b for b in hopper_kernels("sm90_fwd") if b.spec.sparse]
@@ -170,42 +170,40 @@ def test_back_to_back_masks_of_one_signature_each_read_their_own(monkeypatch):
 
 
 @needs_sparse
-def test_a_window_beside_a_mask_goes_dense_and_explain_says_why():
+def test_other_block_sizes_go_dense_and_explain_says_why():
     rng = np.random.default_rng(11)
     q = randn(rng, (1, 300, 2, 64), "f16")
-    bm = block_mask(lambda b, h, q_, kv: kv <= q_ + 3, 1, 1, 300, 300)
-    rows = flashgen.explain(q, q, q, block_mask=bm, window=(50, 0))
-    assert all(verdict.startswith("a block mask with a window") for name, _, verdict in rows
-               if name.startswith("sm90_fwd")), rows
     small = block_mask(lambda b, h, q_, kv: kv <= q_ + 3, 1, 1, 300, 300, block=(64, 64))
     rows = flashgen.explain(q, q, q, block_mask=small)
     assert any(verdict.startswith("reads 128 x 128 mask blocks") for _, _, verdict in rows), rows
 
 
 @needs_sparse
-@pytest.mark.parametrize("causal, M, N", [("top_left", 700, 300), ("bottom_right", 300, 700),
-                                          ("bottom_right", 1000, 1000)])
-def test_a_causal_mask_beside_a_block_mask_is_folded_in_and_runs_sparse(monkeypatch, causal, M, N):
-    """The public calls fold ``causal`` into the mask (once per mask and kind): the sparse instances
-    serve forward and backward, with float64's answer for the mask and the causal mask together."""
+@pytest.mark.parametrize("causal, window, M, N", [("top_left", None, 700, 300), ("bottom_right", None, 300, 700),
+                                                  ("bottom_right", None, 1000, 1000), (None, (200, 0), 1000, 700),
+                                                  ("top_left", (150, None), 700, 1000)])
+def test_a_causal_mask_or_window_beside_a_block_mask_is_folded_in_and_runs_sparse(monkeypatch, causal, window, M, N):
+    """The public calls fold ``causal`` and ``window`` into the mask (once per mask and band): the
+    sparse instances serve forward and backward, with float64's answer for the mask and the band."""
     rng = np.random.default_rng(M + N)
     q, do = randn(rng, (2, M, 4, 64), "f16"), randn(rng, (2, M, 4, 64), "f16")
     k, v = randn(rng, (2, N, 2, 64), "f16"), randn(rng, (2, N, 2, 64), "f16")
     bm = block_mask(documents(5, max(M, N), seed=3), 1, 1, M, N)
-    folded = bm.with_causal(0 if causal == "top_left" else N - M)
+    folded = fold_band(bm, causal, window)[0]
+    rows = flashgen.explain(q, k, v, block_mask=bm, causal=causal, window=window)
+    assert [n for n, _, verdict in rows if verdict == "selected"][0].endswith("_sparse_sm90a"), rows
     launched = []
     for runtime in (sm90_fwd.RUNTIME, sm90_bwd.RUNTIME):
         monkeypatch.setattr(runtime, "launch", lambda call, b, full=runtime.launch: launched.append(b.name) or full(call, b))
     with poisoned_allocations():
-        out, lse = flashgen.attention_forward(q, k, v, block_mask=bm, causal=causal)
+        out, lse = flashgen.attention_forward(q, k, v, block_mask=bm, causal=causal, window=window)
     check(q, k, v, folded, out, lse, "f16")
     assert len(launched) == 1 and "sparse" in launched[0], launched
     if SPARSE_BWD:
         with poisoned_allocations():
-            grads = flashgen.attention_backward(do, q, k, v, out, lse, block_mask=bm, causal=causal)
+            grads = flashgen.attention_backward(do, q, k, v, out, lse, block_mask=bm, causal=causal, window=window)
         check_backward(q, k, v, do, folded, out, grads, "f16")
         assert len(launched) == 2 and "sparse" in launched[1], launched
-    assert bm.with_causal(folded.diagonal) is folded  # kept with the mask: stable lists for launch plans
 
 
 def check_backward(q, k, v, do, bm, out, grads, dtype):

@@ -24,7 +24,7 @@ import numpy as np
 
 from flashgen.runtime import block_fallback, families, plans
 from flashgen.runtime.arrays import cupy_module
-from flashgen.runtime.block_masks import fold_causal
+from flashgen.runtime.block_masks import fold_band
 from flashgen.runtime.launch import on_device
 from flashgen.runtime.limits import lse_rows
 from flashgen.runtime.memory import memory_for
@@ -49,13 +49,13 @@ def attention_forward(q, k, v, *, attn_bias=None, block_mask=None, causal=None, 
     Both run on flashgen's own kernels only: forward on sm90_fwd (9.0 GPUs) or sm80_fwd
     (8.0 and later), backward on sm90_bwd (9.0 GPUs); else UnsupportedError.
     ``block_mask``: a ``flashgen.block_mask`` for these shapes, on q's GPU, applied on top of
-    ``causal`` and ``attn_bias``; a causal mask beside it is folded into it (once per mask and kind:
-    ``BlockMask.with_causal``).  sm90_fwd visits only its listed blocks where it can (128 x 128
-    blocks, f16/bf16, head dims up to 128, no window or attn_bias: ``explain`` says); other
+    ``causal``, ``window`` and ``attn_bias``; a causal mask and a window are folded into it (once per
+    mask and band: ``BlockMask.with_band``).  sm90_fwd visits only its listed blocks where it can
+    (128 x 128 blocks, f16/bf16, head dims up to 128, no attn_bias: ``explain`` says); other
     calls run it as a dense bias on the example-41 kernels (warned once).  Rows it leaves without a
     key get output 0 and lse -inf.
     """
-    block_mask, causal = fold_causal(block_mask, causal, window)
+    block_mask, causal, window = fold_band(block_mask, causal, window)
     cupy = cupy_module()
     registry = registry or default_registry()
     memory, key = memory_for(q, cupy), None
@@ -128,7 +128,7 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
     """
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
-    block_mask, causal = fold_causal(block_mask, causal, window)  # as the forward did
+    block_mask, causal, window = fold_band(block_mask, causal, window)  # as the forward did
     cupy = cupy_module()
     registry = registry or default_registry()
     memory, key = memory_for(q, cupy), None
@@ -189,8 +189,8 @@ def explain(q, k, v, *, backward=False, attn_bias=None, block_mask=None, dropout
     """Every candidate kernel for this call, family by family in the order tried, with why it was
     rejected or chosen (on a 9.0 GPU flashgen's sm90_fwd / sm90_bwd kernels come first).  With a
     ``block_mask``, families that read its lists are asked with it, the others with its dense bias
-    (``block_fallback``); a causal mask beside a block mask is folded into it, as the calls do."""
-    block_mask, causal = fold_causal(block_mask, causal, window)
+    (``block_fallback``); a causal mask or window beside a block mask is folded into it, as the calls do."""
+    block_mask, causal, window = fold_band(block_mask, causal, window)
     options = dict(attn_bias=attn_bias, block_mask=block_mask, causal=causal, scale=scale, dropout_p=dropout_p,
                    seed=0 if dropout_p else None, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window,
                    softcap=softcap, registry=registry)

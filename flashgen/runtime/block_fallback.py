@@ -1,7 +1,7 @@
 """Serving a block mask where no flashgen kernel reads its lists: example 41 with a dense bias.
 
-sm90_fwd's and sm90_bwd's sparse instances read them (128 x 128 blocks, no window or bias, a
-causal mask folded into the lists by the public calls, and for the backward no soft-capping or
+sm90_fwd's and sm90_bwd's sparse instances read them (128 x 128 blocks, no bias, a causal mask
+or window folded into the lists by the public calls, and for the backward no soft-capping or
 deterministic order; ``families.sparse_family``);
 every other call with ``block_mask`` runs as a call with an additive bias: the mask as 0 / -inf
 over [B or 1, H or 1, M, N] (a causal mask folded in, so the kernel runs unmasked), plus

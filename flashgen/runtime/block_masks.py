@@ -6,8 +6,8 @@ query block) the key blocks whose elements are all visible ("full": no element m
 and those with some visible and some hidden ("partial": the element mask applies there);
 key blocks with nothing visible are left out, so a kernel never visits them.  The
 transposed lists, per (batch, head, key block), serve a backward that walks key blocks.
-A call that passes ``causal`` beside a mask runs on the mask with the causal mask folded into its
-lists (``BlockMask.with_causal``: built once per mask and kind, then kept with it).
+A call that passes ``causal`` or ``window`` beside a mask runs on the mask with that band folded
+into its lists (``BlockMask.with_band``: built once per mask and band, then kept with it).
 The layout is the one FlexAttention-like kernels read: ``kv_num_blocks`` [B, H, QB] int32
 and ``kv_indices`` [B, H, QB, KB] int32, the first ``kv_num_blocks`` entries of a row being
 its listed blocks in ascending order and the rest the other blocks, also ascending (each row
@@ -74,8 +74,10 @@ class BlockMask:
     mask: object = field(repr=False)
     partial_index: object = field(default=None, repr=False)  # [B, H, QB, KB] int32 tile in partial_bits, or -1
     partial_bits: object = field(default=None, repr=False)  # [P, block_m, block_n / 32] uint32 element mask
-    diagonal: Optional[int] = None  # also hides key j from query i where j > i + diagonal (a causal mask folded in)
-    _folded: dict = field(default_factory=dict, repr=False)  # diagonal -> this mask with that causal mask folded in
+    # (lo, hi): also hides key j from query i unless i + lo <= j <= i + hi (None: that side unbounded),
+    # a causal mask or window folded in (``with_band``)
+    band: Optional[Tuple[Optional[int], Optional[int]]] = None
+    _folded: dict = field(default_factory=dict, repr=False)  # band -> this mask with that band folded in
 
     @property
     def num_blocks(self) -> Tuple[int, int]:
@@ -101,16 +103,16 @@ class BlockMask:
         return (self.q_num_blocks, self.q_indices, self.full_q_num_blocks, self.full_q_indices,
                 self.partial_index, self.partial_bits)
 
-    def with_causal(self, diagonal: int) -> "BlockMask":
-        """This mask with a causal mask folded in (key j hidden from query i where j > i + diagonal:
-        0 is "top_left", N - M "bottom_right"), built on the first call and then kept with this
-        mask, so that calls passing ``causal`` beside it run the sparse kernels on stable lists."""
-        if diagonal not in self._folded:
-            shape, xp = self.shape, self.xp
+    def with_band(self, lo: Optional[int], hi: Optional[int]) -> "BlockMask":
+        """This mask with a band folded in: key j also hidden from query i unless i + lo <= j <= i + hi
+        (None: that side unbounded; a causal mask is hi = 0 top-left, N - M bottom-right).  Built on
+        the first call and then kept with this mask, so that calls passing ``causal`` or ``window``
+        beside it run the sparse kernels on stable lists."""
+        band = _narrower(self.band, (lo, hi))
+        if band not in self._folded:
             with _on(self.device):
-                self._folded[diagonal] = _build(self.mask, xp, self.device, shape, self.block,
-                                                diagonal if self.diagonal is None else min(diagonal, self.diagonal))
-        return self._folded[diagonal]
+                self._folded[band] = _build(self.mask, self.xp, self.device, self.shape, self.block, band)
+        return self._folded[band]
 
     def density(self) -> float:
         """Visited blocks (full and partial) over all blocks: the share of the dense work a kernel
@@ -138,8 +140,8 @@ class BlockMask:
             bias = xp.empty((B, H, M, -(-N // 8) * 8), dtype=dtype)[..., :N]
             empty = xp.empty((B, H, M), dtype=bool)
             for start, stop in _row_chunks(M, self.block[0], B * H * N):
-                visible = _below(xp, _below(xp, _visible(self.mask, xp, self.shape, start, stop), start, self.diagonal),
-                                 start, diagonal)
+                band = _narrower(self.band, (None, diagonal))
+                visible = _in_band(xp, _visible(self.mask, xp, self.shape, start, stop), start, band)
                 empty[:, :, start:stop] = ~visible.any(axis=-1)
                 bias[:, :, start:stop] = xp.where(visible, np.float32(0), np.float32(-np.inf)).astype(dtype)
         return bias, empty
@@ -169,26 +171,46 @@ def block_mask(mask, B: int, H: int, M: int, N: int, block=(128, 128), *, device
         return _build(mask, xp, device, shape, block, None)
 
 
-def fold_causal(block_mask, causal, window):
-    """(block_mask, causal) as a call runs them: a causal mask beside a BlockMask folded into it
-    (``BlockMask.with_causal``), so the sparse kernels, which take no causal mask of their own,
-    serve the call.  Anything else is returned as given (validation judges it); so is a call with a
-    window, which the sparse kernels do not take either."""
-    if not isinstance(block_mask, BlockMask) or window is not None or causal not in ("top_left", "bottom_right"):
-        return block_mask, causal
+def fold_band(block_mask, causal, window):
+    """(block_mask, causal, window) as a call runs them: a causal mask and a window beside a BlockMask
+    folded into it (``BlockMask.with_band``, the band the kernels' own masks would apply: the window
+    on the causal diagonal, top-left unless "bottom_right", a causal mask capping its right side at
+    0), so the sparse kernels, which take neither, serve the call.  Anything malformed is returned
+    as given, for validation to name."""
+    well_formed = window is None or (isinstance(window, (tuple, list)) and len(window) == 2 and all(
+        w is None or (isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w >= 0) for w in window))
+    if (not isinstance(block_mask, BlockMask) or causal not in (None, "top_left", "bottom_right") or not well_formed
+            or (causal is None and (window is None or tuple(window) == (None, None)))):
+        return block_mask, causal, window
     M, N = block_mask.shape[2:]
-    return block_mask.with_causal(0 if causal == "top_left" else N - M), None
+    diagonal = N - M if causal == "bottom_right" else 0
+    left, right = window if window is not None else (None, None)
+    lo = None if left is None else diagonal - int(left)
+    hi = None if right is None else diagonal + int(right)
+    if causal is not None:
+        hi = diagonal if hi is None else min(hi, diagonal)
+    return block_mask.with_band(lo, hi), None, None
 
 
-def _build(mask, xp, device, shape, block, diagonal: Optional[int]) -> BlockMask:
-    """The lists of ``mask`` (checked, on ``device`` made current), keys past ``diagonal`` hidden."""
+def _narrower(band, other):
+    """The intersection of two bands (None: no band; a None side: unbounded)."""
+    if band is None or other is None:
+        return other if band is None else band
+    (lo1, hi1), (lo2, hi2) = band, other
+    lo = lo2 if lo1 is None else lo1 if lo2 is None else max(lo1, lo2)
+    hi = hi2 if hi1 is None else hi1 if hi2 is None else min(hi1, hi2)
+    return lo, hi
+
+
+def _build(mask, xp, device, shape, block, band) -> BlockMask:
+    """The lists of ``mask`` (checked, on ``device`` made current), keys outside ``band`` hidden."""
     B, H, M, N = shape
     QB, KB = -(-M // block[0]), -(-N // block[1])
     full, partial = xp.zeros((B, H, QB, KB), dtype=bool), xp.zeros((B, H, QB, KB), dtype=bool)
     tiles = []  # partial_bits, chunk by chunk (bits: the key-block width is a multiple of 32)
     for start, stop in _row_chunks(M, block[0], B * H * N):
         rows = slice(start // block[0], -(-stop // block[0]))
-        blocks = _blocked(xp, _below(xp, _visible(mask, xp, shape, start, stop), start, diagonal), block)
+        blocks = _blocked(xp, _in_band(xp, _visible(mask, xp, shape, start, stop), start, band), block)
         full[:, :, rows], partial[:, :, rows] = _classify(xp, blocks, stop - start, N)
         if block[1] % 32 == 0:
             tiles.append(_packed_partials(xp, blocks, partial[:, :, rows], (B, H)))
@@ -196,16 +218,18 @@ def _build(mask, xp, device, shape, block, diagonal: Optional[int]) -> BlockMask
     for name, flags in (("kv", partial), ("full_kv", full), ("q", partial.transpose(0, 1, 3, 2)),
                         ("full_q", full.transpose(0, 1, 3, 2))):
         lists[f"{name}_num_blocks"], lists[f"{name}_indices"] = _listed(xp, flags)
-    return BlockMask(shape, block, device, mask=mask, diagonal=diagonal, **lists)
+    return BlockMask(shape, block, device, mask=mask, band=band, **lists)
 
 
-def _below(xp, visible, start: int, diagonal: Optional[int]):
-    """``visible`` [b, h, rows, N] for query rows from ``start``, keys j > i + ``diagonal`` hidden
-    (all of it as given for None)."""
-    if diagonal is None:
+def _in_band(xp, visible, start: int, band):
+    """``visible`` [b, h, rows, N] for query rows from ``start``, keys outside ``band`` hidden."""
+    if band is None or band == (None, None):
         return visible
     rows, N = visible.shape[-2:]
-    return visible & (xp.arange(N)[None, :] <= xp.arange(start, start + rows)[:, None] + diagonal)
+    offset = xp.arange(N)[None, :] - xp.arange(start, start + rows)[:, None]  # j - i
+    lo, hi = band
+    keep = (offset >= lo) if lo is not None else xp.ones_like(offset, dtype=bool)
+    return visible & (keep if hi is None else keep & (offset <= hi))
 
 
 def _positive(name: str, n) -> int:

@@ -122,11 +122,9 @@ def sparse_refusal(call: Call) -> Optional[str]:
     """What of a block-mask call both Hopper families' sparse instances lack (the tile size, dtype and
     head dim are selection's: see ``Request.block_sparse``), or None."""
     p, bm = call.p, call.block_mask
-    if p.window is not None:
-        return ("a block mask with a window: the sparse kernels take none; fold it into the mask "
-                "(e.g. & (q_idx - kv_idx <= 1000)) to run sparse")
-    if p.mask:  # the public calls fold a causal mask into the block mask (block_masks.fold_causal)
-        return "a block mask with a causal mask not folded into it (BlockMask.with_causal folds it)"
+    if p.mask or p.window is not None:  # the public calls fold both into the mask (block_masks.fold_band)
+        return ("a block mask with a causal mask or window not folded into it: the sparse kernels take "
+                "neither (BlockMask.with_band folds them)")
     if call.bias is not None:
         return "a block mask with attn_bias: the sparse kernels have no bias"
     if bm.partial_bits is None:
