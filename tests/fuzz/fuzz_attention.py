@@ -23,7 +23,7 @@ batches with empty sequences, the softmax scale (of either sign), and on flashge
 kernels' path (sm90, sm80) sliding windows and soft-capping, and on the sm90 path bias (the
 sm90 bias instances), and block masks (documents, causal + window, random blocks with empty
 rows, all full; 128 x 128 blocks, which sm90_fwd's and sm90_bwd's sparse instances read, or others,
-served dense).  Outputs come from poisoned memory, so an unwritten element fails.
+served dense; a causal mask or window beside them folded into their lists).  Outputs come from poisoned memory, so an unwritten element fails.
 
 A gradient passes if it matches the exact float64 gradient, or the exact
 gradient of the kernel's own rounded output: every flash-style backward takes
@@ -97,12 +97,14 @@ def draw(seed: int, case: int) -> dict:
     if p["scale"] is not None and r.random() < 0.3:  # drawn after the rest, which stays what it was
         p["scale"] = -p["scale"]  # the largest product becomes the smallest score
     p["block_mask"] = None
-    if not p["varlen"] and not p["dropout"] and r.random() < 0.25:  # drawn last; the dense fallback has no window
-        p.update(window=None, softcap=0.0, block_mask=pick(["documents", "causal-window", "random", "full"]),
+    if not p["varlen"] and not p["dropout"] and r.random() < 0.25:  # drawn last; no soft-capping beside a mask
+        p.update(softcap=0.0, block_mask=pick(["documents", "causal-window", "random", "full"]),
                  block=pick([(128, 128), (128, 128), (64, 128), (32, 64)]), mask_seed=int(r.integers(2**31)),
                  mask_bh=pick([(1, 1), (p["B"], 1), (1, p["H"]), (p["B"], p["H"])]))
+        if r.random() < 0.5:  # causal and a window fold into the mask's lists; half keep the window drawn
+            p["window"] = None
         if r.random() < 0.5:  # drawn after the mask: half its calls are ones sm90's sparse kernels take
-            p.update(causal=None, bias=None, deterministic=False)
+            p.update(bias=None, deterministic=False)
     return p
 
 
