@@ -5,6 +5,9 @@ A ``Point`` with ``mask`` set times attention under that mask instead of a causa
 * ``document8``: eight documents of equal length packed in each sequence; a query sees the keys
   of its own document.
 * ``window1024``: causal, and only the 1024 most recent keys (the query's own included).
+* ``document8-causal``: the eight documents, causal within each (packed causal training).  flashgen
+  gets the document mask and ``causal="top_left"`` beside it, as a user writes it (the calls fold
+  the causal mask into the mask's lists); flex one mask function with both.
 
 flashgen gets a ``flashgen.block_mask`` of the mask (its sparse kernels where they serve the call,
 else the dense fallback: what a user gets), flex a ``create_block_mask`` of the same function, both
@@ -18,7 +21,7 @@ from typing import Callable, List
 
 from flashgen.bench import Point, Timed, flashgen_entries, flashgen_torch_entries, flex_entries
 
-MASKS = ("document8", "window1024")
+MASKS = ("document8", "window1024", "document8-causal")
 BLOCK = (128, 128)
 DOCUMENTS = 8
 WINDOW = 1024
@@ -32,10 +35,11 @@ def _check(mask: str) -> None:
 def visible(mask: str, seqlen: int) -> float:
     """The share of the seqlen x seqlen scores ``mask`` shows (exact, ragged documents included)."""
     _check(mask)
-    if mask == "document8":
+    if mask.startswith("document8"):
         starts = [-(-d * seqlen // DOCUMENTS) for d in range(DOCUMENTS + 1)]  # i * DOCUMENTS // seqlen == d
         sizes = [b - a for a, b in zip(starts, starts[1:])]
-        return sum(n * n for n in sizes) / seqlen ** 2
+        seen = (lambda n: n * (n + 1) // 2) if mask.endswith("-causal") else (lambda n: n * n)
+        return sum(seen(n) for n in sizes) / seqlen ** 2
     w = min(WINDOW, seqlen)  # row i sees min(i + 1, w) keys
     return (w * (w + 1) // 2 + (seqlen - w) * w) / seqlen ** 2
 
@@ -47,7 +51,16 @@ def mask_mod(mask: str, seqlen: int, arange: Callable[[int], object]):
     if mask == "document8":
         document = arange(seqlen) * DOCUMENTS // seqlen
         return lambda b, h, q_idx, kv_idx: document[q_idx] == document[kv_idx]
+    if mask == "document8-causal":
+        same = mask_mod("document8", seqlen, arange)
+        return lambda b, h, q_idx, kv_idx: same(b, h, q_idx, kv_idx) & (q_idx >= kv_idx)
     return lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
+
+
+def flashgen_options(mask: str) -> dict:
+    """What flashgen's calls take beside the block mask: the causal mask a user would pass."""
+    _check(mask)
+    return {"causal": "top_left"} if mask.endswith("-causal") else {}
 
 
 def flashgen_block_mask(p: Point):
@@ -56,7 +69,8 @@ def flashgen_block_mask(p: Point):
 
     import flashgen
 
-    return flashgen.block_mask(mask_mod(p.mask, p.seqlen, cupy.arange), 1, 1, p.seqlen, p.seqlen, block=BLOCK)
+    elements = p.mask[:-len("-causal")] if p.mask.endswith("-causal") else p.mask  # the causal part: an option
+    return flashgen.block_mask(mask_mod(elements, p.seqlen, cupy.arange), 1, 1, p.seqlen, p.seqlen, block=BLOCK)
 
 
 def flex_block_mask(p: Point, torch):
@@ -71,11 +85,11 @@ def entries(p: Point, impls: List[str], sets, t_sets, torch) -> List[Timed]:
     """Each asked implementation's forward and backward under the point's mask (``bench_point``)."""
     out: List[Timed] = []
     if "flashgen" in impls or "flashgen-torch" in impls:
-        mask = flashgen_block_mask(p)
+        mask, options = flashgen_block_mask(p), flashgen_options(p.mask)
         if "flashgen" in impls:
-            out += flashgen_entries(sets, torch, block_mask=mask)
+            out += flashgen_entries(sets, torch, block_mask=mask, **options)
         if "flashgen-torch" in impls:
-            out += flashgen_torch_entries(sets, torch, block_mask=mask)
+            out += flashgen_torch_entries(sets, torch, block_mask=mask, **options)
     for impl in impls:
         if impl == "fa4" or impl.startswith("sdpa-"):
             out += [Timed(impl, direction, None, error="takes no block mask") for direction in ("fwd", "bwd")]

@@ -385,10 +385,11 @@ def _bench_notes(results) -> List[str]:
 @click.option("--group", "groups", multiple=True, type=click.IntRange(min=1), default=(1,), show_default=True,
               help="Query heads per key/value head (grouped-query attention; repeatable): k and v get heads / N "
                    "heads.  Left out for a head dim whose head count N does not divide; TFLOP/s count query heads.")
-@click.option("--mask", "masks", multiple=True, type=click.Choice(["document8", "window1024"]),
+@click.option("--mask", "masks", multiple=True, type=click.Choice(["document8", "window1024", "document8-causal"]),
               help="Time under a block mask instead (repeatable; replaces the full and causal points): document8, "
-                   "8 equal documents per sequence; window1024, causal over the last 1024 keys.  flashgen gets a "
-                   "flashgen.block_mask of it, flex the same mask; TFLOP/s count only the scores it shows.")
+                   "8 equal documents per sequence; window1024, causal over the last 1024 keys; document8-causal, "
+                   "the documents, causal within each (flashgen: the document mask and causal=top_left).  flashgen "
+                   "gets a flashgen.block_mask of it, flex the same mask; TFLOP/s count only the scores it shows.")
 @click.option("--all-instances", is_flag=True, help="Also time every flashgen kernel tile (and backward key-split "
               "policy) that can serve each point, as flashgen[<tile>] (multi-head points only).")
 @click.option("--repeats", type=int, default=30, show_default=True,

@@ -25,14 +25,19 @@ def test_each_mask_is_the_documented_one_and_visible_counts_its_scores(seqlen):
     q, kv = np.meshgrid(np.arange(seqlen), np.arange(seqlen), indexing="ij")
     documents = q * 8 // seqlen == kv * 8 // seqlen  # document d: the positions i with i * 8 // seqlen == d
     window = (q >= kv) & (q - kv < 1024)
-    for mask, want in (("document8", documents), ("window1024", window)):
+    for mask, want in (("document8", documents), ("window1024", window), ("document8-causal", documents & (q >= kv))):
         assert np.array_equal(dense(mask, seqlen), want), mask
         assert bench_masks.visible(mask, seqlen) == pytest.approx(want.mean(), rel=1e-12), mask
 
 
 def test_an_unknown_mask_is_refused_with_the_ones_there_are():
-    with pytest.raises(ValueError, match="unknown bench mask 'diagonal'.*document8, window1024"):
+    with pytest.raises(ValueError, match="unknown bench mask 'diagonal'.*document8, window1024, document8-causal"):
         bench_masks.visible("diagonal", 64)
+
+
+def test_the_cli_offers_every_bench_mask():
+    option = next(o for o in main.commands["bench"].params if o.name == "masks")
+    assert tuple(option.type.choices) == bench_masks.MASKS
 
 
 def test_flops_of_a_masked_point_count_only_its_visible_scores():
@@ -57,7 +62,8 @@ def test_point_without_a_mask_loads_from_an_older_json():
 
 def test_a_masked_point_gives_flashgen_and_flex_its_mask_and_the_others_a_reason(monkeypatch):
     """flashgen-torch gets flashgen's block mask in both directions, flex its own of the same mask,
-    SDPA and FA4 a cell that says they take none; nothing gets a causal flag."""
+    SDPA and FA4 a cell that says they take none; no call gets a causal flag except flashgen's at a
+    document8-causal point (the document mask with causal beside it, as a user writes it)."""
     torch = pytest.importorskip("torch")
     from test_bench import _adapter, _fake_nn, _host_torch
 
@@ -95,6 +101,10 @@ def test_a_masked_point_gives_flashgen_and_flex_its_mask_and_the_others_a_reason
     assert made == [("flashgen", "window1024"), ("flex", "window1024")]  # once per point, not per call
     assert seen and all(options == {"block_mask": "fg-mask"} for options in seen)
     assert flex_calls and set(flex_calls) == {"flex-mask"}
+    seen.clear()
+    causal = bench.Point("f16", 8, False, 2, 3, 16, mask="document8-causal")  # flashgen: the mask and causal
+    bench.bench_point(causal, ["flashgen-torch"], host, repeats=10)
+    assert seen and all(options == {"block_mask": "fg-mask", "causal": "top_left"} for options in seen)
 
 
 def test_bench_cli_takes_masks_and_shows_them_in_the_table(monkeypatch):
