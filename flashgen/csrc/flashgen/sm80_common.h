@@ -244,10 +244,13 @@ __device__ void mma_columns(Mma& mma, Acc& acc, RegA const& reg_a, RegB const& r
   }
 }
 
-template <class Mma, class Acc, class CopyA, class SrcA, class RegA, class ViewA, class CopyB, class SrcB,
-          class RegB, class ViewB>
-__device__ void gemm_ss_fine(Mma& mma, Acc& acc, CopyA const& copy_a, SrcA const& src_a, RegA& reg_a, ViewA& view_a,
-                             CopyB const& copy_b, SrcB const& src_b, RegB& reg_b, ViewB& view_b) {
+// The fine k-loop: B comes in an ldmatrix at a time and each copy's MMA columns are issued as soon
+// as it is in, so only one copy of B is live beside the accumulators.  ``load_a(kk)`` brings A's
+// k-slice kk into registers just before B's first copy of that slice (a no-op where A is already
+// there).
+template <class Mma, class Acc, class RegA, class LoadA, class CopyB, class SrcB, class RegB, class ViewB>
+__device__ void gemm_fine(Mma& mma, Acc& acc, RegA const& reg_a, LoadA&& load_a, CopyB const& copy_b,
+                          SrcB const& src_b, RegB& reg_b, ViewB& view_b) {
   using namespace cute;
   constexpr int kK = decltype(size<2>(reg_a))::value;
   constexpr int kCopies = decltype(size<1>(view_b))::value;  // ldmatrix of B per k-slice
@@ -255,7 +258,7 @@ __device__ void gemm_ss_fine(Mma& mma, Acc& acc, CopyA const& copy_a, SrcA const
   static_assert(kNPerCopy * kCopies == decltype(size<1>(reg_b))::value, "whole MMA columns per copy");
   static_assert(copies_fill_column_groups<decltype(reg_b.layout()), decltype(view_b.layout())>(),
                 "each ldmatrix of B fills its own kNPerCopy MMA columns");
-  copy(copy_a, src_a(_, _, 0), view_a(_, _, 0));
+  load_a(0);
   copy(copy_b, src_b(_, 0, 0), view_b(_, 0, 0));
   CUTE_UNROLL
   for (int kk = 0; kk < kK; ++kk) {
@@ -264,7 +267,7 @@ __device__ void gemm_ss_fine(Mma& mma, Acc& acc, CopyA const& copy_a, SrcA const
       if (j + 1 < kCopies) {
         copy(copy_b, src_b(_, j + 1, kk), view_b(_, j + 1, kk));
       } else if (kk + 1 < kK) {
-        copy(copy_a, src_a(_, _, kk + 1), view_a(_, _, kk + 1));
+        load_a(kk + 1);
         copy(copy_b, src_b(_, 0, kk + 1), view_b(_, 0, kk + 1));
       }
       mma_columns(mma, acc, reg_a, reg_b, kk, j * kNPerCopy, kNPerCopy);
@@ -272,29 +275,20 @@ __device__ void gemm_ss_fine(Mma& mma, Acc& acc, CopyA const& copy_a, SrcA const
   }
 }
 
+// A and B both from shared memory (A's slices through view_a, which aliases reg_a).
+template <class Mma, class Acc, class CopyA, class SrcA, class RegA, class ViewA, class CopyB, class SrcB,
+          class RegB, class ViewB>
+__device__ void gemm_ss_fine(Mma& mma, Acc& acc, CopyA const& copy_a, SrcA const& src_a, RegA& reg_a, ViewA& view_a,
+                             CopyB const& copy_b, SrcB const& src_b, RegB& reg_b, ViewB& view_b) {
+  auto load_a = [&](int kk) { cute::copy(copy_a, src_a(cute::_, cute::_, kk), view_a(cute::_, cute::_, kk)); };
+  gemm_fine(mma, acc, reg_a, load_a, copy_b, src_b, reg_b, view_b);
+}
+
+// A already in registers.
 template <class Mma, class Acc, class RegA, class CopyB, class SrcB, class RegB, class ViewB>
 __device__ void gemm_rs_fine(Mma& mma, Acc& acc, RegA const& reg_a, CopyB const& copy_b, SrcB const& src_b,
                              RegB& reg_b, ViewB& view_b) {
-  using namespace cute;
-  constexpr int kK = decltype(size<2>(reg_a))::value;
-  constexpr int kCopies = decltype(size<1>(view_b))::value;
-  constexpr int kNPerCopy = decltype(size<1>(reg_b))::value / kCopies;
-  static_assert(kNPerCopy * kCopies == decltype(size<1>(reg_b))::value, "whole MMA columns per copy");
-  static_assert(copies_fill_column_groups<decltype(reg_b.layout()), decltype(view_b.layout())>(),
-                "each ldmatrix of B fills its own kNPerCopy MMA columns");
-  copy(copy_b, src_b(_, 0, 0), view_b(_, 0, 0));
-  CUTE_UNROLL
-  for (int kk = 0; kk < kK; ++kk) {
-    CUTE_UNROLL
-    for (int j = 0; j < kCopies; ++j) {
-      if (j + 1 < kCopies) {
-        copy(copy_b, src_b(_, j + 1, kk), view_b(_, j + 1, kk));
-      } else if (kk + 1 < kK) {
-        copy(copy_b, src_b(_, 0, kk + 1), view_b(_, 0, kk + 1));
-      }
-      mma_columns(mma, acc, reg_a, reg_b, kk, j * kNPerCopy, kNPerCopy);
-    }
-  }
+  gemm_fine(mma, acc, reg_a, [](int) {}, copy_b, src_b, reg_b, view_b);
 }
 
 // gemm_ss / gemm_rs, or their fine variants where kFine.
