@@ -207,7 +207,7 @@ def test_the_fallback_bias_folds_the_causal_diagonal_and_names_the_empty_rows():
     which rows see no key once both apply."""
     mask = MASKS["window"]  # keys q - 37 .. q + 5
     bm = block_mask(mask, 1, 1, 50, 30, block=(16, 16), device="cpu")
-    bias, empty = bm.additive(np.float32, diagonal=-20)  # also kv <= q - 20
+    bias, empty = bm.with_band(None, -20).additive(np.float32)  # also kv <= q - 20
     visible = dense(mask, 1, 1, 50, 30) & (np.arange(30) <= np.arange(50)[:, None] - 20)
     assert (empty == ~visible.any(-1)).all() and empty[0, 0, :20].all() and not empty[0, 0, 20:].any()
     assert (bias[visible] == 0).all() and np.isneginf(bias[~visible]).all()
@@ -332,7 +332,7 @@ def test_the_dense_fallback_gives_rows_without_keys_zeros_and_no_gradient(monkey
     from flashgen.runtime import block_fallback
     from flashgen.runtime.validate import Call, Problem
 
-    monkeypatch.setattr(block_fallback, "validated_bias", lambda cupy, bias, *args: bias)  # CuPy's checks
+    monkeypatch.setattr(block_fallback, "checked_bias", lambda cupy, bias, *args: (bias, False))  # CuPy's checks
     monkeypatch.setattr(block_fallback, "_warned", True)
     B, H, K, scale = 2, 3, 8, 0.4
     r = np.random.default_rng(M)

@@ -75,12 +75,7 @@ def attention_forward(q, k, v, *, attn_bias=None, block_mask=None, causal=None, 
                    softcap=softcap, stream=stream, registry=registry)
     call = forward_call(q, k, v, options, attention_forward, key)
     with _full_path(cupy, memory, call):
-        if call.block_mask is not None:
-            family = families.sparse_family(call)
-            if family is not None:
-                return _adopt(memory, family.run(call))
-            return _adopt(memory, block_fallback.forward(cupy, call, _forward))
-        return _adopt(memory, _forward(cupy, call))
+        return _adopt(memory, _serve(cupy, call, _forward, block_fallback.forward))
 
 
 def _forward(cupy, call: Call):
@@ -149,12 +144,7 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
                    stream=stream, registry=registry)
     call = backward_call(grad_out, q, k, v, out, lse, options, attention_backward, key)
     with _full_path(cupy, memory, call):
-        if call.block_mask is not None:  # a sparse kernel leaves a plan; the dense fallback clears the key
-            family = families.sparse_family(call)
-            if family is not None:
-                return _adopt(memory, family.run(call))
-            return _adopt(memory, block_fallback.backward(cupy, call, _backward))
-        return _adopt(memory, _backward(cupy, call))
+        return _adopt(memory, _serve(cupy, call, _backward, block_fallback.backward))
 
 
 def _backward(cupy, call: Call):
@@ -177,6 +167,15 @@ def _full_path(cupy, memory, call: Call):
         else:
             with memory.full_path(call.p.device):
                 yield
+
+
+def _serve(cupy, call: Call, run, dense):
+    """``run(cupy, call)``; a block-mask call goes to the family whose sparse kernels read its lists
+    (they leave a plan), else through ``dense`` (block_fallback, which clears the plan key)."""
+    if call.block_mask is None:
+        return run(cupy, call)
+    family = families.sparse_family(call)
+    return family.run(call) if family is not None else dense(cupy, call, run)
 
 
 def _adopt(memory, outputs):

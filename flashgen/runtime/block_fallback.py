@@ -8,8 +8,9 @@ over [B or 1, H or 1, M, N] (a causal mask folded in, so the kernel runs unmaske
 ``attn_bias`` when one is given.  flashgen's own families refuse such calls (``explain`` says
 why), so the example-41 families serve them, at
 the cost of a dense attention with a bias; a warning says so once per process.  The bias is
-built on the first call for each dtype and causal setting and kept with the mask (freed with
-it); later calls on other streams wait for it on the device, never on the host.
+built on the first call for each dtype and kept with the mask (freed with it; a causal mask or
+window is in the mask's lists already, ``BlockMask.with_band``); later calls on other streams wait
+for it on the device, never on the host.
 
 Rows that see no key: example 41 divides 0 by 0 on a row of -inf scores (its lse comes out
 -inf), so after the forward those rows are set to output 0, bit by bit (the NaN goes too), and
@@ -27,7 +28,7 @@ from dataclasses import replace
 import numpy as np
 
 from flashgen.runtime.arrays import dtype_name
-from flashgen.runtime.validate import MASKS, Call, bias as validated_bias
+from flashgen.runtime.validate import MASKS, Call, checked_bias
 
 WARNING = ("flashgen: block_mask runs dense through the example-41 kernels (the mask becomes an additive "
            "[B, H, M, N] bias), so it is as slow as a dense attention with a bias, not faster for being "
@@ -35,7 +36,7 @@ WARNING = ("flashgen: block_mask runs dense through the example-41 kernels (the 
            "(flashgen.explain says why not).  (Warned once per process.)")
 
 _warned = False
-_dense = weakref.WeakKeyDictionary()  # BlockMask -> {(dtype, diagonal): (bias, empty rows, event)}
+_dense = weakref.WeakKeyDictionary()  # BlockMask -> {dtype: (bias, empty rows, event)}
 
 
 def warn_once() -> None:
@@ -69,16 +70,17 @@ def dense_call(cupy, call: Call):
     The call's ``bias`` becomes the mask's dense bias (plus its own ``attn_bias``), its causal
     mask moves into that bias (``p.mask`` 0), a backward's lse becomes +inf on rows without
     keys; ``block_mask`` stays, so flashgen's own families keep refusing the call."""
-    p, dtype = call.p, call.q.dtype
-    diagonal = None if not p.mask else (p.N - p.M if p.mask == MASKS["bottom_right"] else 0)
+    p, dtype, mask = call.p, call.q.dtype, call.block_mask
+    if p.mask:  # the public calls have folded it already (block_masks.fold_band); a call built otherwise
+        mask = mask.with_band(None, p.N - p.M if p.mask == MASKS["bottom_right"] else 0)
     stream = _stream(cupy, call)
     with stream:
-        bias, empty = _cached(call.block_mask, dtype, diagonal, stream)
+        bias, empty = _cached(mask, dtype, stream)
         if call.bias is not None:
             total = cupy.empty((p.B, p.H, p.M, -(-p.N // 8) * 8), dtype=dtype)[..., :p.N]  # rows aligned as bias's
             total[...] = (bias.astype(cupy.float32) + call.bias.astype(cupy.float32)).astype(dtype)
             bias = total
-        bias = validated_bias(cupy, bias, p, call.q, p.M, p.N)  # the kernels' offset limits (no copy)
+        bias = checked_bias(cupy, bias, p, call.q, p.M, p.N)[0]  # the kernels' offset limits (no copy)
         lse = call.lse
         if call.direction == "bwd":
             lse = cupy.where(empty, cupy.float32(np.inf), lse[:, :, :p.M])
@@ -90,13 +92,13 @@ def _stream(cupy, call: Call):
     return call.stream if call.stream is not None else cupy.cuda.get_current_stream()
 
 
-def _cached(block_mask, dtype, diagonal, stream):
-    """The mask's fallback bias and empty rows for ``dtype`` and ``diagonal``: built on ``stream``
-    the first time, afterwards waited for on it (an event: no host synchronisation)."""
+def _cached(block_mask, dtype, stream):
+    """The mask's fallback bias and empty rows for ``dtype``: built on ``stream`` the first time,
+    afterwards waited for on it (an event: no host synchronisation)."""
     kept = _dense.setdefault(block_mask, {})
-    key = (dtype_name(dtype), diagonal)
+    key = dtype_name(dtype)
     if key not in kept:
-        bias, empty = block_mask.additive(dtype, diagonal)
+        bias, empty = block_mask.additive(dtype)
         kept[key] = (bias, empty, stream.record())
     else:
         stream.wait_event(kept[key][2])

@@ -129,10 +129,10 @@ class BlockMask:
         bias, _ = self.additive(dtype)
         return self.xp.ascontiguousarray(bias)
 
-    def additive(self, dtype, diagonal: Optional[int] = None):
+    def additive(self, dtype):
         """(bias, empty): the additive bias as ``to_dense`` makes it, in rows padded to 8 elements (the
-        alignment example 41 reads a bias with), and which (b, h, query) rows see no key [B, H, M].
-        ``diagonal``: also hide key j from query i where j > i + diagonal (a causal mask folded in)."""
+        alignment example 41 reads a bias with), and which (b, h, query) rows see no key [B, H, M]
+        (a band folded in by ``with_band`` applies)."""
         if dtype_name(dtype) is None:
             raise TypeError(f"dtype must be float32, float16 or bfloat16; got {dtype!r}")
         xp, (B, H, M, N) = self.xp, self.shape
@@ -140,8 +140,7 @@ class BlockMask:
             bias = xp.empty((B, H, M, -(-N // 8) * 8), dtype=dtype)[..., :N]
             empty = xp.empty((B, H, M), dtype=bool)
             for start, stop in _row_chunks(M, self.block[0], B * H * N):
-                band = _narrower(self.band, (None, diagonal))
-                visible = _in_band(xp, _visible(self.mask, xp, self.shape, start, stop), start, band)
+                visible = _in_band(xp, _visible(self.mask, xp, self.shape, start, stop), start, self.band)
                 empty[:, :, start:stop] = ~visible.any(axis=-1)
                 bias[:, :, start:stop] = xp.where(visible, np.float32(0), np.float32(-np.inf)).astype(dtype)
         return bias, empty

@@ -223,14 +223,10 @@ def check_head_broadcast(c: Problem, q, k, v):
                                "for the wrong heads.  Materialise one of them: v = cupy.ascontiguousarray(v)")
 
 
-def bias(cupy, attn_bias, c: Problem, q, rows: int, cols: int):
-    """The bias as [B, H, M, N] (broadcast dims get stride 0), with an aligned row stride."""
-    return checked_bias(cupy, attn_bias, c, q, rows, cols)[0]
-
-
 def checked_bias(cupy, attn_bias, c: Problem, q, rows: int, cols: int):
-    """(``bias``'s array, whether it is a copy of the caller's): a copy is per-call work that a
-    launch plan, which launches on the caller's pointers, would skip."""
+    """(the bias as [B, H, M, N] (broadcast dims get stride 0) with an aligned row stride, whether
+    it is a copy of the caller's): a copy is per-call work that a launch plan, which launches on the
+    caller's pointers, would skip."""
     if attn_bias is None:
         return None, False
     if c.seqstart_q is not None:

@@ -92,7 +92,7 @@ def attention(q, k, v, attn_bias=None, *, causal=None, scale=None, dropout_p=0.0
     With ``dropout_p > 0`` and no ``seed``, one is drawn from torch's generator.  With
     ``return_lse``: (out, lse [B, H, M] float32, not differentiable).  ``block_mask``: a
     ``flashgen.block_mask`` built on the tensors' GPU (it gets no gradient); eager calls only for
-    now, served dense by the example-41 kernels (``flashgen.attention_forward``).
+    now (which kernels serve it: ``flashgen.attention_forward``).
     """
     out, lse = _run(q, k, v, attn_bias, None, None, 0, causal, scale, dropout_p, seed, offset, window, softcap,
                     deterministic, block_mask)
