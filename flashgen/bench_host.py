@@ -59,13 +59,15 @@ def call_overhead_us(torch, calls: int = 500, rounds: int = 9) -> Dict[str, floa
 def adapter_overhead_cases(q, torch) -> Dict[str, Callable[[], object]]:
     """The PyTorch adapter's calls for ``call_overhead_us``, paired like SDPA's: the forward on a
     leaf that requires grad (as in training), the backward through autograd on one retained
-    forward output.  None of them where the adapter cannot run (a warning says why), so the
-    overhead of the other calls is still measured."""
+    forward output that replayed a plan (so its backward replays the plan's follower, as a
+    training step's does: flashgen/torch/ops.py).  None of them where the adapter cannot run (a
+    warning says why), so the overhead of the other calls is still measured."""
     try:
         from flashgen.torch import attention
 
         tq_bmhk = q.detach().requires_grad_()
-        out = attention(tq_bmhk, tq_bmhk, tq_bmhk)
+        attention(tq_bmhk, tq_bmhk, tq_bmhk)  # the full path, which leaves the forward's plan
+        out = attention(tq_bmhk, tq_bmhk, tq_bmhk)  # a replay, as every training step's after the first
     except Exception as ex:
         warnings.warn(f"flashgen.torch call overhead not measured: {error_note(ex)}", stacklevel=2)
         return {}

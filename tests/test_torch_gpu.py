@@ -177,6 +177,46 @@ def test_plans_made_on_one_thread_replay_on_a_fresh_one():
         assert rel_err(cp(g), cp(want)) < BWD_TOL["f16"]
 
 
+@pytest.mark.parametrize("loss", ["weighted", "sum"])
+def test_backward_follows_the_forwards_plan(loss, monkeypatch):
+    """From the third step on, a step whose forward replayed a plan replays that plan's backward
+    follower without a lookup by signature, with the gradients of a fresh call.  ``sum`` hands
+    the backward an expanded grad_out (stride 0), which it makes contiguous first."""
+    plans.clear()
+    q, k, v = randn((2, 129, 8, 64), "bf16", 1), randn((2, 300, 2, 64), "bf16", 2), randn((2, 300, 2, 64), "bf16", 3)
+    w = torch.randn(2, 129, 8, 64, device="cuda", dtype=torch.bfloat16)
+    lookups = []
+    find = plans.find
+    monkeypatch.setattr(plans, "find", lambda sig, direction, *a: lookups.append(direction) or find(sig, direction, *a))
+    grads = []
+    for step in range(4):
+        poison_torch_cache()
+        out = ft.attention(q, k, v, causal="bottom_right", deterministic=True)
+        objective = (out * w).sum() if loss == "weighted" else out.sum()
+        grads.append(torch.autograd.grad(objective, (q, k, v)))
+        if step >= 2:
+            assert lookups[-1] == "fwd", f"step {step}: the backward looked its plan up ({lookups})"
+    do = (w if loss == "weighted" else torch.ones_like(w))
+    _, _, ref = grouped_reference(cp(q), cp(k), cp(v), cp(do), causal="bottom_right")
+    for g, r in zip(grads[-1], ref):
+        assert rel_err(cp(g), r, math.sqrt(64)) < BWD_TOL["bf16"]
+    for step in grads[1:]:  # deterministic: the same bits from every path
+        assert all(torch.equal(a, b) for a, b in zip(step, grads[0]))
+
+
+def test_a_block_mask_step_does_not_follow(monkeypatch):
+    """A block mask's backward plan ends with the mask's transposed lists: its steps keep the lookup."""
+    plans.clear()
+    q, k, v = (randn((1, 256, 2, 64), "f16", s) for s in (1, 2, 3))
+    mask = flashgen.block_mask(lambda b, h, i, j: j <= i, 1, 2, 256, 256)
+    lookups = []
+    find = plans.find
+    monkeypatch.setattr(plans, "find", lambda sig, direction, *a: lookups.append(direction) or find(sig, direction, *a))
+    for _ in range(3):
+        torch.autograd.grad(ft.attention(q, k, v, block_mask=mask).sum(), (q, k, v))
+    assert lookups.count("bwd") == 3
+
+
 class TinyBlock(torch.nn.Module):
     def __init__(self, dim=256, heads=4):
         super().__init__()

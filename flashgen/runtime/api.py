@@ -69,13 +69,17 @@ def attention_forward(q, k, v, *, attn_bias=None, block_mask=None, causal=None, 
         if plan is not None:
             if dropout_p or seed is not None or offset:
                 check_rng(dropout_p, seed, offset)
-            return families.replay(plan, memory, arrays, seed, offset, stream)
+            outputs = families.replay(plan, memory, arrays, seed, offset, stream)
+            plans.note_served(plan)
+            return outputs
     options = dict(attn_bias=attn_bias, block_mask=block_mask, causal=causal, scale=scale, dropout_p=dropout_p,
                    seed=seed, offset=offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window,
                    softcap=softcap, stream=stream, registry=registry)
     call = forward_call(q, k, v, options, attention_forward, key)
     with _full_path(cupy, memory, call):
-        return _adopt(memory, _serve(cupy, call, _forward, block_fallback.forward))
+        outputs = _adopt(memory, _serve(cupy, call, _forward, block_fallback.forward))
+    plans.note_served(None)  # not a replay (calls nested in this one may have noted theirs)
+    return outputs
 
 
 def _forward(cupy, call: Call):
@@ -137,14 +141,18 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
         if plan is not None:
             if dropout_p or seed is not None or offset:
                 check_rng(dropout_p, seed, offset)
-            return families.replay(plan, memory, arrays, seed, offset, stream)
+            grads = families.replay(plan, memory, arrays, seed, offset, stream)
+            plans.note_served(plan)
+            return grads
     options = dict(attn_bias=attn_bias, bias_requires_grad=bias_requires_grad, block_mask=block_mask, causal=causal,
                    scale=scale, dropout_p=dropout_p, seed=seed, offset=offset, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, window=window, softcap=softcap, deterministic=deterministic,
                    stream=stream, registry=registry)
     call = backward_call(grad_out, q, k, v, out, lse, options, attention_backward, key)
     with _full_path(cupy, memory, call):
-        return _adopt(memory, _serve(cupy, call, _backward, block_fallback.backward))
+        grads = _adopt(memory, _serve(cupy, call, _backward, block_fallback.backward))
+    plans.note_served(None if key is None else plans.lookup(key))  # the plan this call left, if any
+    return grads
 
 
 def _backward(cupy, call: Call):

@@ -23,7 +23,7 @@ from flashgen.runtime import tensormap
 
 # Pointer alignment enters selection only through divisibility by 8, 4 and 2
 # elements (of at most 4 bytes): the pointer modulo 64 bytes is all a plan may depend on.
-_ALIGNMENT_BYTES = 64
+ALIGNMENT_BYTES = 64
 _MAX_PLANS = 512  # many distinct shapes (e.g. varying sequence lengths) evict the oldest plans
 
 # Which families a call may go to (runtime/families: forced_families) is part of its plan's key.
@@ -45,7 +45,7 @@ def signature(arrays, ndarray) -> Optional[tuple]:
         mem = x.data
         pointers |= mem.ptr
         parts += (x.shape, x.strides, x.dtype, mem.device_id)
-    parts.append(pointers % _ALIGNMENT_BYTES)
+    parts.append(pointers % ALIGNMENT_BYTES)
     return tuple(parts)
 
 
@@ -61,7 +61,7 @@ def tensor_signature(arrays, tensor) -> Optional[tuple]:
             return None
         pointers |= x.data_ptr()
         parts.append((x.size(), x.stride(), x.dtype, device))
-    parts.append(pointers % _ALIGNMENT_BYTES)
+    parts.append(pointers % ALIGNMENT_BYTES)
     return tuple(parts)
 
 
@@ -115,6 +115,8 @@ class LaunchPlan:
     lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
     launches: Tuple[tuple, ...] = ()
     family: str = ""  # the runtime family that replays the plan (runtime/families)
+    # a forward plan's backward plans, by what a backward's key adds to it (flashgen.torch's ops)
+    followers: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_params(cls, handle: int, device: int, grid, block, shared_memory: int, params: np.ndarray,
@@ -188,6 +190,22 @@ def remember(key, plan: LaunchPlan) -> None:
 
 
 def clear() -> None:
-    """Forget every plan (after the kernels or the tuning table in use change)."""
+    """Forget every plan (after the kernels or the tuning table in use change).  A backward whose
+    forward replayed a plan before may still replay that plan's follower once: its kernels stay
+    loaded, so that is a correct launch, of the old choice."""
     with _lock:
         _plans.clear()
+
+
+_served = threading.local()
+
+
+def note_served(plan: Optional[LaunchPlan]) -> None:
+    """Record the plan that served this thread's latest public call (None: the full path)."""
+    _served.plan = plan
+
+
+def served() -> Optional[LaunchPlan]:
+    """The plan that served this thread's latest ``attention_forward``/``backward`` call, if one
+    did: how ``flashgen.torch`` ties a backward to its forward's plan without a second lookup."""
+    return getattr(_served, "plan", None)

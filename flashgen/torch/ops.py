@@ -23,8 +23,10 @@ import torch
 from torch import Tensor
 
 from flashgen.errors import UnsupportedError
-from flashgen.runtime import api
+from flashgen.runtime import api, families, plans
+from flashgen.runtime.arrays import cupy_module
 from flashgen.runtime.limits import lse_rows
+from flashgen.runtime.memory import memory_for
 from flashgen.runtime.validate import MASKS
 
 CAUSAL = MASKS  # the runtime's codes for its causal option
@@ -187,6 +189,8 @@ class EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_bias, options, block_mask):
         out, lse = _forward(q, k, v, attn_bias, *options[:-1], block_mask=block_mask)
+        # the forward's launch plan when it replayed one (a block mask's backward plan ends with its lists)
+        ctx.plan = plans.served() if block_mask is None else None
         _save(ctx, q, k, v, attn_bias, options, out, lse)
         ctx.block_mask = block_mask
         ctx.set_materialize_grads(False)  # no zero-filled gradient for lse (a launch per backward)
@@ -196,7 +200,34 @@ class EagerAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         if grad_out is None:  # only lse (not differentiable) reached the loss
             return None, None, None, None, None, None
+        if ctx.plan is not None and not ctx.needs_input_grad[3]:
+            return _replayed_gradients(ctx, grad_out) + (None, None, None)
         return _gradients(ctx, grad_out, _grads) + (None, None)
+
+
+def _replayed_gradients(ctx, grad_out: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of a step whose forward replayed the launch plan ``ctx.plan``.
+
+    Such a forward laid out out and lse as its plan lays them out, and autograd hands the backward
+    a grad_out of out's shape, dtype and device; so the forward plan, grad_out's strides and
+    alignment and ``deterministic`` decide the backward's plan.  The forward plan keeps it
+    (``followers``) after the first such backward, which takes the runtime's path; later ones
+    replay it without the lookup by the signature of six tensors (a fifth of the backward's
+    host time on a small problem)."""
+    q, k, v, attn_bias, out, lse = ctx.saved_tensors
+    if grad_out.stride(-1) != 1:  # as _grads: the kernels need a contiguous head dim
+        grad_out = grad_out.contiguous()
+    dropout_p, seed, offset, *_, deterministic = ctx.options[5:]
+    follower = (grad_out.stride(), grad_out.data_ptr() % plans.ALIGNMENT_BYTES, deterministic)
+    plan = ctx.plan.followers.get(follower)
+    if plan is None:
+        dq, dk, dv, _ = _grads(grad_out, q, k, v, out, lse, attn_bias, False, None, None, *ctx.options[3:])
+        made = plans.served()
+        if made is not None:
+            ctx.plan.followers[follower] = made
+        return dq, dk, dv
+    arrays = (grad_out, q, k, v, out, lse) if attn_bias is None else (grad_out, q, k, v, out, lse, attn_bias)
+    return families.replay(plan, memory_for(q, cupy_module()), arrays, seed if dropout_p else None, offset, None)
 
 
 def forward(q, k, v, attn_bias, *options, block_mask=None) -> Tuple[Tensor, Tensor]:
