@@ -414,3 +414,21 @@ def test_only_a_well_formed_band_beside_a_block_mask_is_folded():
                  (None, "top_left", (4, 0)), (bm, "bogus", None), (bm, None, (-1, 0)), (bm, None, (True, 0)),
                  (bm, None, "wide")):
         assert block_masks.fold_band(*args) == args  # validation names what is wrong
+
+
+def test_arrays_as_converts_each_array_once_per_mask_and_kind():
+    """A torch caller's plans key on torch views of a mask's arrays: made on the first call, then
+    the same objects (a plan's signature and its pointers stay put)."""
+    mask = block_mask(lambda b, h, i, j: j <= i, 1, 2, 256, 256, device="cpu")
+    calls = []
+
+    def convert(x):
+        calls.append(x)
+        return ("view", id(x))
+
+    forward = mask.arrays_as("kernel_arrays", convert)
+    assert forward == tuple(("view", id(x)) for x in mask.kernel_arrays())
+    assert mask.arrays_as("kernel_arrays", convert) is forward and len(calls) == 6
+    backward = mask.arrays_as("backward_arrays", convert)
+    assert backward[:4] == tuple(("view", id(x)) for x in mask.backward_arrays()[:4]) and len(calls) == 12
+    assert mask.with_band(None, 0).arrays_as("kernel_arrays", convert) is not forward  # a folded mask has its own

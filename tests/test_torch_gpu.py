@@ -217,6 +217,30 @@ def test_a_block_mask_step_does_not_follow(monkeypatch):
     assert lookups.count("bwd") == 3
 
 
+def test_block_mask_calls_on_torch_tensors_take_launch_plans():
+    """A torch caller's block-mask calls replay plans (keyed on torch views of the mask's arrays),
+    forward and backward, with the results of the CuPy path on the same arrays."""
+    plans.clear()
+    q, k, v = randn((2, 384, 4, 64), "bf16", 1), randn((2, 300, 2, 64), "bf16", 2), randn((2, 300, 2, 64), "bf16", 3)
+    doc = cupy.arange(384) // 100
+    mask = flashgen.block_mask(lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i), 1, 1, 384, 300)
+    do = torch.randn(2, 384, 4, 64, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for _ in range(3):
+        poison_torch_cache()
+        out = ft.attention(q, k, v, block_mask=mask)
+        results.append((out,) + torch.autograd.grad(out, (q, k, v), do))
+    torch_keys = [key for key in plans._plans if key[1][0] == "torch"]
+    if not torch_keys:
+        pytest.skip("no sparse kernels for this call on this GPU (the dense fallback leaves no plan)")
+    assert {key[0] for key in torch_keys} == {"fwd", "bwd"}
+    out, lse = flashgen.attention_forward(cp(q), cp(k), cp(v), block_mask=mask)
+    want = (out,) + tuple(flashgen.attention_backward(cp(do), cp(q), cp(k), cp(v), out, lse, block_mask=mask))
+    for step in results[1:]:
+        for name, got, ref in zip(("out", "dq", "dk", "dv"), step, want):
+            assert rel_err(cp(got), ref) < BWD_TOL["bf16"], name
+
+
 class TinyBlock(torch.nn.Module):
     def __init__(self, dim=256, heads=4):
         super().__init__()

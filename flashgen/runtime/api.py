@@ -24,7 +24,7 @@ import numpy as np
 
 from flashgen.runtime import block_fallback, families, plans
 from flashgen.runtime.arrays import cupy_module
-from flashgen.runtime.block_masks import fold_band
+from flashgen.runtime.block_masks import BlockMask, fold_band
 from flashgen.runtime.launch import on_device
 from flashgen.runtime.limits import lse_rows
 from flashgen.runtime.memory import memory_for
@@ -62,7 +62,7 @@ def attention_forward(q, k, v, *, attn_bias=None, block_mask=None, causal=None, 
     if memory is not None and cu_seqlens_q is None and cu_seqlens_k is None:
         # a block mask's arrays end the signature (a sparse plan points at them), its block size joins
         # the options; one that is not a BlockMask (validation says why) or lacks bits gets no plan
-        sparse = () if block_mask is None else getattr(block_mask, "kernel_arrays", lambda: (None,))()
+        sparse = () if block_mask is None else _mask_arrays(memory, block_mask, "kernel_arrays")
         arrays = ((q, k, v) if attn_bias is None else (q, k, v, attn_bias)) + sparse
         key, plan = plans.find(memory.signature, "fwd", arrays, (causal, scale, dropout_p, window, softcap, registry,
                                                                    getattr(block_mask, "block", None)))
@@ -133,7 +133,7 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
     memory, key = memory_for(q, cupy), None
     if memory is not None and not bias_requires_grad and cu_seqlens_q is None and cu_seqlens_k is None:
         # as in the forward: a block mask's (transposed) arrays end the signature, its block size joins the options
-        sparse = () if block_mask is None else getattr(block_mask, "backward_arrays", lambda: (None,))()
+        sparse = () if block_mask is None else _mask_arrays(memory, block_mask, "backward_arrays")
         arrays = (grad_out, q, k, v, out, lse) + (() if attn_bias is None else (attn_bias,)) + sparse
         key, plan = plans.find(memory.signature, "bwd", arrays, (causal, scale, dropout_p, window, softcap,
                                                                    deterministic, registry,
@@ -184,6 +184,14 @@ def _serve(cupy, call: Call, run, dense):
         return run(cupy, call)
     family = families.sparse_family(call)
     return family.run(call) if family is not None else dense(cupy, call, run)
+
+
+def _mask_arrays(memory, block_mask, which: str) -> tuple:
+    """A block mask's arrays for the plan's signature, of the caller's kind (``memory``); (None,),
+    which no signature takes, for something that is not a BlockMask (validation says why)."""
+    if not isinstance(block_mask, BlockMask):
+        return (None,)
+    return memory.mask_arrays(block_mask, which)
 
 
 def _adopt(memory, outputs):

@@ -78,6 +78,7 @@ class BlockMask:
     # a causal mask or window folded in (``with_band``)
     band: Optional[Tuple[Optional[int], Optional[int]]] = None
     _folded: dict = field(default_factory=dict, repr=False)  # band -> this mask with that band folded in
+    _views: dict = field(default_factory=dict, repr=False)  # (arrays, convert) -> converted arrays
 
     @property
     def num_blocks(self) -> Tuple[int, int]:
@@ -102,6 +103,15 @@ class BlockMask:
         full counts and lists, per key block), then partial_index and partial_bits as for the forward."""
         return (self.q_num_blocks, self.q_indices, self.full_q_num_blocks, self.full_q_indices,
                 self.partial_index, self.partial_bits)
+
+    def arrays_as(self, which: str, convert) -> tuple:
+        """``kernel_arrays()`` or ``backward_arrays()`` (``which``), each passed through ``convert``
+        (a torch caller's ``torch.from_dlpack``: zero-copy views) once per mask and then kept, so a
+        caller's launch plans can key on arrays of its own kind."""
+        key = (which, convert)
+        if key not in self._views:
+            self._views[key] = tuple(None if x is None else convert(x) for x in getattr(self, which)())
+        return self._views[key]
 
     def with_band(self, lo: Optional[int], hi: Optional[int]) -> "BlockMask":
         """This mask with a band folded in: key j also hidden from query i unless i + lo <= j <= i + hi

@@ -53,6 +53,11 @@ class CupyMemory:
     def signature(self, arrays):
         return plans.signature(arrays, self.cupy.ndarray)
 
+    @staticmethod
+    def mask_arrays(block_mask, which: str) -> tuple:
+        """A block mask's ``which`` arrays (``BlockMask.kernel_arrays`` / ``backward_arrays``) as they are."""
+        return getattr(block_mask, which)()
+
     def row_sums(self, grad_out, out, delta) -> None:
         """delta[b, h, m] = sum_k grad_out[b, m, h, k] * out[b, m, h, k], in float32."""
         rowsum = (grad_out.astype(self.cupy.float32) * out.astype(self.cupy.float32)).sum(axis=-1)
@@ -127,6 +132,11 @@ class TorchMemory:
 
     def signature(self, arrays):
         return plans.tensor_signature(arrays, self.torch.Tensor)
+
+    def mask_arrays(self, block_mask, which: str) -> tuple:
+        """A block mask's ``which`` arrays as torch views (made once per mask): with CuPy arrays in a
+        torch call's signature it would get no launch plan."""
+        return block_mask.arrays_as(which, self.torch.from_dlpack)
 
     def row_sums(self, grad_out, out, delta) -> None:
         rowsum = (grad_out.float() * out.float()).sum(dim=-1)  # [B, M, H]
