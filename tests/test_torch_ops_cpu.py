@@ -144,3 +144,54 @@ def test_a_block_mask_under_torch_compile_is_refused_with_what_to_do(monkeypatch
     with pytest.raises(UnsupportedError, match=r"^flashgen.torch: block_mask under torch.compile is not supported yet "
                                                r".*call this attention eagerly"):
         ops.forward(None, None, None, None, None, None, 0, 1, None, 0.0, 0, 0, -1, -1, 0.0, False, block_mask=object())
+
+
+def test_a_backward_replays_the_follower_of_its_forwards_plan(monkeypatch):
+    """Step 1 (forward replayed plan F): the backward takes the runtime's path and F keeps the plan
+    that path served as its follower for grad_out's strides and alignment; step 2 replays it with
+    the step's own tensors, without the runtime's lookup."""
+    from types import SimpleNamespace
+
+    forward_plan, backward_plan = SimpleNamespace(followers={}), object()
+    served = {"plan": forward_plan}
+    calls = []
+
+    def forward(q, k, v, **options):
+        served["plan"] = forward_plan
+        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    def backward(grad_out, q, k, v, out, lse, **options):
+        calls.append("runtime")
+        served["plan"] = backward_plan
+        return torch.ones_like(q), torch.ones_like(k), torch.ones_like(v)
+
+    def replay(plan, memory, arrays, seed, offset, stream):
+        calls.append(("replay", plan, len(arrays), seed, offset))
+        return tuple(torch.full_like(x, 2.0) for x in arrays[1:4])
+
+    monkeypatch.setattr(ops.api, "attention_forward", forward)
+    monkeypatch.setattr(ops.api, "attention_backward", backward)
+    monkeypatch.setattr(ops.plans, "served", lambda: served["plan"])
+    monkeypatch.setattr(ops.families, "replay", replay)
+    monkeypatch.setattr(ops, "memory_for", lambda q, cupy: "memory")
+    monkeypatch.setattr(ops, "cupy_module", lambda: None)
+    q, k, v = (torch.zeros(1, 5, 2, 8, requires_grad=True) for _ in range(3))
+    grads = []
+    for _ in range(2):
+        out, _ = ops.forward(q, k, v, None, None, None, 0, 1, None, 0.1, 9, 4, -1, -1, 0.0, False)
+        grads.append(torch.autograd.grad(out.sum(), (q, k, v)))
+    assert calls == ["runtime", ("replay", backward_plan, 6, 9, 4)]
+    assert list(forward_plan.followers.values()) == [backward_plan]
+    assert all((g == 1).all() for g in grads[0]) and all((g == 2).all() for g in grads[1])
+
+
+@pytest.mark.parametrize("active", [False, True])
+def test_functorch_transforms_take_function_apply(monkeypatch, active):
+    """Eager calls go to torch's C apply, except under functorch transforms, which need Function.apply's
+    own routing."""
+    seen = []
+    monkeypatch.setattr(ops, "_transforms_active", lambda: active)
+    monkeypatch.setattr(ops, "_apply", lambda *args: seen.append("C apply") or ("out", "lse"))
+    monkeypatch.setattr(ops.EagerAttention, "apply", lambda *args: seen.append("Function.apply") or ("out", "lse"))
+    assert ops.forward(None, None, None, None, None, None, 0, 1, None, 0.0, 0, 0, -1, -1, 0.0, False) == ("out", "lse")
+    assert seen == ["Function.apply" if active else "C apply"]
