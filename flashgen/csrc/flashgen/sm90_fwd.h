@@ -665,12 +665,15 @@ struct FwdKernel {
   static __device__ void store(FwdParams const& p, Sequence const& seq, Accumulator const& acc,
                                float const (&row_max)[2], float (&row_sum)[2], int row0, int col0, int head) {
     using namespace cute;
+    int const lane = threadIdx.x % 32;
     Element* out = static_cast<Element*>(p.out_ptr) + seq.batch * p.out_stride_b +
                    seq.q0 * (long long)p.out_stride_m + head * (long long)p.out_stride_h;
+    float* lse = p.lse_ptr + seq.index * (long long)p.lse_stride_b + head * (long long)p.lse_stride_h;
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       int const row = row0 + 8 * h;
-      float const inv = finish_row(p, seq, row_max[h], row_sum[h], row, head);
+      float const sum = quad_sum(row_sum[h]);
+      float const inv = sum > 0.f ? 1.f / sum : 0.f;  // no visible key: output 0
       if (row < seq.num_queries) {
         Element* out_row = out + row * (long long)p.out_stride_m;
         CUTE_UNROLL
@@ -684,6 +687,12 @@ struct FwdKernel {
           pair[1] = static_cast<Element>(acc(r + 1) * inv);
           *reinterpret_cast<cutlass::Array<Element, 2>*>(out_row + col) = pair;
         }
+        if (lane % 4 == 0) {
+          float const max_log2 = row_max[h] * (kBias ? kLog2e : p.scale_log2);  // see consume()'s exp_scale
+          lse[row] = sum > 0.f ? (max_log2 + __log2f(sum)) * 0.69314718055994531f : -INFINITY;
+        }
+      } else if (row < p.lse_rows && lane % 4 == 0) {
+        lse[row] = INFINITY;
       }
     }
   }
