@@ -30,8 +30,8 @@
 // is 0 (prefetched from global memory with the block's index before its GEMM);
 // full blocks are not masked at all (but for the keys past num_keys).
 //
-// The output goes out through shared memory where a tile of it fits beside Q and the K/V rings
-// (kStagedO: stmatrix in, then whole rows out in 16-byte stores), else straight from registers;
+// The output goes out through shared memory at head dim 128 for tiles of few key blocks (kStagedO:
+// stmatrix in, then whole rows out in 16-byte stores), else straight from registers;
 // the log-sum-exp (natural log, of the scaled scores) goes to lse[sequence, head, row] like the
 // example-41 forward, so either backward family can consume it.  Packed (varlen) batches run one grid
 // z-slice per sequence (sm90_common.h: Sequence); a tile reaching past its
@@ -182,8 +182,10 @@ struct FwdKernel {
   // kStagedO: O through shared memory (store_staged) at head dim 128 where its tile fits beside Q
   // and the K/V rings (no bias ring, two stages), for tiles of at most kStagedMaxBlocks key blocks:
   // per thread 8 stmatrix and 8 coalesced 16-byte stores of whole rows in place of 32 scattered
-  // 4-byte stores.  Measured on an H200 against the register stores everywhere: +4-8% at 512-1k
-  // tokens, -2% at 8k-16k unmasked; head dim 64 gained nothing and lost 4% at 4k-16k.
+  // 4-byte stores.  Same-run A/B on an H200 against the register stores: +3-7% from 512 to 2k
+  // tokens, causal and not, but -2-4% at 4k-16k unmasked, where tiles take the register stores
+  // (the larger shared storage or the code's layout: not found).  At head dim 64, staging gained
+  // nothing and lost 4% from 4k on.
   static constexpr int kRingBytes = int(sizeof(Element)) * kHeadDim * (kBlockM + 2 * kStages * kBlockN);
   static constexpr int kOBytes = int(sizeof(Element)) * kBlockM * kHeadDim;
   static constexpr bool kStagedO = !kBias && kHeadDim == 128 && kRingBytes + kOBytes + 2048 <= 227 * 1024;
