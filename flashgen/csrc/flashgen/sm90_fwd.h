@@ -30,9 +30,10 @@
 // is 0 (prefetched from global memory with the block's index before its GEMM);
 // full blocks are not masked at all (but for the keys past num_keys).
 //
-// The output is written from registers; the log-sum-exp (natural log, of the
-// scaled scores) goes to lse[sequence, head, row] like the example-41 forward, so
-// either backward family can consume it.  Packed (varlen) batches run one grid
+// The output goes out through shared memory at head dim 128 for tiles of few key blocks (kStagedO:
+// stmatrix in, then whole rows out in 16-byte stores), else straight from registers;
+// the log-sum-exp (natural log, of the scaled scores) goes to lse[sequence, head, row] like the
+// example-41 forward, so either backward family can consume it.  Packed (varlen) batches run one grid
 // z-slice per sequence (sm90_common.h: Sequence); a tile reaching past its
 // sequence reads the next one's rows, which the key mask and the row bounds of
 // the stores keep out of the results.
@@ -137,6 +138,8 @@ struct FwdKernel {
   static_assert((kConsumerWarpGroups * kConsumerRegisters + kProducerRegisters) * 128 <= 65536,
                 "setmaxnreg shares one register file");
   static constexpr int kMinBlocksPerSm = 1;  // the register file is sized for one block per SM
+  // named barriers: 0 the CTA's, 1 .. kConsumerWarpGroups TurnTaking's, then one per warpgroup (store_staged)
+  static constexpr int kEpilogueBarrier = 1 + kConsumerWarpGroups;
 
   // A TMA box row is one swizzle span: 128 bytes where the head dim allows, else 64.
   static constexpr int kSwizzleBytes = kHeadDim % 64 == 0 ? 128 : 64;
@@ -176,7 +179,22 @@ struct FwdKernel {
     uint64_t bias_empty[kStages];
   };
   struct NoBias {};
-  struct SharedStorage : std::conditional_t<kBias, BiasRing, NoBias> {
+  // kStagedO: O through shared memory (store_staged) at head dim 128 where its tile fits beside Q
+  // and the K/V rings (no bias ring, two stages), for tiles of at most kStagedMaxBlocks key blocks:
+  // per thread 8 stmatrix and 8 coalesced 16-byte stores of whole rows in place of 32 scattered
+  // 4-byte stores.  Same-run A/B on an H200 against the register stores: +3-7% from 512 to 2k
+  // tokens, causal and not, but -2-4% at 4k-16k unmasked, where tiles take the register stores
+  // (the larger shared storage or the code's layout: not found).  At head dim 64, staging gained
+  // nothing and lost 4% from 4k on.
+  static constexpr int kRingBytes = int(sizeof(Element)) * kHeadDim * (kBlockM + 2 * kStages * kBlockN);
+  static constexpr int kOBytes = int(sizeof(Element)) * kBlockM * kHeadDim;
+  static constexpr bool kStagedO = !kBias && kHeadDim == 128 && kRingBytes + kOBytes + 2048 <= 227 * 1024;
+  static constexpr int kStagedMaxBlocks = 16;
+  struct OTile {
+    alignas(1024) Element o[kBlockM * kHeadDim];
+  };
+  struct NoOTile {};
+  struct SharedStorage : std::conditional_t<kBias, BiasRing, NoBias>, std::conditional_t<kStagedO, OTile, NoOTile> {
     alignas(1024) Element q[kBlockM * kHeadDim];
     alignas(1024) Element k[kStages * kBlockN * kHeadDim];
     alignas(1024) Element v[kStages * kBlockN * kHeadDim];
@@ -568,7 +586,81 @@ struct FwdKernel {
     warpgroup_fence_operand(tOrO);
     warpgroup_fence_operand(tOrP);
     release(&s.v_empty[last_stage]);
+    if constexpr (kStagedO) {
+      if (num_blocks <= kStagedMaxBlocks) {
+        store_staged(p, s, seq, tOrO, row_max, row_sum, row0, head);
+        return;
+      }
+    }
     store(p, seq, tOrO, row_max, row_sum, row0, col0, head);
+  }
+
+  // The row's 1 / sum (0 for a row that saw no key: output 0) and, by one lane of its quad, its
+  // lse; rows past the sequence get lse +inf up to lse_rows (the padding), as example 41 writes it.
+  static __device__ float finish_row(FwdParams const& p, Sequence const& seq, float row_max, float row_sum,
+                                     int row, int head) {
+    float* lse = p.lse_ptr + seq.index * (long long)p.lse_stride_b + head * (long long)p.lse_stride_h;
+    float const sum = quad_sum(row_sum);
+    if (threadIdx.x % 4 == 0) {
+      if (row < seq.num_queries) {
+        float const max_log2 = row_max * (kBias ? kLog2e : p.scale_log2);  // see consume()'s exp_scale
+        lse[row] = sum > 0.f ? (max_log2 + __log2f(sum)) * 0.69314718055994531f : -INFINITY;
+      } else if (row < p.lse_rows) {
+        lse[row] = INFINITY;
+      }
+    }
+    return sum > 0.f ? 1.f / sum : 0.f;
+  }
+
+  // kStagedO: the warpgroup's 64 rows of O into its part of the O tile by stmatrix, then out row by
+  // row, each thread 16 bytes at a time (a warp writes two whole rows at head dim 128).  The tile's
+  // 16-byte chunks are XOR-swizzled by row % 8, so that both an 8 x 8 stmatrix tile (8 rows, one
+  // chunk) and a quarter warp's row reads (8 chunks of one row) hit 8 distinct bank groups.  Two
+  // named barriers per tile keep the warpgroup's warps together: none writes the tile while another
+  // still reads the last tile's rows, none reads before all have written.
+  template <class Accumulator>
+  static __device__ void store_staged(FwdParams const& p, SharedStorage& s, Sequence const& seq,
+                                      Accumulator const& acc, float const (&row_max)[2], float (&row_sum)[2],
+                                      int row0, int head) {
+    constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+    int const tid = threadIdx.x;
+    int const lane = tid % 32;
+    int const group = tid / 128;
+    Element* tile = s.o + group * 64 * kHeadDim;
+    auto at = [](int row, int chunk) { return row * kHeadDim + 8 * (chunk ^ (row % 8)); };
+    float const inv[2] = {finish_row(p, seq, row_max[0], row_sum[0], row0, head),
+                          finish_row(p, seq, row_max[1], row_sum[1], row0 + 8, head)};
+    int const barrier = kEpilogueBarrier + group;
+    asm volatile("bar.sync %0, 128;" ::"r"(barrier) : "memory");
+    // Register r holds row (r / 2) % 2 * 8 + lane / 4 of the warp's 16, column (r / 4) * 8 + 2 * (lane % 4)
+    // + r % 2: stmatrix tile j of group q is rows + 8 * (j % 2), columns 8 * (2q + j / 2), pair 8q + 2j.
+    int const warp_row = 16 * ((tid / 32) % 4);
+    int const m = lane / 8;  // the tile whose row lane % 8 this lane addresses
+    CUTE_UNROLL
+    for (int q = 0; q < kHeadDim / 16; ++q) {
+      uint32_t values[4];
+      CUTE_UNROLL
+      for (int j = 0; j < 4; ++j) {
+        cutlass::Array<Element, 2> pair;
+        pair[0] = static_cast<Element>(acc(8 * q + 2 * j) * inv[j % 2]);
+        pair[1] = static_cast<Element>(acc(8 * q + 2 * j + 1) * inv[j % 2]);
+        values[j] = reinterpret_cast<uint32_t const&>(pair);
+      }
+      store_matrix_x4(tile + at(warp_row + 8 * (m % 2) + lane % 8, 2 * q + m / 2), values);
+    }
+    asm volatile("bar.sync %0, 128;" ::"r"(barrier) : "memory");
+    int const first_row = row0 - warp_row - lane / 4;  // the warpgroup's first row in the sequence
+    Element* out = static_cast<Element*>(p.out_ptr) + seq.batch * p.out_stride_b +
+                   seq.q0 * (long long)p.out_stride_m + head * (long long)p.out_stride_h;
+    CUTE_UNROLL
+    for (int i = tid % 128; i < 64 * kChunks; i += 128) {
+      int const row = i / kChunks;
+      int const chunk = i % kChunks;
+      if (first_row + row < seq.num_queries && chunk * 8 < p.head_dim) {
+        uint4 const v = *reinterpret_cast<uint4 const*>(tile + at(row, chunk));
+        *reinterpret_cast<uint4*>(out + (first_row + row) * (long long)p.out_stride_m + chunk * 8) = v;
+      }
+    }
   }
 
   template <class Accumulator>
