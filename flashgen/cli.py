@@ -1,4 +1,4 @@
-"""The ``flashgen`` command: doctor, generate, build, list."""
+"""The ``flashgen`` command: doctor, generate, build, list, mods, tune, bench."""
 from __future__ import annotations
 
 import json
@@ -116,6 +116,22 @@ def generate(check: bool, out: Optional[Path]) -> None:
     for rel, status in changes.items():
         click.echo(f"{'removed' if status == 'extra' else 'wrote'}: {out / rel}")
     click.echo(f"{len(kernels)} instances, {len(changes)} file(s) changed in {out}")
+
+
+@main.command()
+@click.argument("mods_file", required=False, type=click.Path(dir_okay=False, exists=True, path_type=Path))
+def mods(mods_file: Optional[Path]) -> None:
+    """Check a mods file (ScoreMod / MaskMod declarations) and show each mod's C++ and digest; without
+    a file, the built-ins.  A malformed expression is reported with its line and column."""
+    from flashgen import mods as declared
+
+    try:
+        found = declared.BUILTIN_MODS if mods_file is None else declared.load_mods(mods_file)
+        rows = [[name, mod.KIND, ", ".join(f"{t} {s}" for t, s in mod.specs(name).items()) or "-",
+                 mod.digest(name)[:12], mod.cpp(name)] for name, mod in found.items()]
+    except declared.ModError as e:
+        _fail(str(e))
+    click.echo(_table(["mod", "kind", "tensors", "digest", "C++"], rows))
 
 
 def _select(family: List[str], kernels_glob: Optional[str], dtype: List[str] = (),
