@@ -28,8 +28,8 @@ from typing import Dict, Mapping, Optional, Tuple
 
 INDICES = ("b", "h", "q_idx", "kv_idx")
 DIMS = ("B", "H", "Hk", "M", "N")
-DTYPES = {"f16": "half", "bf16": "nv_bfloat16", "f32": "float", "i32": "int", "i64": "long long", "bool": "bool"}
-_ARRAY_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "i32": "int32", "i64": "int64", "bool": "bool"}
+# a captured tensor's dtype, as declared: the array dtype it must have
+DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "i32": "int32", "i64": "int64", "bool": "bool"}
 # name: (arity, C++ for float operands, C++ for integer operands)
 FUNCTIONS = {"abs": (1, "fabsf", "abs"), "min": (2, "fminf", "min"), "max": (2, "fmaxf", "max"),
              "exp": (1, "expf", None), "log": (1, "logf", None), "tanh": (1, "tanhf", None),
@@ -120,8 +120,8 @@ class _Mod:
         for t, spec in specs.items():
             x = given[t]
             dtype = str(getattr(x, "dtype", type(x).__name__)).replace("torch.", "")
-            if dtype != _ARRAY_DTYPES[spec.dtype]:
-                raise TypeError(f"{where}: tensor {t!r} must be {_ARRAY_DTYPES[spec.dtype]} ({spec}), got {dtype}")
+            if dtype != DTYPES[spec.dtype]:
+                raise TypeError(f"{where}: tensor {t!r} must be {DTYPES[spec.dtype]} ({spec}), got {dtype}")
             shape = tuple(getattr(x, "shape", ()))
             want = tuple(d if isinstance(d, int) else sizes.get(d) for d in spec.dims)
             if len(shape) != len(want) or any(w is not None and n != w for n, w in zip(shape, want)):
