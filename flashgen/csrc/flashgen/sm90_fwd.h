@@ -183,9 +183,10 @@ struct FwdKernel {
   // and the K/V rings (no bias ring, two stages), for tiles of at most kStagedMaxBlocks key blocks:
   // per thread 8 stmatrix and 8 coalesced 16-byte stores of whole rows in place of 32 scattered
   // 4-byte stores.  Same-run A/B on an H200 against the register stores: +3-7% from 512 to 2k
-  // tokens, causal and not, but -2-4% at 4k-16k unmasked, where tiles take the register stores
-  // (the larger shared storage or the code's layout: not found).  At head dim 64, staging gained
-  // nothing and lost 4% from 4k on.
+  // tokens, causal and not, but -2-4% at 4k-16k unmasked, where tiles take the register stores.
+  // Not the shared memory: with the O tile allocated and this path compiled out, those points
+  // matched the register-only kernel (0.99-1.00x); the path's code itself slows the main loop
+  // there.  At head dim 64, staging gained nothing and lost 4% from 4k on.
   static constexpr int kRingBytes = int(sizeof(Element)) * kHeadDim * (kBlockM + 2 * kStages * kBlockN);
   static constexpr int kOBytes = int(sizeof(Element)) * kBlockM * kHeadDim;
   static constexpr bool kStagedO = !kBias && kHeadDim == 128 && kRingBytes + kOBytes + 2048 <= 227 * 1024;
