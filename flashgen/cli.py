@@ -306,6 +306,7 @@ def tune(dtypes, head_dims, seqlens, tokens, hidden, repeats, out_path) -> None:
     ship it in flashgen/tuning/ where the runtime finds it by GPU name.
     """
     from flashgen import tune as t
+    from flashgen.bench import default_grid
 
     try:
         import cupy
@@ -315,7 +316,7 @@ def tune(dtypes, head_dims, seqlens, tokens, hidden, repeats, out_path) -> None:
     from flashgen.runtime.device import device_info
 
     device = device_info(cupy.cuda.runtime.getDevice())
-    grid = t.default_grid(dtypes, head_dims, hidden, tokens, seqlens)
+    grid = default_grid(dtypes, head_dims, hidden, tokens, seqlens)
     click.echo(f"{device.name} (sm_{device.cc}): tuning {len(grid)} points x fwd/bwd", err=True)
     slug = "".join(ch if ch.isalnum() else "_" for ch in device.name.lower()).strip("_")
     out_path = out_path or Path(f"tuning-{slug}-sm{device.cc}.json")
@@ -450,6 +451,8 @@ def bench(dtypes, head_dims, seqlens, tokens, hidden, groups, masks, impls, all_
     overhead = host.call_overhead_us(torch)
     for name, us in overhead.items():
         click.echo(f"call overhead, {name}: {us:.1f} us")
+    for direction, ratio in host.adapter_cost_ratios(overhead).items():
+        click.echo(f"flashgen.torch's own host cost over the CuPy path's, {direction}: {ratio:.2f}x")
     imports = host.import_times_ms()
     for name, ms in imports.items():
         click.echo(f"{name}: {ms:.1f} ms")

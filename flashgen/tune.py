@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from typing import Callable, Dict, List, Optional, Tuple
 
-from flashgen.bench import Point, default_grid
+from flashgen.bench import Point
 from flashgen.errors import UnsupportedError
 from flashgen.runtime import tuning
 from flashgen.runtime.select import Request, num_splits_key, rejection, seq_multiples

@@ -9,7 +9,6 @@ import json
 import shutil
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from flashgen.bench import default_grid
 from flashgen.runtime import plans, tuning
 from flashgen.runtime.registry import Registry
 from flashgen.runtime.select import Selector, num_splits_key
@@ -178,7 +179,7 @@ def fake_measurements(monkeypatch):
 def test_tune_records_only_clear_wins_and_saves_after_every_point(fake_measurements, tmp_path, monkeypatch):
     tune_module, measured = fake_measurements
     out = tmp_path / "table.json"
-    points = tune_module.default_grid(dtypes=("f16",), head_dims=(64,), seqlens=(512, 1024))
+    points = default_grid(dtypes=("f16",), head_dims=(64,), seqlens=(512, 1024))
     saves = []
     real_save = tuning.Table.save
     monkeypatch.setattr(tuning.Table, "save", lambda self, path: (saves.append(len(self.measured["points"])),
@@ -194,7 +195,7 @@ def test_tune_records_only_clear_wins_and_saves_after_every_point(fake_measureme
 def test_tune_resumes_and_refuses_another_gpus_table(fake_measurements, tmp_path):
     tune_module, measured = fake_measurements
     out = tmp_path / "table.json"
-    points = tune_module.default_grid(dtypes=("f16",), head_dims=(64,), seqlens=(512, 1024))
+    points = default_grid(dtypes=("f16",), head_dims=(64,), seqlens=(512, 1024))
     tune_module.tune(points[:2], 3, lambda line: None, "flashgen tune", out)  # "interrupted" after two points
     done = len(measured)
     table = tune_module.tune(points, 3, lambda line: None, "flashgen tune", out)
