@@ -195,3 +195,55 @@ def test_functorch_transforms_take_function_apply(monkeypatch, active):
     monkeypatch.setattr(ops.EagerAttention, "apply", lambda *args: seen.append("Function.apply") or ("out", "lse"))
     assert ops.forward(None, None, None, None, None, None, 0, 1, None, 0.0, 0, 0, -1, -1, 0.0, False) == ("out", "lse")
     assert seen == ["Function.apply" if active else "C apply"]
+
+
+def test_an_eager_forward_replays_its_plan_under_the_adapters_own_key(monkeypatch):
+    """Once api's path has replayed a plan for a forward, later forwards with the same tensors'
+    signature and options replay it under the adapter's key, each with its own seed and offset;
+    another family setting, registry or option is another key (api's path again), and a bad
+    offset is still refused."""
+    from types import SimpleNamespace
+
+    from flashgen.runtime import plans, registry
+
+    plans.clear()
+    plan = SimpleNamespace(followers={})
+    calls = []
+
+    def forward(q, k, v, **options):
+        calls.append(("api", options["dropout_p"]))
+        plans.note_served(plan if len(calls) > 1 else None)  # the first call takes the full path
+        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    def replay(made, memory, arrays, seed, offset, stream):
+        calls.append(("replay", made, len(arrays), seed, offset))
+        return torch.ones_like(arrays[0]), torch.zeros(1)
+
+    monkeypatch.setattr(ops.api, "attention_forward", forward)
+    monkeypatch.setattr(ops.plans, "tensor_signature", lambda arrays, tensor: tuple(x.shape for x in arrays))
+    monkeypatch.setattr(ops.families, "replay", replay)
+    monkeypatch.setattr(ops, "memory_for", lambda q, cupy: "memory")
+    monkeypatch.setattr(ops, "cupy_module", lambda: None)
+    monkeypatch.delenv(plans.FAMILIES_VARIABLE, raising=False)
+    q = torch.zeros(1, 5, 2, 8)
+
+    def call(dropout_p=0.1, seed=9, offset=4):
+        return ops.forward(q, q, q, None, None, None, 0, 1, None, dropout_p, seed, offset, -1, -1, 0.0, False)[0]
+
+    call(), call()
+    assert calls == [("api", 0.1), ("api", 0.1)]
+    assert (call(seed=11, offset=6) == 1).all()
+    assert calls[-1] == ("replay", plan, 3, 11, 6)
+    with pytest.raises(ValueError, match=r"offset must be an integer in \[0, 2\*\*64\); got -1"):
+        call(offset=-1)
+    call(dropout_p=0.2)
+    assert calls[-1] == ("api", 0.2)
+    monkeypatch.setenv(plans.FAMILIES_VARIABLE, "sm90_fwd")
+    call()
+    assert calls[-1] == ("api", 0.1)
+    monkeypatch.delenv(plans.FAMILIES_VARIABLE)
+    monkeypatch.setattr(ops, "default_registry", lambda: registry.Registry([]))
+    call()
+    assert calls[-1] == ("api", 0.1)
+    monkeypatch.undo()
+    plans.clear()

@@ -17,6 +17,7 @@ tensor an operator schema can carry: it takes the eager path only, and under
 from __future__ import annotations
 
 import functools
+import os
 from typing import List, Optional, Tuple
 
 import torch
@@ -27,7 +28,8 @@ from flashgen.runtime import api, families, plans
 from flashgen.runtime.arrays import cupy_module
 from flashgen.runtime.limits import lse_rows
 from flashgen.runtime.memory import memory_for
-from flashgen.runtime.validate import MASKS
+from flashgen.runtime.registry import default_registry
+from flashgen.runtime.validate import MASKS, check_rng
 
 CAUSAL = MASKS  # the runtime's codes for its causal option
 _CAUSAL_NAMES = {code: name for name, code in CAUSAL.items()}
@@ -188,9 +190,18 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_bias, options, block_mask):
-        out, lse = _forward(q, k, v, attn_bias, *options[:-1], block_mask=block_mask)
-        # the forward's launch plan when it replayed one (a block mask's backward plan ends with its lists)
-        ctx.plan = plans.served() if block_mask is None else None
+        plannable = block_mask is None and options[0] is None and options[1] is None  # not packed
+        key = _shortcut_key(q, k, v, attn_bias, options) if plannable else None
+        plan = None if key is None else plans.lookup(key)
+        if plan is not None:
+            out, lse = _replayed_forward(plan, q, k, v, attn_bias, options)
+        else:
+            out, lse = _forward(q, k, v, attn_bias, *options[:-1], block_mask=block_mask)
+            # the forward's launch plan when it replayed one (a block mask's backward plan ends with its lists)
+            plan = plans.served() if block_mask is None else None
+            if plan is not None and key is not None:
+                plans.remember(key, plan)
+        ctx.plan = plan
         _save(ctx, q, k, v, attn_bias, options, out, lse)
         ctx.block_mask = block_mask
         ctx.set_materialize_grads(False)  # no zero-filled gradient for lse (a launch per backward)
@@ -203,6 +214,29 @@ class EagerAttention(torch.autograd.Function):
         if ctx.plan is not None and not ctx.needs_input_grad[3]:
             return _replayed_gradients(ctx, grad_out) + (None, None, None)
         return _gradients(ctx, grad_out, _grads) + (None, None)
+
+
+def _shortcut_key(q, k, v, attn_bias, options: tuple) -> Optional[tuple]:
+    """The key under which an eager forward finds the plan its signature left, made from the
+    adapter's own option tuple (less seed and offset, which a plan takes per call) instead of
+    going through ``api.attention_forward``, which rebuilds its keyword options and its key on
+    every call.  It holds what api's key holds: the tensors' signature, the options, the families
+    allowed and the registry.  None for tensors no plan serves."""
+    arrays = (q, k, v) if attn_bias is None else (q, k, v, attn_bias)
+    parts = plans.tensor_signature(arrays, Tensor)
+    if parts is None:
+        return None
+    return ("torch fwd", parts, options[2:6], options[8:11], os.environ.get(plans.FAMILIES_VARIABLE, ""),
+            default_registry())
+
+
+def _replayed_forward(plan, q, k, v, attn_bias, options: tuple) -> Tuple[Tensor, Tensor]:
+    """(out, lse) of a forward whose shortcut key (``_shortcut_key``) an earlier call left ``plan`` under."""
+    dropout_p, seed, offset = options[5:8]
+    if dropout_p or offset:
+        check_rng(dropout_p, seed if dropout_p else None, offset)
+    arrays = (q, k, v) if attn_bias is None else (q, k, v, attn_bias)
+    return families.replay(plan, memory_for(q, cupy_module()), arrays, seed if dropout_p else None, offset, None)
 
 
 def _replayed_gradients(ctx, grad_out: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
