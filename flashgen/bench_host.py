@@ -14,15 +14,16 @@ from typing import Callable, Dict
 from flashgen.bench import error_note
 
 
-def call_overhead_us(torch, calls: int = 500, rounds: int = 9) -> Dict[str, float]:
+def call_overhead_us(torch, calls: int = 400, rounds: int = 15) -> Dict[str, float]:
     """Host microseconds per call on a tiny problem (1 x 128 x 1 x 64, f16), against SDPA's call.
 
     flashgen's calls repeat one signature, so they take the planned path (runtime/plans.py)
     as a training loop does after its first step; the PyTorch adapter's calls are measured
     too (``adapter_overhead_cases``), so what it adds to the CuPy calls shows.  The GPU work
-    is negligible; each figure is the median over ``rounds`` (implementations interleaved) of
-    the wall time per call over ``calls`` back-to-back calls: one round is easily disturbed
-    by the host.
+    is negligible; each figure is the minimum over ``rounds`` (implementations interleaved) of
+    the wall time per call over ``calls`` back-to-back calls.  The minimum, as ``timeit``
+    advises: the work is the same in every round and the host's other tenants only ever add
+    time (a median moved single figures by 15% between runs on the device machine's host).
     """
     import cupy
 
@@ -53,7 +54,19 @@ def call_overhead_us(torch, calls: int = 500, rounds: int = 9) -> Dict[str, floa
                 fn()
             times[name].append((time.perf_counter() - start) / calls * 1e6)
             torch.cuda.synchronize()
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: min(t) for name, t in times.items()}
+
+
+def adapter_cost_ratios(overhead: Dict[str, float]) -> Dict[str, float]:
+    """The PyTorch adapter's own host cost over the CuPy path's, per direction, from
+    ``call_overhead_us``: (flashgen.torch's call - the no-op op's) / the CuPy call's.  The no-op op
+    is what torch's autograd charges any Python op, which no adapter can avoid.  Empty where
+    the adapter was not measured."""
+    pairs = {"forward": ("flashgen.torch forward", "no-op torch op forward", "flashgen.attention_forward"),
+             "backward": ("flashgen.torch backward (autograd.grad)", "no-op torch op backward (autograd.grad)",
+                          "flashgen.attention_backward")}
+    return {direction: (overhead[adapter] - overhead[noop]) / overhead[cupy]
+            for direction, (adapter, noop, cupy) in pairs.items() if {adapter, noop, cupy} <= overhead.keys()}
 
 
 def adapter_overhead_cases(q, torch) -> Dict[str, Callable[[], object]]:

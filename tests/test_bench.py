@@ -286,7 +286,7 @@ def test_adapter_overhead_cases_leave_out_an_adapter_that_cannot_run(monkeypatch
         assert bench_host.adapter_overhead_cases(torch.zeros(1, 128, 1, 64), torch) == {}
 
 
-def _bench_cli(monkeypatch, tflops, *args, compile_s=None, notes=None):
+def _bench_cli(monkeypatch, tflops, *args, compile_s=None, notes=None, overhead=None):
     """`flashgen bench` on one point, with a fake GPU torch and these TFLOP/s per implementation
     (and compile seconds per implementation and direction, and notes per implementation)."""
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True,
@@ -301,7 +301,7 @@ def _bench_cli(monkeypatch, tflops, *args, compile_s=None, notes=None):
                              compile_s=(compile_s or {}).get((i, d))) for i in impls for d in ("fwd", "bwd")]
 
     monkeypatch.setattr(bench, "bench_point", bench_point)
-    monkeypatch.setattr(bench_host, "call_overhead_us", lambda torch: {"flashgen.torch forward": 12.5})
+    monkeypatch.setattr(bench_host, "call_overhead_us", lambda torch: overhead or {"flashgen.torch forward": 12.5})
     monkeypatch.setattr(bench_host, "import_times_ms", lambda: {})
     result = CliRunner().invoke(main, ["bench", "--dtype", "f16", "--head-dim", "64", "--seqlen", "512", *args],
                                 catch_exceptions=False)
@@ -745,3 +745,19 @@ def test_bench_report_adapter_section_ratios_per_timing_and_own_host_cost(tmp_pa
     assert f"- {paths[1]} (call), fwd: 0.80 to 0.80, median 0.800" in out
     assert "- forward: flashgen.torch 40.0 us - no-op op 10.0 us = 30.0 us, 1.50x the CuPy path's 20.0 us" in out
     assert "= 45.0 us, 1.50x the CuPy path's 30.0 us" in out
+
+
+def test_adapter_cost_ratios_subtract_the_no_op_op_and_divide_by_the_cupy_call():
+    overhead = {"flashgen.attention_forward": 20.0, "flashgen.attention_backward": 30.0,
+                "flashgen.torch forward": 34.0, "no-op torch op forward": 9.0,
+                "flashgen.torch backward (autograd.grad)": 100.0, "no-op torch op backward (autograd.grad)": 64.0}
+    assert bench_host.adapter_cost_ratios(overhead) == {"forward": 1.25, "backward": 1.2}
+    del overhead["no-op torch op backward (autograd.grad)"]
+    assert bench_host.adapter_cost_ratios(overhead) == {"forward": 1.25}
+
+
+def test_bench_prints_the_adapters_own_cost_ratio(monkeypatch):
+    overhead = {"flashgen.attention_forward": 20.0, "flashgen.torch forward": 35.0, "no-op torch op forward": 9.0}
+    _, output = _bench_cli(monkeypatch, {"flashgen": 400}, overhead=overhead)
+    assert "flashgen.torch's own host cost over the CuPy path's, forward: 1.30x" in output
+    assert "backward:" not in output
