@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from flashgen.bench import Point
 from flashgen.errors import UnsupportedError
 from flashgen.runtime import tuning
-from flashgen.runtime.select import Request, num_splits_key, rejection, seq_multiples
+from flashgen.runtime.select import KEYS_CAP, Request, num_splits_key, rejection, seq_multiples
 
 KEEP_DEFAULT = 0.01  # a choice must beat the priority order by more than 1% to be recorded
 
@@ -86,7 +86,7 @@ def candidates(registry, device, p: Point, direction: str) -> List[Tuple[str, tu
     order), times the split policies that change the backward's split count."""
     family = family_for(direction, registry, device)
     req = Request(family, p.dtype, p.head_dim, p.head_dim, 8, False, False, device,
-                  seq_multiples(p.seqlen, p.seqlen, False), band=p.causal)
+                  seq_multiples(p.seqlen, p.seqlen, False), band=p.causal, num_keys=min(p.seqlen, KEYS_CAP))
     found, seen = [], set()
     for b in registry.for_device(family, device):
         tile = tuning.tile_of(b.spec)

@@ -225,6 +225,23 @@ def test_grouped_query_attention(group, causal):
         assert rel_err(g, r) < BWD_TOL["bf16"], name
 
 
+@needs_sm90
+@pytest.mark.parametrize("N", [7, 1000, 2048, 2049, 5000])
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+def test_staged_o_serves_calls_of_few_key_blocks(N, causal):
+    """Head dim 128: the staged-O tile takes calls of at most 16 key blocks (any, with a band), its twin
+    the longer ones; both match the reference (M != N, rows past a block, poisoned outputs)."""
+    rng = np.random.default_rng(N)
+    q, k, v = (randn(rng, (2, n, 3, 128), "bf16") for n in (333, N, N))
+    name = selected(q, k, v, causal=causal)
+    assert name.startswith("sm90_fwd_bf16_k128_q128x128_s2")
+    assert name.endswith("_staged_o_sm90a") == (causal is not None or N <= 2048), name
+    with poisoned_allocations():
+        out, lse = flashgen.attention_forward(q, k, v, causal=causal)
+    ref_out, ref_lse = reference(q, k, v, causal=causal)
+    assert rel_err(out, ref_out) < FWD_TOL["bf16"] and lse_err(lse, ref_lse) < FWD_TOL["bf16"]
+
+
 @needs_kernels
 def test_grouped_query_attention_on_the_example41_path():
     """float32 has no sm90 kernel: the runtime repeats k/v for the example-41 forward."""

@@ -49,12 +49,13 @@ def test_default_set_sizes_are_what_the_readme_says():
     assert len(Sm80Bwd.default_set()) == 6
     sm80 = [k for k in default_kernels() if k.runs_on("sm80")]
     assert len(sm80) == 68 + 4 + 6
-    assert len(Sm90Fwd.default_set()) == 40 + 10 + 4  # + bias: 2 dtypes x (tiers 64, 128 x band, and q192 at 64)
-    # + sparse: 2 dtypes x tiers 64, 128
+    # + bias: 2 dtypes x (tiers 64, 128 x band, and q192 at 64); + sparse: 2 dtypes x tiers 64, 128;
+    # + staged O: the unmasked k128 s2 tile's twin, 2 dtypes (the band one is built staged only)
+    assert len(Sm90Fwd.default_set()) == 40 + 10 + 4 + 2
     assert len(Sm90Bwd.default_set()) == 24 + 12 + 4  # + bias: 2 dtypes x 2 bands x (64, 128, 128 + softcap)
     # + sparse: 2 dtypes x tiers 64, 128
     # sm90a: the wgmma families beside example 41; the sm80 ones are not built there (sm90_* serve their calls)
-    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 54 + 40
+    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 56 + 40
     assert len([k for k in default_kernels() if k.runs_on("sm90")]) == 68 + 4 + 6, "plain sm90 cannot build wgmma code"
 
 
@@ -94,7 +95,8 @@ def test_sm90_bias_instances_are_the_tiles_the_plain_calls_pick():
                 assert {k.max_k for k in biased} == {64, 128}
                 for k in biased:
                     twin = dataclasses.replace(k, bias=False)
-                    assert twin in cls.default_set(), f"{k.name} has no plain twin"
+                    staged = getattr(k, "staged_o", None) is not None and dataclasses.replace(twin, staged_o=True)
+                    assert twin in cls.default_set() or staged in cls.default_set(), f"{k.name} has no plain twin"
     fwd = {(k.max_k, k.block_m, k.block_n, k.stages) for k in Sm90Fwd.default_set() if k.bias}
     assert fwd == {(64, 128, 128, 2), (64, 192, 128, 2), (128, 128, 128, 2)}
     assert not any(k.bias and k.band and k.block_m == 192 for k in Sm90Fwd.default_set())
@@ -205,3 +207,20 @@ def test_family_lookup():
     assert family("mem_eff_fwd") is MemEffFwd
     with pytest.raises(ValueError, match="unknown kernel family 'nope'"):
         family("nope")
+
+
+def test_sm90_staged_o_instances_are_the_plain_k128_tiles():
+    """Staged O only on the plain two-stage 128-row tiles of head dim 128: unmasked ones beside a
+    twin without the path (which serves calls of more key blocks), the band one alone."""
+    kernels = Sm90Fwd.default_set()
+    staged = [k for k in kernels if k.staged_o]
+    assert {(k.dtype, k.max_k, k.block_m, k.block_n, k.stages, k.band) for k in staged} == {
+        (d, 128, 128, 128, 2, band) for d in ("f16", "bf16") for band in (False, True)}
+    assert not any(k.bias or k.sparse for k in staged)
+    for k in staged:
+        twin = dataclasses.replace(k, staged_o=False)
+        assert (twin in kernels) == (not k.band), k.name
+        assert k.name.endswith("_staged_o_sm90a") and k.cpp_type.endswith(", false, true>")
+        if not k.band:
+            assert kernels.index(k) < kernels.index(twin), "the staged tile is tried before its twin"
+    assert "staged_max_key_blocks" in [c.name for c in Sm90Fwd.CONSTANTS]

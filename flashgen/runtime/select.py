@@ -18,6 +18,10 @@ from flashgen.runtime.arch import DeviceInfo
 from flashgen.runtime.registry import KernelBinary, Registry
 from flashgen.runtime.tuning import Choice
 
+# Request.num_keys is capped here: past it, no kernel's choice depends on the length, and the cache
+# of decisions stays small
+KEYS_CAP = 1 << 16
+
 
 @dataclass(frozen=True)
 class Request:
@@ -42,6 +46,10 @@ class Request:
     # a block mask's (rows, keys) per block, read by the kernel (sm90_fwd's sparse axis, which must match
     # both ways, on a tile of the same size); None: no block mask, or one served dense
     block_sparse: Optional[Tuple[int, int]] = None
+    # keys per sequence (the longest, with cu_seqlens), at most KEYS_CAP; 0: unknown. Kernels whose
+    # constant ``staged_max_key_blocks`` is nonzero (sm90_fwd's staged O) serve only calls of at most
+    # that many key blocks
+    num_keys: int = 0
 
 
 def seq_multiples(num_queries: int, num_keys: int, varlen: bool) -> Tuple[int, int]:
@@ -97,6 +105,11 @@ def rejection(binary: KernelBinary, req: Request) -> Optional[str]:
     need = required_alignment(binary)
     if req.alignment % need:
         return f"needs {need}-element alignment of pointers, strides and head dims; the call has {req.alignment}"
+    served = c.get("staged_max_key_blocks", 0)
+    if served and not 0 < req.num_keys <= served * c["block_n"]:
+        keys = f"{req.num_keys}{' or more' if req.num_keys >= KEYS_CAP else ''}" if req.num_keys else "an unknown number"
+        return (f"stores O through shared memory, which pays only for tiles of at most {served} key blocks "
+                f"({served * c['block_n']} keys); the call has {keys}")
     smem = c["shared_memory_bytes"]
     if smem > req.device.shared_memory_optin:
         return f"needs {smem} B of shared memory; {req.device.name} allows {req.device.shared_memory_optin} B per block"

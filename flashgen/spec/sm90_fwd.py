@@ -1,7 +1,7 @@
 """``sm90_fwd``: flashgen's own Hopper forward (``flashgen/csrc/flashgen/sm90_fwd.h``).
 
 Template: ``flashgen::sm90::FwdKernel<Element, kHeadDim, kBlockM, kBlockN,
-kStages, kBand, kBias, kSparse>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
+kStages, kBand, kBias, kSparse, kStagedO>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
 K/V streamed by TMA through a ``kStages``-deep shared-memory ring, one
 producer warpgroup.  Launch: block (threads_per_block, 1, 1), a persistent
 grid (min(tiles, SMs), 1, 1) over the ceil(M / block_m) x heads x (batch or
@@ -41,12 +41,18 @@ keys of a partial block whose bit in the mask's ``partial_bits`` is 0 (``runtime
 documents the arrays).  The ``sparse_*`` fields point at the lists; ``sparse_batch_step`` and
 ``sparse_head_step`` step through the mask's rows (0 where it broadcasts).  Compiled in, like the
 bias; a causal mask or a window is folded into the block mask rather than combined with it.
+
+A ``staged_o`` instance stores O through shared memory (stmatrix, then whole rows in 16-byte stores)
+for tiles of at most 16 key blocks; its constant ``staged_max_key_blocks`` is the most key blocks a
+call may have for the runtime to send it there (0: any, in band instances, whose tiles near the
+diagonal visit few blocks).  Its unmasked twin without the path serves longer calls: the path's code
+slowed the main loop by 2-4% at 4k-16k keys even where it was not taken.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashgen.spec.core import DTYPES, Field, Rule
+from flashgen.spec.core import DTYPES, Constant, Field, Rule
 from flashgen.spec.sm90_tile import SPARSE_POINTER_FIELDS, Sm90Tile, tile_constants
 
 
@@ -54,13 +60,14 @@ from flashgen.spec.sm90_tile import SPARSE_POINTER_FIELDS, Sm90Tile, tile_consta
 class Sm90Fwd(Sm90Tile):
     bias: bool  # an additive attention bias compiled in (FwdKernel::kBias)
     sparse: bool  # a block mask's lists and bits compiled in (FwdKernel::kSparse)
+    staged_o: bool  # O stored through shared memory for tiles of few key blocks (FwdKernel::kStagedO)
 
     FAMILY = "sm90_fwd"
     DIRECTION = "fwd"
     TEMPLATE = "sm90_fwd.cu.j2"
     HEADER = "flashgen/sm90_fwd.h"
     KERNEL = "flashgen::sm90::FwdKernel"
-    FLAGS = ("band", "bias", "sparse")
+    FLAGS = ("band", "bias", "sparse", "staged_o")
     AXES = {
         "arch": ("sm90a",),
         "dtype": ("f16", "bf16"),
@@ -71,6 +78,7 @@ class Sm90Fwd(Sm90Tile):
         "band": (False, True),
         "bias": (False, True),
         "sparse": (False, True),
+        "staged_o": (False, True),
     }
     RULES = (
         Rule("192 query rows are three consumer warpgroups beside the producer's: at most 160 registers "
@@ -102,6 +110,16 @@ class Sm90Fwd(Sm90Tile):
         Rule("sparse without band: a causal mask or window is folded into the block mask",
              lambda k: k.sparse and k.band),
         Rule("sparse without bias: such calls stay on the dense fallback", lambda k: k.sparse and k.bias),
+        # staged_o: measured on an H200 against the register stores, same run
+        Rule("staged O at head dim 128 only: at 64 it gained nothing and lost 4% from 4k tokens on",
+             lambda k: k.staged_o and k.max_k != 128),
+        Rule("staged O on the plain two-stage tiles only: its O tile leaves no room for a bias ring or a "
+             "third stage, and the sparse tiles keep their loop as measured",
+             lambda k: k.staged_o and (k.bias or k.sparse or k.stages != 2)),
+        Rule("the plain band tile at head dim 128 is built staged only: it serves every length (its tiles "
+             "near the diagonal visit few blocks, +3-7% at 512-2k tokens, even beyond)",
+             lambda k: k.band and not k.staged_o and k.max_k == 128 and not (k.bias or k.sparse)
+             and k.stages == 2),
     )
 
     @property
@@ -109,8 +127,9 @@ class Sm90Fwd(Sm90Tile):
         # the smallest head-dim tier that fits, then the default tile (tuning tables pick per bucket):
         # 192 query rows where they exist (head dim 64: +5-15% from 512 to 16k tokens on an H200,
         # within noise of 128 for causal 1k), two stages (a third never won by more than noise)
+        # and the staged-O tile before its twin (it refuses calls of more key blocks than it serves)
         return (tuple(DTYPES).index(self.dtype), self.band, self.bias, self.sparse, self.max_k, -self.block_m, self.stages,
-                self.block_n)
+                self.block_n, not self.staged_o)
 
     # `flashgen::sm90::FwdParams`
     ABI = (
@@ -149,4 +168,6 @@ class Sm90Fwd(Sm90Tile):
         Field("sparse_key_blocks", "i32"),
     )
 
-    CONSTANTS = tile_constants("flashgen::sm90::FwdParams")
+    CONSTANTS = tile_constants("flashgen::sm90::FwdParams") + (
+        Constant("staged_max_key_blocks", "Kernel::kServedKeyBlocks"),
+    )

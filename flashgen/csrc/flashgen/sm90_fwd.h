@@ -30,8 +30,8 @@
 // is 0 (prefetched from global memory with the block's index before its GEMM);
 // full blocks are not masked at all (but for the keys past num_keys).
 //
-// The output goes out through shared memory at head dim 128 for tiles of few key blocks (kStagedO:
-// stmatrix in, then whole rows out in 16-byte stores), else straight from registers;
+// The output goes out through shared memory in kStagedO instances for tiles of few key blocks
+// (stmatrix in, then whole rows out in 16-byte stores), else straight from registers;
 // the log-sum-exp (natural log, of the scaled scores) goes to lse[sequence, head, row] like the
 // example-41 forward, so either backward family can consume it.  Packed (varlen) batches run one grid
 // z-slice per sequence (sm90_common.h: Sequence); a tile reaching past its
@@ -106,7 +106,7 @@ struct FwdParams {
 };
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBand_, bool kBias_,
-          bool kSparse_>
+          bool kSparse_, bool kStagedO_>
 struct FwdKernel {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -179,18 +179,23 @@ struct FwdKernel {
     uint64_t bias_empty[kStages];
   };
   struct NoBias {};
-  // kStagedO: O through shared memory (store_staged) at head dim 128 where its tile fits beside Q
-  // and the K/V rings (no bias ring, two stages), for tiles of at most kStagedMaxBlocks key blocks:
+  // kStagedO: O through shared memory (store_staged) for tiles of at most kStagedMaxBlocks key blocks:
   // per thread 8 stmatrix and 8 coalesced 16-byte stores of whole rows in place of 32 scattered
   // 4-byte stores.  Same-run A/B on an H200 against the register stores: +3-7% from 512 to 2k
-  // tokens, causal and not, but -2-4% at 4k-16k unmasked, where tiles take the register stores.
-  // Not the shared memory: with the O tile allocated and this path compiled out, those points
-  // matched the register-only kernel (0.99-1.00x); the path's code itself slows the main loop
-  // there.  At head dim 64, staging gained nothing and lost 4% from 4k on.
+  // tokens, causal and not.  Compiled in, not only branched on: with the path in the kernel, calls
+  // of more key blocks (which take the register stores) ran 2-4% slower at 4k-16k unmasked, its
+  // code alone slowing the main loop; so the spec builds a twin without it (staged_o) and the
+  // runtime sends a call of more than kServedKeyBlocks key blocks there.  A band (causal) instance
+  // keeps both stores and no limit: its tiles near the diagonal visit few blocks.  At head dim 64,
+  // staging gained nothing and lost 4% from 4k on.
   static constexpr int kRingBytes = int(sizeof(Element)) * kHeadDim * (kBlockM + 2 * kStages * kBlockN);
   static constexpr int kOBytes = int(sizeof(Element)) * kBlockM * kHeadDim;
-  static constexpr bool kStagedO = !kBias && kHeadDim == 128 && kRingBytes + kOBytes + 2048 <= 227 * 1024;
+  static constexpr bool kStagedO = kStagedO_;
+  static_assert(!kStagedO || (!kBias && !kSparse && kRingBytes + kOBytes + 2048 <= 227 * 1024),
+                "the staged O tile fits only beside Q and two K/V stages, without a bias ring or block-mask lists");
   static constexpr int kStagedMaxBlocks = 16;
+  // the most key blocks of a call the runtime may send here (0: any)
+  static constexpr int kServedKeyBlocks = kStagedO && !kBand ? kStagedMaxBlocks : 0;
   struct OTile {
     alignas(1024) Element o[kBlockM * kHeadDim];
   };

@@ -26,7 +26,7 @@ from flashgen.runtime.device import device_info
 from flashgen.runtime.families import RuntimeFamily, planned_forward_outputs, selector, visible_lse
 from flashgen.runtime.launch import on_device
 from flashgen.runtime.registry import KernelBinary
-from flashgen.runtime.select import Request, mask_block
+from flashgen.runtime.select import KEYS_CAP, Request, mask_block
 from flashgen.runtime.validate import MASKS, Call, Problem
 from flashgen.spec.sm90_tile import SPARSE_POINTER_FIELDS
 
@@ -214,7 +214,8 @@ class OwnKernelFamily(RuntimeFamily):
         return Request(self.name, p.dtype, p.K, p.Kv, alignment(arrays, (p.K, p.Kv)), False, call.bias is not None,
                        device_info(p.device), band=p.mask != 0 or p.window is not None, softcap=p.softcap > 0,
                        compiled_bias=self.compiled_bias,
-                       block_sparse=None if call.block_mask is None else call.block_mask.block)
+                       block_sparse=None if call.block_mask is None else call.block_mask.block,
+                       num_keys=min(p.N, KEYS_CAP))
 
     def refusal(self, call: Call) -> Optional[str]:
         """``unfit``, or none of the kernels accepts the call (a head dim over the largest tier,

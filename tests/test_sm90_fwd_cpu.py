@@ -1,0 +1,75 @@
+"""sm90_fwd's staged-O instances without a GPU: which calls they serve (few key blocks, or any in a
+band instance), that their twins take the rest, and that the family's request carries the call's key
+count (capped) into the selection.  Nothing here imports CuPy."""
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from flashgen.runtime.families import sm90_common, sm90_fwd
+from flashgen.runtime.select import KEYS_CAP, Request, rejection
+from flashgen.spec.sm90_fwd import Sm90Fwd
+from test_runtime_cpu import H100, FakeArray, fake_call
+
+
+@pytest.fixture(autouse=True)
+def block_cupy(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)
+
+
+def binary(spec):
+    """What selection reads of a built kernel; ``staged_max_key_blocks`` as FwdKernel::kServedKeyBlocks
+    computes it (16 for an unmasked staged instance, else 0)."""
+    served = 16 if spec.staged_o and not spec.band else 0
+    return SimpleNamespace(spec=spec, name=spec.name, constants={
+        "max_k": spec.max_k, "alignment": 8, "shared_memory_bytes": 200 * 1024, "block_n": spec.block_n,
+        "staged_max_key_blocks": served})
+
+
+def first(req, band=False):
+    kernels = [binary(k) for k in Sm90Fwd.default_set() if k.dtype == "bf16" and k.band == band]
+    return next((b.name for b in kernels if rejection(b, req) is None), None)
+
+
+STAGED = binary(next(k for k in Sm90Fwd.default_set() if k.staged_o and not k.band and k.dtype == "bf16"))
+
+
+def request(num_keys, band=False, K=128):
+    return Request("sm90_fwd", "bf16", K, K, 8, False, False, H100, band=band, compiled_bias=True,
+                   num_keys=num_keys)
+
+
+@pytest.mark.parametrize("num_keys", [1, 7, 129, 1000, 2048])
+def test_calls_of_at_most_16_key_blocks_take_the_staged_tile(num_keys):
+    assert first(request(num_keys)) == "sm90_fwd_bf16_k128_q128x128_s2_staged_o_sm90a"
+
+
+@pytest.mark.parametrize("num_keys", [2049, 8192, KEYS_CAP])
+def test_longer_calls_take_the_twin_with_the_reason(num_keys):
+    assert first(request(num_keys)) == "sm90_fwd_bf16_k128_q128x128_s2_sm90a"
+    why = rejection(STAGED, request(num_keys))
+    assert "at most 16 key blocks (2048 keys)" in why and f"the call has {num_keys}" in why
+    assert why.endswith(" or more") == (num_keys == KEYS_CAP)
+
+
+def test_an_unknown_key_count_never_takes_a_limited_tile():
+    assert first(request(0)) == "sm90_fwd_bf16_k128_q128x128_s2_sm90a"
+    assert "an unknown number" in rejection(STAGED, request(0))
+
+
+@pytest.mark.parametrize("num_keys", [0, 7, 2048, 16384])
+def test_the_band_tile_is_staged_at_every_length(num_keys):
+    assert first(request(num_keys, band=True), band=True) == "sm90_fwd_bf16_k128_q128x128_s2_band_staged_o_sm90a"
+
+
+def test_head_dim_64_has_no_staged_tile():
+    assert first(request(512, K=64)) == "sm90_fwd_bf16_k64_q192x128_s2_sm90a"
+
+
+@pytest.mark.parametrize("N, expected", [(7, 7), (3000, 3000), (KEYS_CAP + 5, KEYS_CAP)])
+def test_the_family_request_carries_the_calls_key_count(N, expected, monkeypatch):
+    monkeypatch.setattr(sm90_common, "device_info", lambda index: H100)
+    q, k, v = FakeArray((1, 5, 2, 128)), FakeArray((1, N, 2, 128)), FakeArray((1, N, 2, 128))
+    assert sm90_fwd.RUNTIME.request(fake_call("fwd", arrays=(q, k, v))).num_keys == expected
