@@ -49,12 +49,12 @@ def test_default_set_sizes_are_what_the_readme_says():
     assert len(Sm80Bwd.default_set()) == 6
     sm80 = [k for k in default_kernels() if k.runs_on("sm80")]
     assert len(sm80) == 68 + 4 + 6
-    assert len(Sm90Fwd.default_set()) == 40 + 10 + 4  # + bias: 2 dtypes x (tiers 64, 128 x band, and q192 at 64)
-    # + sparse: 2 dtypes x tiers 64, 128
-    assert len(Sm90Bwd.default_set()) == 24 + 12 + 4  # + bias: 2 dtypes x 2 bands x (64, 128, 128 + softcap)
-    # + sparse: 2 dtypes x tiers 64, 128
+    assert len(Sm90Fwd.default_set()) == 40 + 10 + 4 + 8  # + bias: 2 dtypes x (tiers 64, 128 x band, and q192 at 64)
+    # + sparse: 2 dtypes x tiers 64, 128; + dropout: 2 dtypes x tiers 64, 128 x band
+    assert len(Sm90Bwd.default_set()) == 24 + 12 + 4 + 8  # + bias: 2 dtypes x 2 bands x (64, 128, 128 + softcap)
+    # + sparse: 2 dtypes x tiers 64, 128; + dropout: 2 dtypes x tiers 64, 128 x band
     # sm90a: the wgmma families beside example 41; the sm80 ones are not built there (sm90_* serve their calls)
-    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 54 + 40
+    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 62 + 48
     assert len([k for k in default_kernels() if k.runs_on("sm90")]) == 68 + 4 + 6, "plain sm90 cannot build wgmma code"
 
 
@@ -103,7 +103,7 @@ def test_sm90_bias_instances_are_the_tiles_the_plain_calls_pick():
     assert "sm90_fwd_f16_k64_q128x128_s2_band_bias_sm90a" in [k.name for k in Sm90Fwd.default_set()]
     assert "sm90_bwd_bf16_k128_q64x128_s2_band_softcap_bias_sm90a" in [k.name for k in Sm90Bwd.default_set()]
     bias = Sm90Bwd.default_set()[-1]
-    assert bias.cpp_type.endswith(", true, true, true, false>") and bias.name.endswith("_band_softcap_bias_sm90a")
+    assert bias.cpp_type.endswith(", true, true, true, false, false>") and bias.name.endswith("_band_softcap_bias_sm90a")
 
 
 @pytest.mark.parametrize("cls", [MemEffFwd, MemEffBwd])

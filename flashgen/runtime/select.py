@@ -42,6 +42,9 @@ class Request:
     # a block mask's (rows, keys) per block, read by the kernel (sm90_fwd's sparse axis, which must match
     # both ways, on a tile of the same size); None: no block mask, or one served dense
     block_sparse: Optional[Tuple[int, int]] = None
+    # dropout compiled in or not (sm90): the kernel's dropout axis must match ``dropout`` both ways; else a
+    # kernel with dropout (example 41: a run-time branch) also serves calls without
+    compiled_dropout: bool = False
 
 
 def seq_multiples(num_queries: int, num_keys: int, varlen: bool) -> Tuple[int, int]:
@@ -76,6 +79,8 @@ def rejection(binary: KernelBinary, req: Request) -> Optional[str]:
         return f"kMaxK {c['max_k']} < head dim {k}"
     if req.dropout and not spec.dropout:
         return "built without dropout"
+    if req.compiled_dropout and spec.dropout and not req.dropout:
+        return "built with dropout (compiled in): a call without it takes a kernel without"
     if req.bias and not getattr(spec, "bias", True):
         return "built without bias"
     if req.compiled_bias and spec.bias and not req.bias:

@@ -1,7 +1,7 @@
 """``sm90_fwd``: flashgen's own Hopper forward (``flashgen/csrc/flashgen/sm90_fwd.h``).
 
 Template: ``flashgen::sm90::FwdKernel<Element, kHeadDim, kBlockM, kBlockN,
-kStages, kBand, kBias, kSparse>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
+kStages, kBand, kBias, kSparse, kDropout>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
 K/V streamed by TMA through a ``kStages``-deep shared-memory ring, one
 producer warpgroup.  Launch: block (threads_per_block, 1, 1), a persistent
 grid (min(tiles, SMs), 1, 1) over the ceil(M / block_m) x heads x (batch or
@@ -41,26 +41,34 @@ keys of a partial block whose bit in the mask's ``partial_bits`` is 0 (``runtime
 documents the arrays).  The ``sparse_*`` fields point at the lists; ``sparse_batch_step`` and
 ``sparse_head_step`` step through the mask's rows (0 where it broadcasts).  Compiled in, like the
 bias; a causal mask or a window is folded into the block mask rather than combined with it.
+
+A ``dropout`` instance drops elements of P after the softmax (the lse and the normalisation are of
+the whole P) and scales O by ``dropout_scale`` = 1 / (1 - p): element (sequence, head, row, key) is
+kept when its 16 Philox-4x32-10 bits, drawn from ``dropout_seed`` and ``dropout_offset`` by the rule
+in ``flashgen/csrc/flashgen/dropout.h`` (``runtime/families/sm90_dropout.py``), are below
+``dropout_keep``.  ``sm90_bwd``'s dropout instances redraw the same mask; each dropout instance here
+has a backward twin (same dtype, tier and band).  Compiled in, like the bias.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from flashgen.spec.core import DTYPES, Field, Rule
-from flashgen.spec.sm90_tile import SPARSE_POINTER_FIELDS, Sm90Tile, tile_constants
+from flashgen.spec.sm90_tile import DROPOUT_FIELDS, SPARSE_POINTER_FIELDS, Sm90Tile, tile_constants
 
 
 @dataclass(frozen=True)
 class Sm90Fwd(Sm90Tile):
     bias: bool  # an additive attention bias compiled in (FwdKernel::kBias)
     sparse: bool  # a block mask's lists and bits compiled in (FwdKernel::kSparse)
+    dropout: bool  # Philox dropout of P compiled in (FwdKernel::kDropout)
 
     FAMILY = "sm90_fwd"
     DIRECTION = "fwd"
     TEMPLATE = "sm90_fwd.cu.j2"
     HEADER = "flashgen/sm90_fwd.h"
     KERNEL = "flashgen::sm90::FwdKernel"
-    FLAGS = ("band", "bias", "sparse")
+    FLAGS = ("band", "bias", "sparse", "dropout")
     AXES = {
         "arch": ("sm90a",),
         "dtype": ("f16", "bf16"),
@@ -71,6 +79,7 @@ class Sm90Fwd(Sm90Tile):
         "band": (False, True),
         "bias": (False, True),
         "sparse": (False, True),
+        "dropout": (False, True),
     }
     RULES = (
         Rule("192 query rows are three consumer warpgroups beside the producer's: at most 160 registers "
@@ -102,6 +111,14 @@ class Sm90Fwd(Sm90Tile):
         Rule("sparse without band: a causal mask or window is folded into the block mask",
              lambda k: k.sparse and k.band),
         Rule("sparse without bias: such calls stay on the dense fallback", lambda k: k.sparse and k.bias),
+        # dropout: one instance per dtype, tier and band, each with a backward twin (a call's mask is
+        # drawn by both directions' instances or by neither)
+        Rule("dropout on tiers 64 and 128, the backward's (its 256 tier splits the head dim); 96 runs on 128",
+             lambda k: k.dropout and k.max_k not in (64, 128)),
+        Rule("dropout on 128 query rows and two stages: 192 rows leave 160 registers per consumer, none for the "
+             "keep bits", lambda k: k.dropout and (k.block_m != 128 or k.stages != 2)),
+        Rule("dropout without bias or block-mask lists: such calls stay on example 41",
+             lambda k: k.dropout and (k.bias or k.sparse)),
     )
 
     @property
@@ -109,8 +126,8 @@ class Sm90Fwd(Sm90Tile):
         # the smallest head-dim tier that fits, then the default tile (tuning tables pick per bucket):
         # 192 query rows where they exist (head dim 64: +5-15% from 512 to 16k tokens on an H200,
         # within noise of 128 for causal 1k), two stages (a third never won by more than noise)
-        return (tuple(DTYPES).index(self.dtype), self.band, self.bias, self.sparse, self.max_k, -self.block_m, self.stages,
-                self.block_n)
+        return (tuple(DTYPES).index(self.dtype), self.band, self.bias, self.sparse, self.dropout, self.max_k,
+                -self.block_m, self.stages, self.block_n)
 
     # `flashgen::sm90::FwdParams`
     ABI = (
@@ -147,6 +164,7 @@ class Sm90Fwd(Sm90Tile):
         Field("sparse_batch_step", "i32"),
         Field("sparse_head_step", "i32"),
         Field("sparse_key_blocks", "i32"),
+        *DROPOUT_FIELDS,
     )
 
     CONSTANTS = tile_constants("flashgen::sm90::FwdParams")
