@@ -264,8 +264,15 @@ struct BwdKernel {
     alignas(16) uint32_t bits[kStages][kBlockM * 4];
   };
   struct NoSparse {};
+  // kDropout: each consumer thread's keep bits of the next step (consume(): draw), word w of thread t
+  // at keep[w][t].  In registers across the step's GEMMs they spilled ~160 bytes at head dim 64.
+  struct KeepBits {
+    uint32_t keep[kBlockM / 64][kConsumerThreads];
+  };
+  struct NoKeep {};
   struct SharedStorage : std::conditional_t<kBias, BiasBarriers, NoBias>,
-                         std::conditional_t<kSparse, SparseBits, NoSparse> {
+                         std::conditional_t<kSparse, SparseBits, NoSparse>,
+                         std::conditional_t<kDropout, KeepBits, NoKeep> {
     alignas(1024) Element k[kBlockN * kHeadDim];
     alignas(1024) Element v[kBlockN * kHeadDim];
     alignas(1024) Element q[kStages * kBlockM * kHeadDim];
@@ -494,27 +501,26 @@ struct BwdKernel {
       warpgroup_gemm_issue<true>(mma_sdp, tPrV, tPrDo(_, _, _, stage), tPrDp);
     };
 
-    // kDropout: step t's keep bits, register r's at bit r % 32 of keep[r / 32], drawn (draw()) under
-    // step t - 1's dQ GEMM, when only the dQ, dK and dV accumulators hold registers (drawn under the
-    // step's own S^T and dP^T GEMMs, beside their accumulators, the Philox rounds spilled at head dim 64).  Register r is query 16g + col0 + 8a + y of the step, key key_row +
+    // kDropout: step t's keep bits, register r's at bit r % 32 of word r / 32 (in shared memory: KeepBits),
+    // drawn (draw()) under step t - 1's dQ GEMM, when only the dQ, dK and dV accumulators hold registers
+    // (drawn under the step's own S^T and dP^T GEMMs, beside their accumulators, they spilled at head dim 64).  Register r is query 16g + col0 + 8a + y of the step, key key_row +
     // 8b (r = 8g + 4a + 2b + y): lane 4a + 2b + key_row % 2 of the Philox call of query 16g + col0 + y
     // (dropout.h), so each group g takes 4 bits from each of two calls (y = 0, 1).
-    constexpr int kKeepWords = kDropout ? kBlockM / 64 : 1;
-    uint32_t keep[kKeepWords];
     auto draw = [&](int head, int query0) {
       if constexpr (kDropout) {
         DropoutStream const stream(p, seq.index, head);
         int const key = key0 + key_row;
         int const odd_key = key_row % 2;
-        CUTE_UNROLL
-        for (int w = 0; w < kKeepWords; ++w) {
-          keep[w] = 0;
-        }
-        CUTE_UNROLL
-        for (int g = 0; g < kBlockM / 16; ++g) {
-          uint32_t const even = (stream.keep_bits(query0 + 16 * g + col0, key) >> odd_key) & 0x55u;
-          uint32_t const odd = (stream.keep_bits(query0 + 16 * g + col0 + 1, key) >> odd_key) & 0x55u;
-          keep[g / 4] |= (even | (odd << 1)) << (8 * (g % 4));
+#pragma unroll 1  // a word at a time: unrolled, the Philox calls' temporaries spilled (head dim 64)
+        for (int w = 0; w < kBlockM / 64; ++w) {
+          uint32_t word = 0;
+          CUTE_UNROLL
+          for (int g = 4 * w; g < 4 * w + 4; ++g) {
+            uint32_t const even = (stream.keep_bits(query0 + 16 * g + col0, key) >> odd_key) & 0x55u;
+            uint32_t const odd = (stream.keep_bits(query0 + 16 * g + col0 + 1, key) >> odd_key) & 0x55u;
+            word |= (even | (odd << 1)) << (8 * (g % 4));
+          }
+          s.keep[w][tid] = word;
         }
       }
     };
@@ -695,11 +701,15 @@ struct BwdKernel {
         free_dq_part();
         warpgroup_wait<0>();
         warpgroup_fence_operand(tPrDp);
+        uint32_t keep_word = 0;  // kDropout: word r / 32 of this step's keep bits
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {
           float dp = tPrDp(r);
           if constexpr (kDropout) {  // the kept elements' P^T and dP^T / (1 - p); dV's scale comes at its store
-            bool const kept = (keep[r / 32] >> (r % 32)) & 1u;
+            if (r % 32 == 0) {
+              keep_word = s.keep[r / 32][tid];
+            }
+            bool const kept = (keep_word >> (r % 32)) & 1u;
             tVrP(r) = static_cast<Element>(kept ? tSrS(r) : 0.f);
             dp = kept ? dp * p.dropout_scale : 0.f;
           } else {
