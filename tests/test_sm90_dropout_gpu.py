@@ -62,15 +62,16 @@ def check(q, k, v, do, causal=None, seed=1234, offset=0, window=None):
 CASES = [("f16", 64, 1, 1, None, 1), ("bf16", 64, 7, 129, "top_left", 1), ("f16", 128, 129, 7, "bottom_right", 1),
          ("bf16", 128, 1000, 129, None, 4), ("f16", 96, 129, 1000, "top_left", 3), ("bf16", 64, 1000, 1000,
                                                                                     "bottom_right", 8),
-         ("f16", 128, 1000, 1000, None, 2), ("bf16", 96, 7, 1000, None, 1), ("f16", 40, 129, 129, "top_left", 1)]
+         ("f16", 128, 1000, 1000, None, 2), ("bf16", 96, 7, 1000, None, 1), ("f16", 40, 129, 129, "top_left", 1),
+         ("bf16", 44, 65, 300, "bottom_right", 2)]
 
 
 @needs_dropout
 @pytest.mark.parametrize("dtype,K,M,N,causal,group", CASES,
                          ids=[f"{d}-k{k}-{m}x{n}-{c}-g{g}" for d, k, m, n, c, g in CASES])
 def test_matches_float64_with_the_rules_mask(dtype, K, M, N, causal, group):
-    """Odd sizes, M != N, grouped-query ratios, both causal kinds, head dims 64, 128 and 96 (40: padded
-    by the runtime to 40 and run on the 64 tier)."""
+    """Odd sizes, M != N (bottom-right with M > N: rows without keys), grouped-query ratios, both causal
+    kinds, head dims 64, 128, 96 and 40 (below their tier: TMA zero-fills) and 44 (the runtime pads it to 48)."""
     rng = np.random.default_rng([K, M, N, group])
     check(*inputs(rng, dtype, B=2, M=M, N=N, H=2 * group, K=K, Hk=2), causal=causal)
 
