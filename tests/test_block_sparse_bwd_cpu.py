@@ -30,9 +30,9 @@ def test_sparse_instances_are_one_per_dtype_and_tier_after_the_plain_ones():
     assert {(k.dtype, k.max_k, k.block_m, k.block_n) for k in sparse} == {
         (d, 64, 128, 128) for d in ("f16", "bf16")} | {(d, 128, 64, 128) for d in ("f16", "bf16")}
     assert all((k.stages, k.band, k.softcap, k.bias) == (2, False, False, False) for k in sparse)
-    assert all(k.name.endswith("_s2_sparse_sm90a") and k.cpp_type.endswith(", false, false, false, true>")
+    assert all(k.name.endswith("_s2_sparse_sm90a") and k.cpp_type.endswith(", false, false, false, true, false>")
                for k in sparse)
-    assert all(k.cpp_type.endswith(", false>") for k in Sm90Bwd.default_set() if not k.sparse)
+    assert all(k.cpp_type.endswith(", false, false>") for k in Sm90Bwd.default_set() if not (k.sparse or k.dropout))
     order = sorted(Sm90Bwd.default_set(), key=lambda k: k.priority)
     for k in sparse:  # a plain call never reaches one
         assert not any(o.dtype == k.dtype and not (o.band or o.softcap or o.bias or o.sparse)
@@ -54,7 +54,7 @@ def test_params_end_with_the_mask_fields_and_sparse_fields_fill_them():
     from flashgen.runtime.families.sm90_bwd import sparse_fields
 
     names = [f.name for f in Sm90Bwd.ABI]
-    assert names[-10:] == ["sparse_partial_counts", "sparse_partial_blocks", "sparse_full_counts",
+    assert names[-14:-4] == ["sparse_partial_counts", "sparse_partial_blocks", "sparse_full_counts",
                            "sparse_full_blocks", "sparse_tiles", "sparse_bits", "sparse_batch_step",
                            "sparse_head_step", "sparse_query_blocks", "sparse_key_blocks"]
     for (B, H), (batch_step, head_step) in {(1, 1): (0, 0), (2, 1): (1, 0), (1, 4): (0, 1), (2, 4): (4, 1)}.items():
@@ -64,7 +64,7 @@ def test_params_end_with_the_mask_fields_and_sparse_fields_fill_them():
         bm.backward_arrays = lambda bm=bm: BlockMask.backward_arrays(bm)  # the real order, on the fake's arrays
         fields = sparse_fields(bm)
         assert set(fields) <= set(names)
-        assert [fields[n] for n in names[-10:]] == [1000, 1001, 1002, 1003, 1004, 1005, batch_step, head_step, 3, 6]
+        assert [fields[n] for n in names[-14:-4]] == [1000, 1001, 1002, 1003, 1004, 1005, batch_step, head_step, 3, 6]
     assert sparse_fields(None) == {}
 
 

@@ -176,14 +176,14 @@ def test_dropout_forward_and_backward_draw_the_same_mask(dtype):
     rng = np.random.default_rng(5)
     B, M, N, H, K, p, seed = 2, 100, 64, 3, 64, 0.3, 1234
     q, k = randn(rng, (B, M, H, K), dtype, 0.5), randn(rng, (B, N, H, K), dtype, 0.5)
-    keep = recover_keep_mask(q, k, p, seed)
+    v, do = randn(rng, (B, N, H, K), dtype), randn(rng, (B, M, H, K), dtype)
+    keep = recover_keep_mask(q, k, p, seed, v=v)  # on a 9.0 GPU f16 draws on sm90: its rule's mask
     rate = float(keep.mean())
     assert abs(rate - (1 - p)) < 0.01, rate
-    other = recover_keep_mask(q, k, p, seed + 1)
+    other = recover_keep_mask(q, k, p, seed + 1, v=v)
     assert float((other != keep).mean()) > 0.3  # a different seed, a different mask
-    assert bool((recover_keep_mask(q, k, p, seed) == keep).all())  # the same seed, the same mask
+    assert bool((recover_keep_mask(q, k, p, seed, v=v) == keep).all())  # the same seed, the same mask
 
-    v, do = randn(rng, (B, N, H, K), dtype), randn(rng, (B, M, H, K), dtype)
     with poisoned_allocations():
         out, lse = flashgen.attention_forward(q, k, v, dropout_p=p, seed=seed)
         dq, dk, dv = flashgen.attention_backward(do, q, k, v, out, lse, dropout_p=p, seed=seed)

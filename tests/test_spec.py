@@ -50,12 +50,13 @@ def test_default_set_sizes_are_what_the_readme_says():
     sm80 = [k for k in default_kernels() if k.runs_on("sm80")]
     assert len(sm80) == 68 + 4 + 6
     # + bias: 2 dtypes x (tiers 64, 128 x band, and q192 at 64); + sparse: 2 dtypes x tiers 64, 128;
-    # + staged O: the unmasked k128 s2 tile's twin, 2 dtypes (the band one is built staged only)
-    assert len(Sm90Fwd.default_set()) == 40 + 10 + 4 + 2
-    assert len(Sm90Bwd.default_set()) == 24 + 12 + 4  # + bias: 2 dtypes x 2 bands x (64, 128, 128 + softcap)
-    # + sparse: 2 dtypes x tiers 64, 128
+    # + staged O: the unmasked k128 s2 tile's twin, 2 dtypes (the band one is built staged only);
+    # + dropout: 2 dtypes x tiers 64, 128 x band
+    assert len(Sm90Fwd.default_set()) == 40 + 10 + 4 + 2 + 8
+    assert len(Sm90Bwd.default_set()) == 24 + 12 + 4 + 8  # + bias: 2 dtypes x 2 bands x (64, 128, 128 + softcap)
+    # + sparse: 2 dtypes x tiers 64, 128; + dropout: 2 dtypes x tiers 64, 128 x band
     # sm90a: the wgmma families beside example 41; the sm80 ones are not built there (sm90_* serve their calls)
-    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 56 + 40
+    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 64 + 48
     assert len([k for k in default_kernels() if k.runs_on("sm90")]) == 68 + 4 + 6, "plain sm90 cannot build wgmma code"
 
 
@@ -105,7 +106,7 @@ def test_sm90_bias_instances_are_the_tiles_the_plain_calls_pick():
     assert "sm90_fwd_f16_k64_q128x128_s2_band_bias_sm90a" in [k.name for k in Sm90Fwd.default_set()]
     assert "sm90_bwd_bf16_k128_q64x128_s2_band_softcap_bias_sm90a" in [k.name for k in Sm90Bwd.default_set()]
     bias = Sm90Bwd.default_set()[-1]
-    assert bias.cpp_type.endswith(", true, true, true, false>") and bias.name.endswith("_band_softcap_bias_sm90a")
+    assert bias.cpp_type.endswith(", true, true, true, false, false>") and bias.name.endswith("_band_softcap_bias_sm90a")
 
 
 @pytest.mark.parametrize("cls", [MemEffFwd, MemEffBwd])
@@ -216,11 +217,11 @@ def test_sm90_staged_o_instances_are_the_plain_k128_tiles():
     staged = [k for k in kernels if k.staged_o]
     assert {(k.dtype, k.max_k, k.block_m, k.block_n, k.stages, k.band) for k in staged} == {
         (d, 128, 128, 128, 2, band) for d in ("f16", "bf16") for band in (False, True)}
-    assert not any(k.bias or k.sparse for k in staged)
+    assert not any(k.bias or k.sparse or k.dropout for k in staged)
     for k in staged:
         twin = dataclasses.replace(k, staged_o=False)
         assert (twin in kernels) == (not k.band), k.name
-        assert k.name.endswith("_staged_o_sm90a") and k.cpp_type.endswith(", false, true>")
+        assert k.name.endswith("_staged_o_sm90a") and k.cpp_type.endswith(", false, true, false>")
         if not k.band:
             assert kernels.index(k) < kernels.index(twin), "the staged tile is tried before its twin"
     assert "staged_max_key_blocks" in [c.name for c in Sm90Fwd.CONSTANTS]

@@ -29,6 +29,9 @@ _MAX_PLANS = 512  # many distinct shapes (e.g. varying sequence lengths) evict t
 # Which families a call may go to (runtime/families: forced_families) is part of its plan's key.
 FAMILIES_VARIABLE = "FLASHGEN_FAMILIES"
 
+# Where example 41's Params keep the Philox seed and offset (flashgen's own kernels name theirs)
+EXAMPLE41_RNG_FIELDS = ("rng_engine_inputs_seed", "rng_engine_inputs_offset")
+
 _plans: Dict[tuple, "LaunchPlan"] = {}
 _lock = threading.Lock()
 
@@ -122,12 +125,14 @@ class LaunchPlan:
     def from_params(cls, handle: int, device: int, grid, block, shared_memory: int, params: np.ndarray,
                     pointer_fields: Sequence[str], dropout: bool, sizes: Mapping[str, object],
                     launcher: Optional[Callable] = None, tensor_maps: Sequence[str] = (),
-                    before: Sequence[tuple] = (), after: Sequence[tuple] = (), family: str = "") -> "LaunchPlan":
+                    before: Sequence[tuple] = (), after: Sequence[tuple] = (), family: str = "",
+                    rng_fields: Sequence[str] = EXAMPLE41_RNG_FIELDS) -> "LaunchPlan":
         """A plan from a filled ``Params`` record (the structured one-item array that launched);
-        a launch takes the pointers for ``tensor_maps`` (field names), then ``pointer_fields``.
+        a launch takes the pointers for ``tensor_maps`` (field names), then ``pointer_fields``,
+        then (``dropout``) each call's seed and offset into the 64-bit ``rng_fields``.
         ``launcher`` stands in for cuLaunchKernel (tests)."""
         assert params.dtype.itemsize % 8 == 0, "Params must be a whole number of 64-bit words"
-        fields = list(pointer_fields) + (["rng_engine_inputs_seed", "rng_engine_inputs_offset"] if dropout else [])
+        fields = list(pointer_fields) + (list(rng_fields) if dropout else [])
         words = []
         for name in fields:
             dtype, offset = params.dtype.fields[name][:2]

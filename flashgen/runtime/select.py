@@ -50,6 +50,9 @@ class Request:
     # constant ``staged_max_key_blocks`` is nonzero (sm90_fwd's staged O) serve only calls of at most
     # that many key blocks
     num_keys: int = 0
+    # dropout compiled in or not (sm90): the kernel's dropout axis must match ``dropout`` both ways; else a
+    # kernel with dropout (example 41: a run-time branch) also serves calls without
+    compiled_dropout: bool = False
 
 
 def seq_multiples(num_queries: int, num_keys: int, varlen: bool) -> Tuple[int, int]:
@@ -84,6 +87,8 @@ def rejection(binary: KernelBinary, req: Request) -> Optional[str]:
         return f"kMaxK {c['max_k']} < head dim {k}"
     if req.dropout and not spec.dropout:
         return "built without dropout"
+    if req.compiled_dropout and spec.dropout and not req.dropout:
+        return "built with dropout (compiled in): a call without it takes a kernel without"
     if req.bias and not getattr(spec, "bias", True):
         return "built without bias"
     if req.compiled_bias and spec.bias and not req.bias:

@@ -1,7 +1,7 @@
 """``sm90_bwd``: flashgen's own Hopper backward (``flashgen/csrc/flashgen/sm90_bwd.h``).
 
 Template: ``flashgen::sm90::BwdKernel<Element, kHeadDim, kBlockM, kBlockN,
-kStages, kBand, kSoftcap, kBias, kSparse>`` -- one CTA per ``block_n`` keys of one (sequence, k/v head),
+kStages, kBand, kSoftcap, kBias, kSparse, kDropout>`` -- one CTA per ``block_n`` keys of one (sequence, k/v head),
 one consumer warpgroup per 64 of them, Q/dO/lse/delta streamed by a producer
 warpgroup through a ``kStages``-deep ring of ``block_m``-query tiles.  Each instance
 holds three entry points, launched in order on one stream:
@@ -37,13 +37,17 @@ a partial block's bit is 0.  The ``sparse_*`` fields point at the lists, ``parti
 ``sparse_head_step`` (1, or 0 where it broadcasts the heads) pick a (batch, head)'s plane of them,
 ``sparse_query_blocks`` and ``sparse_key_blocks`` are the mask's block counts.  No deterministic order
 (``deterministic`` must be 0), no packed batches.
+
+A ``dropout`` instance redraws the mask of ``sm90_fwd``'s dropout twin (same ``dropout_*`` fields, the
+rule in ``flashgen/csrc/flashgen/dropout.h``): dV = (P o mask)^T dO / (1 - p) and dS = P o (dP o mask /
+(1 - p) - delta), delta = rowsum(dO * O) of the dropped output O.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from flashgen.spec.core import DTYPES, Constant, Field, Rule
-from flashgen.spec.sm90_tile import SPARSE_POINTER_FIELDS, Sm90Tile, tile_constants
+from flashgen.spec.sm90_tile import DROPOUT_FIELDS, SPARSE_POINTER_FIELDS, Sm90Tile, tile_constants
 
 
 @dataclass(frozen=True)
@@ -51,13 +55,14 @@ class Sm90Bwd(Sm90Tile):
     softcap: bool  # soft-capping compiled in: it needs registers the plain path spares (BwdKernel::kSoftcap)
     bias: bool     # an additive attention bias, and dbias, compiled in (BwdKernel::kBias)
     sparse: bool   # a block mask's transposed lists and bits compiled in (BwdKernel::kSparse)
+    dropout: bool  # the forward's Philox dropout mask, redrawn (BwdKernel::kDropout)
 
     FAMILY = "sm90_bwd"
     DIRECTION = "bwd"
     TEMPLATE = "sm90_bwd.cu.j2"
     HEADER = "flashgen/sm90_bwd.h"
     KERNEL = "flashgen::sm90::BwdKernel"
-    FLAGS = ("band", "softcap", "bias", "sparse")
+    FLAGS = ("band", "softcap", "bias", "sparse", "dropout")
     AXES = {
         "arch": ("sm90a",),
         "dtype": ("f16", "bf16"),
@@ -69,6 +74,7 @@ class Sm90Bwd(Sm90Tile):
         "softcap": (False, True),
         "bias": (False, True),
         "sparse": (False, True),
+        "dropout": (False, True),
     }
     RULES = (
         Rule("a 64-query step of head dim 64 would split dQ into 32-column halves, less than one "
@@ -99,12 +105,17 @@ class Sm90Bwd(Sm90Tile):
              "are refused (the dense fallback has no soft-capping either)",
              lambda k: k.sparse and k.softcap),
         Rule("sparse without bias: such calls stay on the dense fallback", lambda k: k.sparse and k.bias),
+        # dropout: the forward's twins (each tier has one tile here)
+        Rule("dropout up to head dim 128, as in the forward: the split head dim would draw each mask twice",
+             lambda k: k.dropout and k.max_k == 256),
+        Rule("dropout without soft-capping, bias or block-mask lists: the forward's twins have none; such calls "
+             "stay on example 41", lambda k: k.dropout and (k.softcap or k.bias or k.sparse)),
     )
 
     @property
     def priority(self) -> tuple:
-        return (tuple(DTYPES).index(self.dtype), self.band, self.softcap, self.bias, self.sparse, self.max_k,
-                self.block_m, self.stages, self.block_n)
+        return (tuple(DTYPES).index(self.dtype), self.band, self.softcap, self.bias, self.sparse, self.dropout,
+                self.max_k, self.block_m, self.stages, self.block_n)
 
     # `flashgen::sm90::BwdParams`
     ABI = (
@@ -163,6 +174,7 @@ class Sm90Bwd(Sm90Tile):
         Field("sparse_head_step", "i32"),
         Field("sparse_query_blocks", "i32"),
         Field("sparse_key_blocks", "i32"),
+        *DROPOUT_FIELDS,
     )
 
     # prep and convert run aux_threads threads; a sparse instance reads mask blocks of mask_rows queries

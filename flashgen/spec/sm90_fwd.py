@@ -1,7 +1,7 @@
 """``sm90_fwd``: flashgen's own Hopper forward (``flashgen/csrc/flashgen/sm90_fwd.h``).
 
 Template: ``flashgen::sm90::FwdKernel<Element, kHeadDim, kBlockM, kBlockN,
-kStages, kBand, kBias, kSparse, kStagedO>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
+kStages, kBand, kBias, kSparse, kStagedO, kDropout>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
 K/V streamed by TMA through a ``kStages``-deep shared-memory ring, one
 producer warpgroup.  Launch: block (threads_per_block, 1, 1), a persistent
 grid (min(tiles, SMs), 1, 1) over the ceil(M / block_m) x heads x (batch or
@@ -47,13 +47,20 @@ for tiles of at most 16 key blocks; its constant ``staged_max_key_blocks`` is th
 call may have for the runtime to send it there (0: any, in band instances, whose tiles near the
 diagonal visit few blocks).  Its unmasked twin without the path serves longer calls: the path's code
 slowed the main loop by 2-4% at 4k-16k keys even where it was not taken.
+
+A ``dropout`` instance drops elements of P after the softmax (the lse and the normalisation are of
+the whole P) and scales O by ``dropout_scale`` = 1 / (1 - p): element (sequence, head, row, key) is
+kept when its 16 Philox-4x32-10 bits, drawn from ``dropout_seed`` and ``dropout_offset`` by the rule
+in ``flashgen/csrc/flashgen/dropout.h`` (``runtime/families/sm90_dropout.py``), are below
+``dropout_keep``.  ``sm90_bwd``'s dropout instances redraw the same mask; each dropout instance here
+has a backward twin (same dtype, tier and band).  Compiled in, like the bias.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from flashgen.spec.core import DTYPES, Constant, Field, Rule
-from flashgen.spec.sm90_tile import SPARSE_POINTER_FIELDS, Sm90Tile, tile_constants
+from flashgen.spec.sm90_tile import DROPOUT_FIELDS, SPARSE_POINTER_FIELDS, Sm90Tile, tile_constants
 
 
 @dataclass(frozen=True)
@@ -61,13 +68,14 @@ class Sm90Fwd(Sm90Tile):
     bias: bool  # an additive attention bias compiled in (FwdKernel::kBias)
     sparse: bool  # a block mask's lists and bits compiled in (FwdKernel::kSparse)
     staged_o: bool  # O stored through shared memory for tiles of few key blocks (FwdKernel::kStagedO)
+    dropout: bool  # Philox dropout of P compiled in (FwdKernel::kDropout)
 
     FAMILY = "sm90_fwd"
     DIRECTION = "fwd"
     TEMPLATE = "sm90_fwd.cu.j2"
     HEADER = "flashgen/sm90_fwd.h"
     KERNEL = "flashgen::sm90::FwdKernel"
-    FLAGS = ("band", "bias", "sparse", "staged_o")
+    FLAGS = ("band", "bias", "sparse", "staged_o", "dropout")
     AXES = {
         "arch": ("sm90a",),
         "dtype": ("f16", "bf16"),
@@ -79,6 +87,7 @@ class Sm90Fwd(Sm90Tile):
         "bias": (False, True),
         "sparse": (False, True),
         "staged_o": (False, True),
+        "dropout": (False, True),
     }
     RULES = (
         Rule("192 query rows are three consumer warpgroups beside the producer's: at most 160 registers "
@@ -116,10 +125,20 @@ class Sm90Fwd(Sm90Tile):
         Rule("staged O on the plain two-stage tiles only: its O tile leaves no room for a bias ring or a "
              "third stage, and the sparse tiles keep their loop as measured",
              lambda k: k.staged_o and (k.bias or k.sparse or k.stages != 2)),
+        Rule("staged O not with dropout: its keep bits take the registers the staged store needs",
+             lambda k: k.staged_o and k.dropout),
         Rule("the plain band tile at head dim 128 is built staged only: it serves every length (its tiles "
              "near the diagonal visit few blocks, +3-7% at 512-2k tokens, even beyond)",
-             lambda k: k.band and not k.staged_o and k.max_k == 128 and not (k.bias or k.sparse)
+             lambda k: k.band and not k.staged_o and k.max_k == 128 and not (k.bias or k.sparse or k.dropout)
              and k.stages == 2),
+        # dropout: one instance per dtype, tier and band, each with a backward twin (a call's mask is
+        # drawn by both directions' instances or by neither)
+        Rule("dropout on tiers 64 and 128, the backward's (its 256 tier splits the head dim); 96 runs on 128",
+             lambda k: k.dropout and k.max_k not in (64, 128)),
+        Rule("dropout on 128 query rows and two stages: 192 rows leave 160 registers per consumer, none for the "
+             "keep bits", lambda k: k.dropout and (k.block_m != 128 or k.stages != 2)),
+        Rule("dropout without bias or block-mask lists: such calls stay on example 41",
+             lambda k: k.dropout and (k.bias or k.sparse)),
     )
 
     @property
@@ -128,8 +147,8 @@ class Sm90Fwd(Sm90Tile):
         # 192 query rows where they exist (head dim 64: +5-15% from 512 to 16k tokens on an H200,
         # within noise of 128 for causal 1k), two stages (a third never won by more than noise)
         # and the staged-O tile before its twin (it refuses calls of more key blocks than it serves)
-        return (tuple(DTYPES).index(self.dtype), self.band, self.bias, self.sparse, self.max_k, -self.block_m, self.stages,
-                self.block_n, not self.staged_o)
+        return (tuple(DTYPES).index(self.dtype), self.band, self.bias, self.sparse, self.dropout, self.max_k,
+                -self.block_m, self.stages, self.block_n, not self.staged_o)
 
     # `flashgen::sm90::FwdParams`
     ABI = (
@@ -166,6 +185,7 @@ class Sm90Fwd(Sm90Tile):
         Field("sparse_batch_step", "i32"),
         Field("sparse_head_step", "i32"),
         Field("sparse_key_blocks", "i32"),
+        *DROPOUT_FIELDS,
     )
 
     CONSTANTS = tile_constants("flashgen::sm90::FwdParams") + (

@@ -13,6 +13,11 @@ SPARSE_POINTER_FIELDS = tuple(Field(name, "ptr") for name in (
     "sparse_partial_counts", "sparse_partial_blocks", "sparse_full_counts", "sparse_full_blocks", "sparse_tiles",
     "sparse_bits"))
 
+# Both Params structs end with these (flashgen/dropout.h): the Philox key and counter offset (the
+# call's seed and offset, re-filled by every launch of a plan), the keep threshold of 65536 and 1 / (1 - p)
+DROPOUT_FIELDS = (Field("dropout_seed", "u64"), Field("dropout_offset", "u64"), Field("dropout_keep", "u32"),
+                  Field("dropout_scale", "f32"))
+
 
 @dataclass(frozen=True)
 class Sm90Tile(KernelSpec):

@@ -133,4 +133,12 @@ struct FlashgenAbiCheck_sm90_bwd {
                 "flashgen ABI: Params::sparse_query_blocks moved or changed size; update flashgen/spec/sm90_bwd.py");
   static_assert(offsetof(Params, sparse_key_blocks) == 956 && sizeof(((Params*)nullptr)->sparse_key_blocks) == 4,
                 "flashgen ABI: Params::sparse_key_blocks moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, dropout_seed) == 960 && sizeof(((Params*)nullptr)->dropout_seed) == 8,
+                "flashgen ABI: Params::dropout_seed moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, dropout_offset) == 968 && sizeof(((Params*)nullptr)->dropout_offset) == 8,
+                "flashgen ABI: Params::dropout_offset moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, dropout_keep) == 976 && sizeof(((Params*)nullptr)->dropout_keep) == 4,
+                "flashgen ABI: Params::dropout_keep moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, dropout_scale) == 980 && sizeof(((Params*)nullptr)->dropout_scale) == 4,
+                "flashgen ABI: Params::dropout_scale moved or changed size; update flashgen/spec/sm90_bwd.py");
 };

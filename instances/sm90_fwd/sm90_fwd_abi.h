@@ -89,4 +89,12 @@ struct FlashgenAbiCheck_sm90_fwd {
                 "flashgen ABI: Params::sparse_head_step moved or changed size; update flashgen/spec/sm90_fwd.py");
   static_assert(offsetof(Params, sparse_key_blocks) == 696 && sizeof(((Params*)nullptr)->sparse_key_blocks) == 4,
                 "flashgen ABI: Params::sparse_key_blocks moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, dropout_seed) == 704 && sizeof(((Params*)nullptr)->dropout_seed) == 8,
+                "flashgen ABI: Params::dropout_seed moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, dropout_offset) == 712 && sizeof(((Params*)nullptr)->dropout_offset) == 8,
+                "flashgen ABI: Params::dropout_offset moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, dropout_keep) == 720 && sizeof(((Params*)nullptr)->dropout_keep) == 4,
+                "flashgen ABI: Params::dropout_keep moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, dropout_scale) == 724 && sizeof(((Params*)nullptr)->dropout_scale) == 4,
+                "flashgen ABI: Params::dropout_scale moved or changed size; update flashgen/spec/sm90_fwd.py");
 };

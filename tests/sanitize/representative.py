@@ -82,6 +82,12 @@ for dtype in ("f16", "bf16"):
     call(dtype, 2, 129, 201, 2, 128, window=(50, 10), softcap=5.0, bias="M")   # one bias row per head
     call(dtype, 2, 77, 130, 2, 96, deterministic=True, bias="BH")
     call(dtype, 1, 130, 200, 2, 64, softcap=3.0, bias="H")                     # backward on the 128 tier
+    # the dropout instances (sm90_dropout.py): partial tiles, grouped-query k/v, both tiers (96 on 128),
+    # a window, rows without keys (the backward leaves them out as the forward does), a head dim the
+    # runtime pads to 8, the deterministic order
+    call(dtype, 1, 300, 259, 4, 64, heads_kv=2, causal="bottom_right", dropout_p=0.2, seed=3)
+    call(dtype, 2, 129, 201, 2, 96, window=(50, 10), dropout_p=0.5, seed=4, offset=9, deterministic=True)
+    call(dtype, 1, 77, 130, 2, 44, causal="top_left", dropout_p=0.1, seed=5)
 # packed batches: example 41 (float32) and, on a 9.0 GPU, sm90 (a sequence without keys, one
 # without queries, rows past the last sequence, a band per sequence, the deterministic order)
 cu_q, cu_k = np.array([0, 5, 5, 40], np.int32), np.array([0, 0, 30, 70], np.int32)

@@ -40,6 +40,10 @@
 // in 128 / kBlockM steps (SparseWalk; producer and consumers walk the same lists).  A partial
 // block's element mask comes with the step's Q and dO: its rows of the mask's partial_bits, into
 // the stage's bits buffer, and zeroes P^T (so dS^T too) where a bit is 0 (consume()).
+// kDropout instances redraw the forward's keep mask (flashgen/dropout.h) for each step while its
+// S^T and dP^T GEMMs run: dV += (P^T o mask) dO (scaled by 1 / (1 - p) at its store) and
+// dS^T = P^T o (dP^T o mask / (1 - p) - delta), where delta = rowsum(dO * O) already holds
+// because O is the dropped output.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
@@ -53,6 +57,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_types.h>
 
+#include "flashgen/dropout.h"
 #include "flashgen/sm90_common.h"
 
 namespace flashgen {
@@ -132,10 +137,15 @@ struct BwdParams {
   int sparse_head_step;
   int sparse_query_blocks;
   int sparse_key_blocks;
+  // kDropout: the forward's (FwdParams): Philox key, counter offset, keep threshold, 1 / (1 - p)
+  unsigned long long dropout_seed;
+  unsigned long long dropout_offset;
+  uint32_t dropout_keep;
+  float dropout_scale;
 };
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBand_, bool kSoftcap_,
-          bool kBias_, bool kSparse_>
+          bool kBias_, bool kSparse_, bool kDropout_>
 struct BwdKernel {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -159,6 +169,8 @@ struct BwdKernel {
   static_assert(!kSparse || (kBlockN == 128 && kMaskRows % kBlockM == 0 && !kBand && !kSoftcap && !kBias),
                 "sparse CTAs are the mask's 128-key blocks (one uint4 of bits per query), without band, "
                 "soft-capping or bias");
+  // And so is dropout: the Philox rounds and the keep bits exist only in these instances.
+  static constexpr bool kDropout = kDropout_;
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
   static_assert(kBlockN % 64 == 0 && kBlockM % 64 == 0 && kHeadDim % 32 == 0, "wgmma tile shapes");
@@ -170,6 +182,8 @@ struct BwdKernel {
   static constexpr int kKvCols = kSplitCols ? kHeadDim / kWarpGroups : kHeadDim;
   static_assert(!kSplitCols || (kBlockN == 64 && kBlockM == 64), "the split head dim is laid out for 64 x 64 steps");
   static_assert(!(kSplitCols && kBias), "bias is built up to head dim 128 (spec/sm90_bwd.py): one warpgroup per key");
+  static_assert(!kDropout || (!kSplitCols && !kSoftcap && !kBias && !kSparse),
+                "dropout up to head dim 128, without soft-capping, bias or block-mask lists (spec/sm90_bwd.py)");
   static constexpr int kConsumerThreads = 128 * kWarpGroups;
   // The producer is a whole warpgroup (one lane of it issues the loads) so that
   // setmaxnreg can hand its registers to the consumers: 240 each instead of the
@@ -250,8 +264,15 @@ struct BwdKernel {
     alignas(16) uint32_t bits[kStages][kBlockM * 4];
   };
   struct NoSparse {};
+  // kDropout: each consumer thread's keep bits of the next step (consume(): draw), word w of thread t
+  // at keep[w][t].  In registers across the step's GEMMs they spilled ~160 bytes at head dim 64.
+  struct KeepBits {
+    uint32_t keep[kBlockM / 64][kConsumerThreads];
+  };
+  struct NoKeep {};
   struct SharedStorage : std::conditional_t<kBias, BiasBarriers, NoBias>,
-                         std::conditional_t<kSparse, SparseBits, NoSparse> {
+                         std::conditional_t<kSparse, SparseBits, NoSparse>,
+                         std::conditional_t<kDropout, KeepBits, NoKeep> {
     alignas(1024) Element k[kBlockN * kHeadDim];
     alignas(1024) Element v[kBlockN * kHeadDim];
     alignas(1024) Element q[kStages * kBlockM * kHeadDim];
@@ -480,6 +501,30 @@ struct BwdKernel {
       warpgroup_gemm_issue<true>(mma_sdp, tPrV, tPrDo(_, _, _, stage), tPrDp);
     };
 
+    // kDropout: step t's keep bits, register r's at bit r % 32 of word r / 32 (in shared memory: KeepBits),
+    // drawn (draw()) under step t - 1's dQ GEMM, when only the dQ, dK and dV accumulators hold registers
+    // (drawn under the step's own S^T and dP^T GEMMs, beside their accumulators, they spilled at head dim 64).  Register r is query 16g + col0 + 8a + y of the step, key key_row +
+    // 8b (r = 8g + 4a + 2b + y): lane 4a + 2b + key_row % 2 of the Philox call of query 16g + col0 + y
+    // (dropout.h), so each group g takes 4 bits from each of two calls (y = 0, 1).
+    auto draw = [&](int head, int query0) {
+      if constexpr (kDropout) {
+        DropoutStream const stream(p, seq.index, head);
+        int const key = key0 + key_row;
+        int const odd_key = key_row % 2;
+#pragma unroll 1  // a word at a time: unrolled, the Philox calls' temporaries spilled (head dim 64)
+        for (int w = 0; w < kBlockM / 64; ++w) {
+          uint32_t word = 0;
+          CUTE_UNROLL
+          for (int g = 4 * w; g < 4 * w + 4; ++g) {
+            uint32_t const even = (stream.keep_bits(query0 + 16 * g + col0, key) >> odd_key) & 0x55u;
+            uint32_t const odd = (stream.keep_bits(query0 + 16 * g + col0 + 1, key) >> odd_key) & 0x55u;
+            word |= (even | (odd << 1)) << (8 * (g % 4));
+          }
+          s.keep[w][tid] = word;
+        }
+      }
+    };
+
     auto head_of = [&](int t) { return head_kv * p.head_group + t / st.m_blocks; };
     auto m_block_of = [&](int t) { return st.m_begin + t % st.m_blocks; };
     // kSparse: the steps come from the mask's lists, and the last one is kept for its dQ
@@ -487,6 +532,9 @@ struct BwdKernel {
     Step previous{0, -1, -1};
     if (kSparse ? walk.more() : total > 0) {
       Barrier::wait(&s.kv_full, 0);
+    }
+    if (kDropout && total > 0) {
+      draw(head_of(0), m_block_of(0) * kBlockM);
     }
     // Step t - 1's dQ leaves at the top of step t, next to the issue of step t's S^T and dP^T
     // (issued and waited for in one iteration: across the loop's back edge ptxas serialised
@@ -653,10 +701,21 @@ struct BwdKernel {
         free_dq_part();
         warpgroup_wait<0>();
         warpgroup_fence_operand(tPrDp);
+        uint32_t keep_word = 0;  // kDropout: word r / 32 of this step's keep bits
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {
-          tVrP(r) = static_cast<Element>(tSrS(r));
-          tKrDs(r) = static_cast<Element>(tSrS(r) * (tPrDp(r) - column_value(delta, r)));
+          float dp = tPrDp(r);
+          if constexpr (kDropout) {  // the kept elements' P^T and dP^T / (1 - p); dV's scale comes at its store
+            if (r % 32 == 0) {
+              keep_word = s.keep[r / 32][tid];
+            }
+            bool const kept = (keep_word >> (r % 32)) & 1u;
+            tVrP(r) = static_cast<Element>(kept ? tSrS(r) : 0.f);
+            dp = kept ? dp * p.dropout_scale : 0.f;
+          } else {
+            tVrP(r) = static_cast<Element>(tSrS(r));
+          }
+          tKrDs(r) = static_cast<Element>(tSrS(r) * (dp - column_value(delta, r)));
           if (r % 2 == 1) {
             stage_dbias(r, pack_pair(tKrDs(r - 1), tKrDs(r)));
           }
@@ -744,6 +803,9 @@ struct BwdKernel {
       if (want_dbias) {  // under the dQ GEMM
         dbias_out(head, query0);
       }
+      if (kDropout && t + 1 < total) {  // the next step's mask, under the dQ GEMM
+        draw(head_of(t + 1), m_block_of(t + 1) * kBlockM);
+      }
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_dq);
       if constexpr (kBias) {  // dS buffer `buf` is free for step t + 2's bias tile
@@ -770,7 +832,7 @@ struct BwdKernel {
     }
     int const kv_col0 = col0 + (kSplitCols ? wg * kKvCols : 0);
     store_dkv(p, seq, acc_dk, p.dk_ptr, p.scale, key0 + key_row, kv_col0, head_kv);
-    store_dkv(p, seq, acc_dv, p.dv_ptr, 1.f, key0 + key_row, kv_col0, head_kv);
+    store_dkv(p, seq, acc_dv, p.dv_ptr, kDropout ? p.dropout_scale : 1.f, key0 + key_row, kv_col0, head_kv);
   }
 
   // The fp32 dQ accumulator of one query block is laid out as the consumers hold it: part

@@ -37,6 +37,10 @@
 // z-slice per sequence (sm90_common.h: Sequence); a tile reaching past its
 // sequence reads the next one's rows, which the key mask and the row bounds of
 // the stores keep out of the results.
+// kDropout instances drop elements of P after the softmax (flashgen/dropout.h: which ones, by
+// Philox from the seed and the element's place): the row sums, so the normalisation and the lse,
+// are of the whole P, the P V product sees only the kept elements, and the stores scale O by
+// 1 / (1 - p).  A block's keep bits are drawn while its S GEMM runs.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
@@ -49,6 +53,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_types.h>
 
+#include "flashgen/dropout.h"
 #include "flashgen/sm90_common.h"
 
 namespace flashgen {
@@ -103,10 +108,16 @@ struct FwdParams {
   int sparse_batch_step;
   int sparse_head_step;
   int sparse_key_blocks;
+  // kDropout (flashgen/dropout.h): the Philox key, the counter offset, the keep threshold (of 65536)
+  // and 1 / (1 - p)
+  unsigned long long dropout_seed;
+  unsigned long long dropout_offset;
+  uint32_t dropout_keep;
+  float dropout_scale;
 };
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBand_, bool kBias_,
-          bool kSparse_, bool kStagedO_>
+          bool kSparse_, bool kStagedO_, bool kDropout_>
 struct FwdKernel {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -122,6 +133,9 @@ struct FwdKernel {
   static constexpr bool kSparse = kSparse_;
   static_assert(!kSparse || (kBlockM == 128 && kBlockN == 128 && !kBand && !kBias),
                 "sparse tiles are the mask's 128 x 128 blocks (one uint4 of bits per row), without band or bias");
+  // Dropout is compiled in too: the Philox rounds and the keep bits exist only in these instances.
+  static constexpr bool kDropout = kDropout_;
+  static_assert(!kDropout || (!kSparse && !kBias), "dropout without block-mask lists or bias (spec/sm90_fwd.py)");
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 32 == 0, "wgmma tile shapes");
@@ -191,8 +205,9 @@ struct FwdKernel {
   static constexpr int kRingBytes = int(sizeof(Element)) * kHeadDim * (kBlockM + 2 * kStages * kBlockN);
   static constexpr int kOBytes = int(sizeof(Element)) * kBlockM * kHeadDim;
   static constexpr bool kStagedO = kStagedO_;
-  static_assert(!kStagedO || (!kBias && !kSparse && kRingBytes + kOBytes + 2048 <= 227 * 1024),
-                "the staged O tile fits only beside Q and two K/V stages, without a bias ring or block-mask lists");
+  static_assert(!kStagedO || (!kBias && !kSparse && !kDropout_ && kRingBytes + kOBytes + 2048 <= 227 * 1024),
+                "the staged O tile fits only beside Q and two K/V stages, without a bias ring, block-mask lists "
+                "or dropout's keep bits (spec/sm90_fwd.py)");
   static constexpr int kStagedMaxBlocks = 16;
   // the most key blocks of a call the runtime may send here (0: any)
   static constexpr int kServedKeyBlocks = kStagedO && !kBand ? kStagedMaxBlocks : 0;
@@ -400,6 +415,28 @@ struct FwdKernel {
     float row_max[2] = {-INFINITY, -INFINITY};
     float row_sum[2] = {0.f, 0.f};
 
+    // kDropout: block t's keep bits, drawn (draw(t)) while its S GEMM runs.  Registers 8g .. 8g + 7
+    // are one Philox call's 8 elements (dropout.h): register r is row row0 + 8x, key 16g + col0 +
+    // 8z + y of the block for r % 8 = y + 2x + 4z, the call's lane 4x + 2z + y, kept at bit
+    // keep_bit(r) of keep[r / 32] (each call's 8 bits as they come, no reordering).
+    constexpr int kKeepWords = kDropout ? kBlockN / 64 : 1;
+    uint32_t keep[kKeepWords];
+    auto keep_bit = [](int r) { return 8 * (r / 8 % 4) + 4 * (r / 2 % 2) + 2 * (r / 4 % 2) + r % 2; };
+    auto draw = [&](int t) {
+      if constexpr (kDropout) {
+        DropoutStream const stream(p, seq.index, head);
+        int const key0 = (blocks.begin + t) * kBlockN;
+        CUTE_UNROLL
+        for (int w = 0; w < kKeepWords; ++w) {
+          keep[w] = 0;
+        }
+        CUTE_UNROLL
+        for (int g = 0; g < kBlockN / 16; ++g) {
+          keep[g / 4] |= stream.keep_bits(row0, key0 + 16 * g + col0) << (8 * (g % 4));
+        }
+      }
+    };
+
     // kBias: where this lane's ldmatrix row sits in a bias tile (sm90_common.h: kBiasBox).  One
     // ldmatrix.x4 reads the register pairs of key groups j and j + 1 (8 keys each, j even) for
     // rows +0 and +8: lane l addresses row l % 8 (+ 8 for odd l / 8) of the warp's 16, in key
@@ -523,6 +560,9 @@ struct FwdKernel {
         int const h = (r / 2) % 2;
         tSrS(r) = exp2_approx(fmaf(tSrS(r), exp_scale, -scaled_max[h]));
         row_sum[h] += tSrS(r);
+        if constexpr (kDropout) {  // after the sum: the softmax is of the whole row
+          tSrS(r) = (keep[r / 32] >> keep_bit(r)) & 1u ? tSrS(r) : 0.f;
+        }
       }
     };
     auto to_p = [&]() {
@@ -541,6 +581,7 @@ struct FwdKernel {
     warpgroup_arrive();
     warpgroup_gemm_issue<true>(mma_s, tSrQ, tSrK(_, _, _, stage_of(0)), tSrS);
     turns.pass();
+    draw(0);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
     release(&s.k_empty[stage_of(0)]);
@@ -563,6 +604,7 @@ struct FwdKernel {
       warpgroup_gemm_issue<true>(mma_s, tSrQ, tSrK(_, _, _, stage), tSrS);
       warpgroup_gemm_issue<false>(mma_o, tOrP, tOrV(_, _, _, prev_stage), tOrO);
       turns.pass();
+      draw(t);
       warpgroup_wait<1>();  // S; P V may still run
       warpgroup_fence_operand(tSrS);
       release(&s.k_empty[stage]);
@@ -615,7 +657,7 @@ struct FwdKernel {
         lse[row] = INFINITY;
       }
     }
-    return sum > 0.f ? 1.f / sum : 0.f;
+    return sum > 0.f ? (kDropout ? p.dropout_scale : 1.f) / sum : 0.f;  // kDropout: O of the kept P, scaled
   }
 
   // kStagedO: the warpgroup's 64 rows of O into its part of the O tile by stmatrix, then out row by
@@ -681,7 +723,8 @@ struct FwdKernel {
     for (int h = 0; h < 2; ++h) {
       int const row = row0 + 8 * h;
       float const sum = quad_sum(row_sum[h]);
-      float const inv = sum > 0.f ? 1.f / sum : 0.f;  // no visible key: output 0
+      // no visible key: output 0; kDropout: O of the kept P, scaled by 1 / (1 - p)
+      float const inv = sum > 0.f ? (kDropout ? p.dropout_scale : 1.f) / sum : 0.f;
       if (row < seq.num_queries) {
         Element* out_row = out + row * (long long)p.out_stride_m;
         CUTE_UNROLL

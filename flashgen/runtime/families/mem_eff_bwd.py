@@ -69,6 +69,23 @@ def lse_needs_copy(p, lse, block_i: int) -> bool:
     return bool(lse.data.ptr % LSE_ALIGNMENT or any(s % LSE_ALIGNMENT for s in strides))
 
 
+def without_rows(call: Call, skip: int):
+    """The backward of the last M - skip queries (as api.py's forward ran them: rows_without_keys);
+    dq (and dbias) zero for the first ``skip``.  The sm90 pair's dropout calls come here too: their
+    mask numbers rows as the forward's call did."""
+    cupy, p = cupy_module(), call.p
+    part_lse = call.lse[:, :, skip:p.M]  # launch copies it if this view breaks LSE_ALIGNMENT
+    part = call.again(call.grad_out[:, skip:], call.q[:, skip:], call.k, call.v, call.out[:, skip:], part_lse,
+                      attn_bias=None if call.bias is None else call.bias[:, :, skip:], scale=p.scale)
+    dq = cupy.zeros((p.B, p.M, p.H, p.K), dtype=call.q.dtype)
+    dq[:, skip:] = part[0]
+    if not call.options["bias_requires_grad"]:
+        return dq, part[1], part[2]
+    dbias = cupy.zeros((p.B, p.H, p.M, p.N), dtype=call.q.dtype)
+    dbias[:, :, skip:] = part[3]
+    return dq, part[1], part[2], dbias
+
+
 class MemEffBwdRuntime(RuntimeFamily):
     spec = MemEffBwd
 
@@ -98,7 +115,7 @@ class MemEffBwdRuntime(RuntimeFamily):
             return (grads[0][..., :p.K], grads[1][..., :p.K], grads[2][..., :p.Kv]) + tuple(grads[3:])
         skip = rows_without_keys(p, q, k)
         if skip:  # see rows_without_keys: the first `skip` queries see no key and get no gradient
-            return self._without_rows(call, skip)
+            return without_rows(call, skip)
         if elem_strides(out)[1:] != (p.H * p.Kv, p.Kv, 1):
             out = cupy.ascontiguousarray(out)  # the kernel derives out's row stride from H * Kv
             call = replace(call, out=out, plan_key=None)  # a per-call copy: not a plan
@@ -113,20 +130,6 @@ class MemEffBwdRuntime(RuntimeFamily):
         binary = selector(call.registry).select(req, prefer)
         call.extra["splits"] = prefer.splits if prefer is not None and prefer.matches(binary.spec) else "auto"
         return self.launch(call, binary)
-
-    def _without_rows(self, call: Call, skip: int):
-        """The backward of the last M - skip queries; dq (and dbias) zero for the first ``skip``."""
-        cupy, p = cupy_module(), call.p
-        part_lse = call.lse[:, :, skip:p.M]  # launch copies it if this view breaks LSE_ALIGNMENT
-        part = call.again(call.grad_out[:, skip:], call.q[:, skip:], call.k, call.v, call.out[:, skip:], part_lse,
-                          attn_bias=None if call.bias is None else call.bias[:, :, skip:], scale=p.scale)
-        dq = cupy.zeros((p.B, p.M, p.H, p.K), dtype=call.q.dtype)
-        dq[:, skip:] = part[0]
-        if not call.options["bias_requires_grad"]:
-            return dq, part[1], part[2]
-        dbias = cupy.zeros((p.B, p.H, p.M, p.N), dtype=call.q.dtype)
-        dbias[:, :, skip:] = part[3]
-        return dq, part[1], part[2], dbias
 
     def launch(self, call: Call, binary: KernelBinary):
         """(dq, dk, dv[, dbias]) on ``binary`` (on the call's device, api.py makes it current)."""

@@ -19,8 +19,10 @@ from typing import Tuple
 
 from flashgen.runtime import plans
 from flashgen.runtime.arrays import cupy_module, elem_strides
+from flashgen.runtime.families import sm90_dropout
 from flashgen.runtime.families.sm90_common import (SPARSE_POINTERS, HopperFamily, band_fields, bias_fields,
-                                                   check_compiled_bias, check_compiled_sparse, dbias_fields,
+                                                   check_compiled_bias, check_compiled_dropout,
+                                                   check_compiled_sparse, dbias_fields,
                                                    encode_bias_map, encode_maps, sparse_refusal, zero_unpacked_rows)
 from flashgen.runtime.launch import fill, handle, launch, on_device, packed_offsets, params_buffer
 from flashgen.runtime.memory import CupyMemory
@@ -149,9 +151,10 @@ class ThreeKernelBackward:
             maps = self.MAPS + (() if call.bias is None else ("bias_map",))
             sparse = () if call.block_mask is None else SPARSE_POINTERS
             plans.remember(plan_key, plans.LaunchPlan.from_params(
-                entry(""), p.device, grid, block, kc["shared_memory_bytes"], params, self.POINTERS + sparse, False,
-                {"layout": tuple(offsets), "trailing": len(sparse)}, tensor_maps=maps, family=self.name,
-                before=[(entry("_prep"), aux_grid, aux_block)], after=[(entry("_convert"), aux_grid, aux_block)]))
+                entry(""), p.device, grid, block, kc["shared_memory_bytes"], params, self.POINTERS + sparse,
+                p.dropout_p > 0, {"layout": tuple(offsets), "trailing": len(sparse)}, tensor_maps=maps,
+                family=self.name, before=[(entry("_prep"), aux_grid, aux_block)],
+                after=[(entry("_convert"), aux_grid, aux_block)], rng_fields=sm90_dropout.RNG_FIELDS))
         return dq, dk, dv
 
     def replay(self, plan, memory, arrays, seed, offset, stream):
@@ -164,7 +167,7 @@ class ThreeKernelBackward:
         with on_device(cupy_module(), plan.device):
             handle_ = memory.stream(stream, plan.device)
             dq, dk, dv, carved, workspace = buffers(memory, plan.sizes["layout"], q, k, v, handle_)
-            plan.launch(given + carved + tuple(map(ptr, sparse)), 0, 0, handle_)
+            plan.launch(given + carved + tuple(map(ptr, sparse)), seed, offset, handle_)
             del workspace  # after the launch: the allocator reuses it in stream order
         return dq, dk, dv
 
@@ -189,11 +192,12 @@ class Sm90BwdRuntime(ThreeKernelBackward, HopperFamily):
     def check_launch(self, call: Call, binary: KernelBinary) -> None:
         check_compiled_bias(binary, call)
         check_compiled_sparse(binary, call)
+        check_compiled_dropout(binary, call)
         if binary.spec.sparse and call.options["deterministic"]:
             raise ValueError(f"{binary.name} adds dQ in no fixed order: deterministic=True is not for it")
 
     def own_fields(self, call: Call):
-        return {}, {**bias_fields(call.bias), **sparse_fields(call.block_mask)}
+        return {}, {**bias_fields(call.bias), **sparse_fields(call.block_mask), **sm90_dropout.fields(call.p)}
 
     def own_outputs(self, call: Call):
         dbias = self.dbias(call)

@@ -8,7 +8,9 @@ refuse and how they request and refuse; ``HopperFamily`` adds the 9.0 GPU and TM
 same run-time options (band mask, soft-capping, packed batches) through the
 same ``Params`` fields, and read q, k, v (and grad_out) through TMA tensor maps.
 An attention bias is compiled in (``bias`` instances, head dims up to 128): a call
-with one is served by those, one without by the others.  A call reaches them when
+with one is served by those, one without by the others.  So is dropout (``dropout``
+instances, ``sm90_dropout.py``: a dropout call runs on the sm90 pair in both directions or
+in neither).  A call reaches them when
 it needs nothing only example 41 has; otherwise they refuse it with the reason,
 and the next family is asked.
 """
@@ -23,7 +25,7 @@ from flashgen.errors import UnsupportedError
 from flashgen.runtime import tensormap
 from flashgen.runtime.arrays import alignment, cupy_module, elem_strides
 from flashgen.runtime.device import device_info
-from flashgen.runtime.families import RuntimeFamily, planned_forward_outputs, selector, visible_lse
+from flashgen.runtime.families import RuntimeFamily, planned_forward_outputs, selector, sm90_dropout, visible_lse
 from flashgen.runtime.launch import on_device
 from flashgen.runtime.registry import KernelBinary
 from flashgen.runtime.select import KEYS_CAP, Request, mask_block
@@ -113,6 +115,16 @@ def check_compiled_bias(binary: KernelBinary, call: Call) -> None:
                          f"the call has {'none' if binary.spec.bias else 'one'}")
 
 
+def check_compiled_dropout(binary: KernelBinary, call: Call) -> None:
+    """A plain instance ignores dropout_p (no mask drawn) and a dropout one draws a mask a call without
+    dropout must not get (or pays for one with p = 0): selection keeps them apart
+    (``Request.compiled_dropout``); this stops a launch that names the kernel itself."""
+    if binary.spec.dropout != (call.p.dropout_p > 0):
+        built = "with" if binary.spec.dropout else "without"
+        raise ValueError(f"{binary.name} is built {built} dropout (compiled in); the call has "
+                         f"{'none' if binary.spec.dropout else 'dropout_p > 0'}")
+
+
 # a sparse call's block mask: its arrays' pointers, in Params order (BlockMask.kernel_arrays' for the
 # forward, backward_arrays' for the backward): after the family's own per-call pointers
 SPARSE_POINTERS = tuple(field.name for field in SPARSE_POINTER_FIELDS)
@@ -175,6 +187,8 @@ class OwnKernelFamily(RuntimeFamily):
     # an attention bias compiled into some of the family's kernels (a ``bias`` spec axis, which
     # selection matches both ways); a family without one refuses bias calls
     compiled_bias = False
+    # dropout compiled into some kernels (a ``dropout`` axis, matched both ways); a family without refuses it
+    compiled_dropout = False
 
     def aligned_arrays(self, call: Call) -> Sequence[Tuple[str, object]]:
         """(name, array) of every input whose alignment the kernels' loads need: q, k, v, and a
@@ -192,7 +206,7 @@ class OwnKernelFamily(RuntimeFamily):
                 return why
         if call.bias is not None and not self.compiled_bias:
             return "no attn_bias (the example-41 families take it)"
-        if p.dropout_p > 0:
+        if p.dropout_p > 0 and not self.compiled_dropout:
             return "no dropout (the example-41 families draw it)"
         if p.dtype == "f32":
             return "float16 or bfloat16 only; the call is float32"
@@ -210,12 +224,16 @@ class OwnKernelFamily(RuntimeFamily):
 
     def request(self, call: Call) -> Request:
         p = call.p
-        arrays = [x for _, x in self.aligned_arrays(call)]
-        return Request(self.name, p.dtype, p.K, p.Kv, alignment(arrays, (p.K, p.Kv)), False, call.bias is not None,
+        dropout = p.dropout_p > 0
+        if dropout:  # such calls run on inputs conformed to the kernels (sm90_dropout.run)
+            aligned = 8
+        else:
+            aligned = alignment([x for _, x in self.aligned_arrays(call)], (p.K, p.Kv))
+        return Request(self.name, p.dtype, p.K, p.Kv, aligned, dropout, call.bias is not None,
                        device_info(p.device), band=p.mask != 0 or p.window is not None, softcap=p.softcap > 0,
                        compiled_bias=self.compiled_bias,
                        block_sparse=None if call.block_mask is None else call.block_mask.block,
-                       num_keys=min(p.N, KEYS_CAP))
+                       compiled_dropout=self.compiled_dropout, num_keys=min(p.N, KEYS_CAP))
 
     def refusal(self, call: Call) -> Optional[str]:
         """``unfit``, or none of the kernels accepts the call (a head dim over the largest tier,
@@ -235,9 +253,11 @@ class OwnKernelFamily(RuntimeFamily):
 
 class HopperFamily(OwnKernelFamily):
     """A family of flashgen's sm90a kernels: a 9.0 GPU, and inputs TMA can read (every one of
-    ``aligned_arrays``: those read through a tensor map, or at its alignment)."""
+    ``aligned_arrays``: those read through a tensor map, or at its alignment).  A dropout call is
+    the pair's if ``sm90_dropout.refusal`` says so, whatever its inputs (``run`` conforms them)."""
 
     compiled_bias = True
+    compiled_dropout = True
 
     def unfit(self, call: Call) -> Optional[str]:
         why = super().unfit(call)
@@ -246,6 +266,8 @@ class HopperFamily(OwnKernelFamily):
         info = device_info(call.p.device)
         if info.cc != 90:
             return f"a compute-capability 9.0 GPU (H100, H200); GPU {call.p.device} is {info.name} (sm_{info.cc})"
+        if call.p.dropout_p > 0:
+            return sm90_dropout.refusal(call, info)
         for name, x in self.aligned_arrays(call):
             why = tensormap.bmhk_problem(x)
             if why:
@@ -255,6 +277,12 @@ class HopperFamily(OwnKernelFamily):
             if why:
                 return f"TMA cannot read attn_bias: {why}"
         return None
+
+
+    def run(self, call: Call):
+        if call.p.dropout_p > 0:
+            return sm90_dropout.run(call, super().run)
+        return super().run(call)
 
 
 class AmpereFamily(OwnKernelFamily):
@@ -271,14 +299,15 @@ class AmpereFamily(OwnKernelFamily):
         return None
 
 
-def replay_forward(plan, memory, arrays, stream):
+def replay_forward(plan, memory, arrays, stream, seed=0, offset=0):
     """(out, lse) of a planned sm90_fwd or sm80_fwd call: outputs allocated through ``memory``,
     then one launch with the pointers of q, k, v and a bias if any (tensor maps' or Params'), out
-    and lse, then the plan's ``trailing`` arrays (a block mask's: they end ``arrays``)."""
+    and lse, then the plan's ``trailing`` arrays (a block mask's: they end ``arrays``), and the
+    call's dropout seed and offset (a dropout plan's)."""
     q, ptr = arrays[0], memory.ptr
     lead = len(arrays) - plan.sizes.get("trailing", 0)
     with on_device(cupy_module(), plan.device):
         out, lse = planned_forward_outputs(memory, plan.sizes, q)
-        plan.launch(tuple(map(ptr, arrays[:lead])) + (ptr(out), ptr(lse)) + tuple(map(ptr, arrays[lead:])), 0, 0,
-                    memory.stream(stream, plan.device))
+        plan.launch(tuple(map(ptr, arrays[:lead])) + (ptr(out), ptr(lse)) + tuple(map(ptr, arrays[lead:])), seed,
+                    offset, memory.stream(stream, plan.device))
     return out, visible_lse(lse, plan.sizes["M"])

@@ -16,9 +16,9 @@ import numpy as np
 from flashgen.runtime import plans
 from flashgen.runtime.arrays import cupy_module
 from flashgen.runtime.device import device_info
-from flashgen.runtime.families import visible_lse
+from flashgen.runtime.families import sm90_dropout, visible_lse
 from flashgen.runtime.families.sm90_common import (SPARSE_POINTERS, HopperFamily, band_fields, bias_fields,
-                                                   check_compiled_bias, check_compiled_sparse, encode_bias_map,
+                                                   check_compiled_bias, check_compiled_dropout, check_compiled_sparse, encode_bias_map,
                                                    encode_maps, replay_forward, sparse_refusal, zero_unpacked_rows)
 from flashgen.runtime.launch import fill, handle, launch, params_buffer
 from flashgen.runtime.limits import check_int32, lse_rows
@@ -75,6 +75,7 @@ class Sm90FwdRuntime(HopperFamily):
         """(out, lse) of the forward on ``binary`` (on the call's device, api.py makes it current)."""
         check_compiled_bias(binary, call)
         check_compiled_sparse(binary, call)
+        check_compiled_dropout(binary, call)
         if call.p.scale <= 0:
             call = _positive_scale(call)
         cupy, p, q, k, v = cupy_module(), call.p, call.q, call.k, call.v
@@ -88,7 +89,7 @@ class Sm90FwdRuntime(HopperFamily):
              out_stride_m=p.H * p.Kv, out_stride_h=p.Kv, lse_stride_b=p.H * rows, lse_stride_h=rows,
              lse_rows=rows, num_queries=p.M, num_keys=p.N, num_heads=p.H, num_sequences=p.batches, head_dim=p.K,
              head_group=p.H // k.shape[2], **band_fields(p), **bias_fields(call.bias),
-             **sparse_fields(call.block_mask))
+             **sparse_fields(call.block_mask), **sm90_dropout.fields(p))
         encode_maps(params, MAPS, (q, k, v), (kc["block_m"], kc["block_n"], kc["block_n"]), p, kc)
         encode_bias_map(params, call.bias, p)
         tiles = -(-p.M // kc["block_m"]) * p.H * p.batches
@@ -102,12 +103,14 @@ class Sm90FwdRuntime(HopperFamily):
             sparse = () if call.block_mask is None else SPARSE_POINTERS
             plans.remember(call.plan_key, plans.LaunchPlan.from_params(
                 handle(call.registry, binary, p.device), p.device, grid, block, kc["shared_memory_bytes"], params,
-                POINTERS + sparse, False, {"out": out.shape, "lse": lse.shape, "M": p.M, "trailing": len(sparse)},
-                tensor_maps=MAPS + (() if call.bias is None else ("bias_map",)), family=self.name))
+                POINTERS + sparse, p.dropout_p > 0,
+                {"out": out.shape, "lse": lse.shape, "M": p.M, "trailing": len(sparse)},
+                tensor_maps=MAPS + (() if call.bias is None else ("bias_map",)), family=self.name,
+                rng_fields=sm90_dropout.RNG_FIELDS))
         return out, visible_lse(lse, p.M)
 
     def replay(self, plan, memory, arrays, seed, offset, stream):
-        return replay_forward(plan, memory, arrays, stream)
+        return replay_forward(plan, memory, arrays, stream, seed, offset)
 
 
 RUNTIME = Sm90FwdRuntime()

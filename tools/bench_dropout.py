@@ -1,0 +1,75 @@
+"""Time Hopper dropout: sm90 plain vs sm90 dropout vs example-41 dropout, forward and backward.
+
+    FLASHGEN_KERNEL_PATH=build/kernels python tools/bench_dropout.py [--seqlens 1024,4096,16384] [--repeats 30]
+
+Each point (dtype f16/bf16, head dim 64/128, tokens, causal or not) runs each variant `--warmup`
+times, then `--repeats` times between CUDA events (one event pair per call, queued back to back),
+and prints medians in ms with the ratios the dropout instances are judged by: dropout/plain
+throughput (target >= 0.87) and the speed-up over example 41's dropout (target >= 2.5).  Example 41
+is forced with FLASHGEN_FAMILIES=mem_eff_fwd,mem_eff_bwd (both directions: one mask).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import cupy
+import ml_dtypes
+
+import flashgen
+
+P = 0.1
+VARIANTS = {"plain": ("", 0.0), "dropout": ("", P), "ex41": ("mem_eff_fwd,mem_eff_bwd", P)}
+
+
+def timed(fn, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(repeats)]
+    for start, stop in events:
+        start.record()
+        fn()
+        stop.record()
+    events[-1][1].synchronize()
+    return statistics.median(cupy.cuda.get_elapsed_time(a, b) for a, b in events)
+
+
+def point(dtype, head_dim, tokens, causal, warmup, repeats, heads=16):
+    batch = max(1, 16384 // tokens)
+    dt = cupy.float16 if dtype == "f16" else ml_dtypes.bfloat16
+    q, k, v, do = (cupy.random.standard_normal((batch, tokens, heads, head_dim), dtype=cupy.float32).astype(dt)
+                   for _ in range(4))
+    times = {}
+    for name, (families, p) in VARIANTS.items():
+        os.environ["FLASHGEN_FAMILIES"] = families
+        opts = dict(causal="top_left" if causal else None, dropout_p=p, seed=1 if p else None)
+        out, lse = flashgen.attention_forward(q, k, v, **opts)
+        fwd = timed(lambda: flashgen.attention_forward(q, k, v, **opts), warmup, repeats)
+        bwd = timed(lambda: flashgen.attention_backward(do, q, k, v, out, lse, **opts), warmup, repeats)
+        times[name] = (fwd, bwd)
+    os.environ.pop("FLASHGEN_FAMILIES", None)
+    return times
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqlens", default="1024,4096,16384")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args(argv)
+    print(f"{'dtype':5} {'d':>4} {'tokens':>6} {'causal':6} {'dir':3} {'plain':>8} {'dropout':>8} {'ex41':>8} "
+          f"{'drop/plain':>10} {'ex41/drop':>9}")
+    for dtype in ("f16", "bf16"):
+        for head_dim in (64, 128):
+            for tokens in map(int, args.seqlens.split(",")):
+                for causal in (False, True):
+                    t = point(dtype, head_dim, tokens, causal, args.warmup, args.repeats)
+                    for i, direction in enumerate(("fwd", "bwd")):
+                        plain, drop, ex41 = (t[name][i] for name in VARIANTS)
+                        print(f"{dtype:5} {head_dim:4} {tokens:6} {str(causal):6} {direction:3} {plain:8.3f} "
+                              f"{drop:8.3f} {ex41:8.3f} {plain / drop:10.3f} {ex41 / drop:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
