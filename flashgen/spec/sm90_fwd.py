@@ -1,7 +1,7 @@
 """``sm90_fwd``: flashgen's own Hopper forward (``flashgen/csrc/flashgen/sm90_fwd.h``).
 
 Template: ``flashgen::sm90::FwdKernel<Element, kHeadDim, kBlockM, kBlockN,
-kStages, kBand, kBias, kSparse>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
+kStages, kBand, kBias, kSparse, ScoreMod_>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
 K/V streamed by TMA through a ``kStages``-deep shared-memory ring, one
 producer warpgroup.  Launch: block (threads_per_block, 1, 1), a persistent
 grid (min(tiles, SMs), 1, 1) over the ceil(M / block_m) x heads x (batch or
@@ -47,13 +47,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashgen.spec.core import DTYPES, Field, Rule
-from flashgen.spec.sm90_tile import SPARSE_POINTER_FIELDS, Sm90Tile, tile_constants
+from flashgen.spec.sm90_tile import (MOD_FIELDS, SCORE_MOD_AXIS, SPARSE_POINTER_FIELDS, Sm90Tile, score_mod_rules,
+                                    tile_constants)
 
 
 @dataclass(frozen=True)
 class Sm90Fwd(Sm90Tile):
     bias: bool  # an additive attention bias compiled in (FwdKernel::kBias)
     sparse: bool  # a block mask's lists and bits compiled in (FwdKernel::kSparse)
+    score_mod: str  # a score mod compiled in (FwdKernel's ScoreMod_, spec/score_mods.py); "": none
 
     FAMILY = "sm90_fwd"
     DIRECTION = "fwd"
@@ -71,6 +73,7 @@ class Sm90Fwd(Sm90Tile):
         "band": (False, True),
         "bias": (False, True),
         "sparse": (False, True),
+        "score_mod": SCORE_MOD_AXIS,
     }
     RULES = (
         Rule("192 query rows are three consumer warpgroups beside the producer's: at most 160 registers "
@@ -102,6 +105,11 @@ class Sm90Fwd(Sm90Tile):
         Rule("sparse without band: a causal mask or window is folded into the block mask",
              lambda k: k.sparse and k.band),
         Rule("sparse without bias: such calls stay on the dense fallback", lambda k: k.sparse and k.bias),
+        # score mods: one tile per dtype, tier and band (each mod's instances are build jobs)
+        *score_mod_rules("score mods on tiers 64 and 128 only: smaller head dims run on them (TMA zero-fills); "
+                         "larger ones are not built"),
+        Rule("score mods on the default tile of their tier: two stages, 128 keys, 192 query rows at head dim 64",
+             lambda k: k.score_mod and (k.block_m, k.block_n, k.stages) != (192 if k.max_k == 64 else 128, 128, 2)),
     )
 
     @property
@@ -109,8 +117,8 @@ class Sm90Fwd(Sm90Tile):
         # the smallest head-dim tier that fits, then the default tile (tuning tables pick per bucket):
         # 192 query rows where they exist (head dim 64: +5-15% from 512 to 16k tokens on an H200,
         # within noise of 128 for causal 1k), two stages (a third never won by more than noise)
-        return (tuple(DTYPES).index(self.dtype), self.band, self.bias, self.sparse, self.max_k, -self.block_m, self.stages,
-                self.block_n)
+        return (tuple(DTYPES).index(self.dtype), self.band, self.bias, self.sparse, self.score_mod, self.max_k,
+                -self.block_m, self.stages, self.block_n)
 
     # `flashgen::sm90::FwdParams`
     ABI = (
@@ -147,6 +155,7 @@ class Sm90Fwd(Sm90Tile):
         Field("sparse_batch_step", "i32"),
         Field("sparse_head_step", "i32"),
         Field("sparse_key_blocks", "i32"),
+        *MOD_FIELDS,
     )
 
     CONSTANTS = tile_constants("flashgen::sm90::FwdParams")

@@ -12,7 +12,7 @@
 template <class Params>
 struct FlashgenAbiCheck_sm90_bwd {
   static_assert(std::is_standard_layout<Params>::value, "flashgen ABI: Params is no longer standard-layout");
-  static_assert(sizeof(Params) == 1024, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm90_bwd.py");
+  static_assert(sizeof(Params) == 1152, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm90_bwd.py");
   static_assert(offsetof(Params, q_map) == 0 && sizeof(((Params*)nullptr)->q_map) == 128,
                 "flashgen ABI: Params::q_map moved or changed size; update flashgen/spec/sm90_bwd.py");
   static_assert(offsetof(Params, k_map) == 128 && sizeof(((Params*)nullptr)->k_map) == 128,
@@ -133,4 +133,44 @@ struct FlashgenAbiCheck_sm90_bwd {
                 "flashgen ABI: Params::sparse_query_blocks moved or changed size; update flashgen/spec/sm90_bwd.py");
   static_assert(offsetof(Params, sparse_key_blocks) == 956 && sizeof(((Params*)nullptr)->sparse_key_blocks) == 4,
                 "flashgen ABI: Params::sparse_key_blocks moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_ptr[0]) == 960 && sizeof(((Params*)nullptr)->mod_ptr[0]) == 8,
+                "flashgen ABI: Params::mod_ptr[0] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_ptr[1]) == 968 && sizeof(((Params*)nullptr)->mod_ptr[1]) == 8,
+                "flashgen ABI: Params::mod_ptr[1] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_ptr[2]) == 976 && sizeof(((Params*)nullptr)->mod_ptr[2]) == 8,
+                "flashgen ABI: Params::mod_ptr[2] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_ptr[3]) == 984 && sizeof(((Params*)nullptr)->mod_ptr[3]) == 8,
+                "flashgen ABI: Params::mod_ptr[3] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[0][0]) == 992 && sizeof(((Params*)nullptr)->mod_stride[0][0]) == 8,
+                "flashgen ABI: Params::mod_stride[0][0] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[0][1]) == 1000 && sizeof(((Params*)nullptr)->mod_stride[0][1]) == 8,
+                "flashgen ABI: Params::mod_stride[0][1] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[0][2]) == 1008 && sizeof(((Params*)nullptr)->mod_stride[0][2]) == 8,
+                "flashgen ABI: Params::mod_stride[0][2] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[0][3]) == 1016 && sizeof(((Params*)nullptr)->mod_stride[0][3]) == 8,
+                "flashgen ABI: Params::mod_stride[0][3] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[1][0]) == 1024 && sizeof(((Params*)nullptr)->mod_stride[1][0]) == 8,
+                "flashgen ABI: Params::mod_stride[1][0] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[1][1]) == 1032 && sizeof(((Params*)nullptr)->mod_stride[1][1]) == 8,
+                "flashgen ABI: Params::mod_stride[1][1] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[1][2]) == 1040 && sizeof(((Params*)nullptr)->mod_stride[1][2]) == 8,
+                "flashgen ABI: Params::mod_stride[1][2] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[1][3]) == 1048 && sizeof(((Params*)nullptr)->mod_stride[1][3]) == 8,
+                "flashgen ABI: Params::mod_stride[1][3] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[2][0]) == 1056 && sizeof(((Params*)nullptr)->mod_stride[2][0]) == 8,
+                "flashgen ABI: Params::mod_stride[2][0] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[2][1]) == 1064 && sizeof(((Params*)nullptr)->mod_stride[2][1]) == 8,
+                "flashgen ABI: Params::mod_stride[2][1] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[2][2]) == 1072 && sizeof(((Params*)nullptr)->mod_stride[2][2]) == 8,
+                "flashgen ABI: Params::mod_stride[2][2] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[2][3]) == 1080 && sizeof(((Params*)nullptr)->mod_stride[2][3]) == 8,
+                "flashgen ABI: Params::mod_stride[2][3] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[3][0]) == 1088 && sizeof(((Params*)nullptr)->mod_stride[3][0]) == 8,
+                "flashgen ABI: Params::mod_stride[3][0] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[3][1]) == 1096 && sizeof(((Params*)nullptr)->mod_stride[3][1]) == 8,
+                "flashgen ABI: Params::mod_stride[3][1] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[3][2]) == 1104 && sizeof(((Params*)nullptr)->mod_stride[3][2]) == 8,
+                "flashgen ABI: Params::mod_stride[3][2] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[3][3]) == 1112 && sizeof(((Params*)nullptr)->mod_stride[3][3]) == 8,
+                "flashgen ABI: Params::mod_stride[3][3] moved or changed size; update flashgen/spec/sm90_bwd.py");
 };

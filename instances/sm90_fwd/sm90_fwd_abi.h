@@ -12,7 +12,7 @@
 template <class Params>
 struct FlashgenAbiCheck_sm90_fwd {
   static_assert(std::is_standard_layout<Params>::value, "flashgen ABI: Params is no longer standard-layout");
-  static_assert(sizeof(Params) == 768, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm90_fwd.py");
+  static_assert(sizeof(Params) == 896, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm90_fwd.py");
   static_assert(offsetof(Params, q_map) == 0 && sizeof(((Params*)nullptr)->q_map) == 128,
                 "flashgen ABI: Params::q_map moved or changed size; update flashgen/spec/sm90_fwd.py");
   static_assert(offsetof(Params, k_map) == 128 && sizeof(((Params*)nullptr)->k_map) == 128,
@@ -89,4 +89,44 @@ struct FlashgenAbiCheck_sm90_fwd {
                 "flashgen ABI: Params::sparse_head_step moved or changed size; update flashgen/spec/sm90_fwd.py");
   static_assert(offsetof(Params, sparse_key_blocks) == 696 && sizeof(((Params*)nullptr)->sparse_key_blocks) == 4,
                 "flashgen ABI: Params::sparse_key_blocks moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_ptr[0]) == 704 && sizeof(((Params*)nullptr)->mod_ptr[0]) == 8,
+                "flashgen ABI: Params::mod_ptr[0] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_ptr[1]) == 712 && sizeof(((Params*)nullptr)->mod_ptr[1]) == 8,
+                "flashgen ABI: Params::mod_ptr[1] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_ptr[2]) == 720 && sizeof(((Params*)nullptr)->mod_ptr[2]) == 8,
+                "flashgen ABI: Params::mod_ptr[2] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_ptr[3]) == 728 && sizeof(((Params*)nullptr)->mod_ptr[3]) == 8,
+                "flashgen ABI: Params::mod_ptr[3] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[0][0]) == 736 && sizeof(((Params*)nullptr)->mod_stride[0][0]) == 8,
+                "flashgen ABI: Params::mod_stride[0][0] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[0][1]) == 744 && sizeof(((Params*)nullptr)->mod_stride[0][1]) == 8,
+                "flashgen ABI: Params::mod_stride[0][1] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[0][2]) == 752 && sizeof(((Params*)nullptr)->mod_stride[0][2]) == 8,
+                "flashgen ABI: Params::mod_stride[0][2] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[0][3]) == 760 && sizeof(((Params*)nullptr)->mod_stride[0][3]) == 8,
+                "flashgen ABI: Params::mod_stride[0][3] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[1][0]) == 768 && sizeof(((Params*)nullptr)->mod_stride[1][0]) == 8,
+                "flashgen ABI: Params::mod_stride[1][0] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[1][1]) == 776 && sizeof(((Params*)nullptr)->mod_stride[1][1]) == 8,
+                "flashgen ABI: Params::mod_stride[1][1] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[1][2]) == 784 && sizeof(((Params*)nullptr)->mod_stride[1][2]) == 8,
+                "flashgen ABI: Params::mod_stride[1][2] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[1][3]) == 792 && sizeof(((Params*)nullptr)->mod_stride[1][3]) == 8,
+                "flashgen ABI: Params::mod_stride[1][3] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[2][0]) == 800 && sizeof(((Params*)nullptr)->mod_stride[2][0]) == 8,
+                "flashgen ABI: Params::mod_stride[2][0] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[2][1]) == 808 && sizeof(((Params*)nullptr)->mod_stride[2][1]) == 8,
+                "flashgen ABI: Params::mod_stride[2][1] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[2][2]) == 816 && sizeof(((Params*)nullptr)->mod_stride[2][2]) == 8,
+                "flashgen ABI: Params::mod_stride[2][2] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[2][3]) == 824 && sizeof(((Params*)nullptr)->mod_stride[2][3]) == 8,
+                "flashgen ABI: Params::mod_stride[2][3] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[3][0]) == 832 && sizeof(((Params*)nullptr)->mod_stride[3][0]) == 8,
+                "flashgen ABI: Params::mod_stride[3][0] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[3][1]) == 840 && sizeof(((Params*)nullptr)->mod_stride[3][1]) == 8,
+                "flashgen ABI: Params::mod_stride[3][1] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[3][2]) == 848 && sizeof(((Params*)nullptr)->mod_stride[3][2]) == 8,
+                "flashgen ABI: Params::mod_stride[3][2] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[3][3]) == 856 && sizeof(((Params*)nullptr)->mod_stride[3][3]) == 8,
+                "flashgen ABI: Params::mod_stride[3][3] moved or changed size; update flashgen/spec/sm90_fwd.py");
 };
