@@ -16,6 +16,7 @@ and digest go into the manifest beside it (``record``).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Dict, Iterable, List, Mapping
 
 from flashgen.mods import BUILTIN_MODS, ModError, ScoreMod, load_mods
@@ -69,7 +70,7 @@ def check_limits(name: str, mod: ScoreMod) -> None:
     if len(specs) > MAX_TENSORS or any(len(s.dims) > MAX_DIMS for s in specs.values()):
         raise ModError(f"ScoreMod {name}: the kernels take at most {MAX_TENSORS} captured tensors of at most "
                        f"{MAX_DIMS} dims each")
-    mod.grad_tree(name)  # a score mod compiled into a backward needs its derivative
+    mod.digest(name)  # parses the expression and its derivative (a backward needs it): line and column
 
 
 def record(name: str) -> dict:
@@ -137,7 +138,5 @@ def _tensors_in(node) -> set:
 def kernels_with(names: Iterable[str], default_set) -> list:
     """The instances of score mods ``names`` of one family: those of the built-in ALiBi's tiles and
     options (the family's rules pick them), each with the mod's name instead."""
-    from dataclasses import replace
-
     alibi = [k for k in default_set if k.score_mod == DEFAULT_SCORE_MODS[0]]
     return [replace(k, score_mod=name) for name in names for k in alibi]
