@@ -198,7 +198,8 @@ def test_a_mod_that_is_not_built_names_the_command_that_builds_it(direction, mon
     cls = Sm90Fwd if direction == "fwd" else Sm90Bwd
     reg = FakeRegistry([k for k in cls.default_set() if not k.score_mod])
     with pytest.raises(UnsupportedError, match=r"score mod 'alibi' is not built: build its sm90 instances with "
-                                               r"`flashgen build --arch sm90a --kernels '\*_mod_alibi_\*' --out <dir>`"):
+                                               r"`flashgen build --arch sm90a --kernels '\*_mod_alibi_\*' "
+                                               r"--out <dir>`"):
         families.dispatch(mod_call(direction, reg))
     with pytest.raises(UnsupportedError, match=r"score mod 'tempered' is not built: .*`flashgen build --mods <the mods "
                                                r"file declaring it> --arch sm90a --kernels '\*_mod_tempered_\*'"):
@@ -222,7 +223,8 @@ def test_a_custom_mod_is_found_by_its_manifest_record_or_its_declaration(monkeyp
     ({}, ModError, r"ScoreMod alibi captures \['slope'\]; got none"),
     ({"slope": FakeArray((3,), np.float16)}, TypeError, r"tensor 'slope' must be float32 \(f32\[H\]\), got float16"),
     ({"slope": FakeArray((4,), np.float32)}, ValueError, r"declared f32\[H\] \(H=3\); got shape \(4,\)"),
-    ({"slope": FakeArray((3,), np.float32, device=1)}, ValueError, r"mod_tensors\['slope'\] is on GPU 1, q is on GPU 0"),
+    ({"slope": FakeArray((3,), np.float32, device=1)}, ValueError,
+     r"mod_tensors\['slope'\] is on GPU 1, q is on GPU 0"),
     ({"slope": FakeArray((3,), np.float32, strides=(2,))}, ValueError, r"mod_tensors\['slope'\] must be contiguous"),
     ({"slope": SimpleNamespace(requires_grad=True, dtype="torch.float32", shape=(3,))}, UnsupportedError,
      r"requires grad, but gradients into captured tensors are not computed"),
