@@ -271,7 +271,7 @@ def list_(family, arch, dtype, max_k, kernels_glob, build_dir, as_json) -> None:
         except FlashgenError as e:
             _fail(str(e))
     # a mods file's score-mod instances are no default kernels: the manifest's params make them
-    declared = [FAMILIES[e["family"]](**e["params"]) for e in entries if e.get("score_mod")]
+    declared = [FAMILIES[e["family"]](**e["params"]) for e in entries if e.get("score_mod") and e["family"] in FAMILIES]
     selected = {k.name: k for k in _select(list(family), kernels_glob, list(dtype), max_k, extra=declared)
                 if not targets or any(k.runs_on(t) for t in targets)}
     rows = []
