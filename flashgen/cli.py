@@ -93,16 +93,36 @@ def _doctor_gpus() -> None:
                    f"{info.shared_memory_optin // 1024} KB shared memory per block; runnable: {', '.join(runnable)}")
 
 
+_MODS_OPTION = click.option(
+    "--mods", "mods_file", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+    help="A mods file (flashgen mods FILE checks it): also the sm90 instances of the score mods it declares, "
+         "named ..._mod_<name>_... (see the README's 'Declared mods').")
+
+
+def _declared_mod_kernels(mods_file: Optional[Path]) -> List[KernelSpec]:
+    """The score-mod instances of a mods file (declared for this command), or none without one."""
+    from flashgen.mods import ModError
+    from flashgen.spec import mod_kernels, score_mods
+
+    if mods_file is None:
+        return []
+    try:
+        return mod_kernels(score_mods.declare_file(mods_file))
+    except ModError as e:
+        _fail(str(e))
+
+
 @main.command()
 @click.option("--check", is_flag=True, help="Exit 1 and name the files if instances/ differs from the generator.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Instances directory (default: instances/ of this source checkout).")
-def generate(check: bool, out: Optional[Path]) -> None:
+@_MODS_OPTION
+def generate(check: bool, out: Optional[Path], mods_file: Optional[Path]) -> None:
     """Render one .cu per kernel instance, and each family's ABI header, into instances/<family>/."""
     from flashgen import generator
 
     out = out or generator.INSTANCES_DIR
-    kernels = default_kernels()
+    kernels = default_kernels() + _declared_mod_kernels(mods_file)
     if check:
         problems = generator.check(out, kernels)
         if problems:
@@ -135,14 +155,15 @@ def mods(mods_file: Optional[Path]) -> None:
 
 
 def _select(family: List[str], kernels_glob: Optional[str], dtype: List[str] = (),
-            max_k: Optional[int] = None) -> List[KernelSpec]:
+            max_k: Optional[int] = None, extra: List[KernelSpec] = ()) -> List[KernelSpec]:
+    """The default set's kernels (and ``extra``: a mods file's) that the filters select."""
     from flashgen.spec import matches, parse_globs
 
     for name in family:
         if name not in FAMILIES:
             _fail(f"unknown family {name!r}; known: {', '.join(FAMILIES)}")
     globs = parse_globs(kernels_glob)
-    return [k for k in default_kernels()
+    return [k for k in default_kernels() + list(extra)
             if (not family or k.FAMILY in family) and matches(k.name, globs)
             and (not dtype or k.dtype in dtype) and (max_k is None or k.max_k == max_k)]
 
@@ -161,8 +182,10 @@ def _select(family: List[str], kernels_glob: Optional[str], dtype: List[str] = (
 @click.option("--instances", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Instance sources (default: instances/ of this source checkout).")
 @click.option("--ptx", is_flag=True, help="Also emit PTX for the newest target, which newer GPUs JIT-compile.")
-def build(arch, family, kernels_glob, jobs, out, launcher, instances, ptx) -> None:
-    """Compile the selected kernels for every requested target into cubins with a manifest."""
+@_MODS_OPTION
+def build(arch, family, kernels_glob, jobs, out, launcher, instances, ptx, mods_file) -> None:
+    """Compile the selected kernels for every requested target into cubins with a manifest.  With --mods, a
+    mods file's score-mod instances are generated into <out>/mod_instances and built beside the others."""
     from rich.console import Console
 
     from flashgen import generator
@@ -174,12 +197,18 @@ def build(arch, family, kernels_glob, jobs, out, launcher, instances, ptx) -> No
         tc = require_toolchain()
         targets = check_targets(_split(arch), tc)
         instances = instances or generator.INSTANCES_DIR
-        selected = select_jobs(_select(list(family), kernels_glob), targets, instances, ptx=ptx)
+        declared = _declared_mod_kernels(mods_file)
+        kernels = _select(list(family), kernels_glob, extra=declared)
+        modded = [k for k in kernels if k in declared]
+        selected = select_jobs([k for k in kernels if k not in declared], targets, instances, ptx=ptx)
+        check_sources(selected, instances)
+        if modded:  # their sources are the build's own, generated from the mods file
+            generator.write(out.resolve() / "mod_instances", modded)
+            selected += select_jobs(modded, targets, out.resolve() / "mod_instances", ptx=ptx)
         if not selected:
             _fail(f"no kernel matches --arch {','.join(targets)} "
                   f"{'--family ' + ','.join(family) if family else ''} "
                   f"{'--kernels ' + kernels_glob if kernels_glob else ''}".rstrip())
-        check_sources(selected, instances)
         console.print(f"building {len(selected)} binaries for {', '.join(targets)} into {out} "
                       f"(nvcc {tc.nvcc_version}, CUTLASS {tc.cutlass_version})", highlight=False)
         result = run_build(selected, tc, out, parallelism=jobs, launcher=launcher, console=console)
@@ -234,17 +263,21 @@ def list_(family, arch, dtype, max_k, kernels_glob, build_dir, as_json) -> None:
     from flashgen.build import manifest
 
     targets = [normalize_target(t) for t in _split(arch)]
-    selected = {k.name: k for k in _select(list(family), kernels_glob, list(dtype), max_k)
-                if not targets or any(k.runs_on(t) for t in targets)}
     directory = _manifest_dir(build_dir)
-    rows = []
-    if directory is None:
-        rows = [{"name": k.name, "family": k.FAMILY, "params": k.params, "targets": {}} for k in selected.values()]
-    else:
+    entries = []
+    if directory is not None:
         try:
             entries = manifest.read(directory / manifest.MANIFEST_NAME)["kernels"]
         except FlashgenError as e:
             _fail(str(e))
+    # a mods file's score-mod instances are no default kernels: the manifest's params make them
+    declared = [FAMILIES[e["family"]](**e["params"]) for e in entries if e.get("score_mod") and e["family"] in FAMILIES]
+    selected = {k.name: k for k in _select(list(family), kernels_glob, list(dtype), max_k, extra=declared)
+                if not targets or any(k.runs_on(t) for t in targets)}
+    rows = []
+    if directory is None:
+        rows = [{"name": k.name, "family": k.FAMILY, "params": k.params, "targets": {}} for k in selected.values()]
+    else:
         for e in entries:
             if e["name"] not in selected:
                 continue
@@ -329,63 +362,6 @@ def tune(dtypes, head_dims, seqlens, tokens, hidden, repeats, out_path) -> None:
                f"{t.KEEP_DEFAULT:.0%}; table: {out_path}")
 
 
-def _ratio(got: dict, a: str, b: str) -> str:
-    return f"{got[a] / got[b]:.2f}" if got.get(a) and got.get(b) else "-"
-
-
-def _masking(point) -> str:
-    """The table's causal cell: yes / no, or the block mask the point runs under."""
-    return point.mask or ("yes" if point.causal else "no")
-
-
-def _bench_table(grid, results, impls, all_instances: bool) -> str:
-    """TFLOP/s per point and direction (H/Hk: query and key/value heads, so a GQA row is told from
-    its multi-head twin), a column per implementation, and the two ratios asked
-    most: flashgen against sdpa-efficient (fg/efficient, with the noise to judge it by) and what
-    the PyTorch adapter keeps of the direct CuPy calls' speed (fg-torch/fg); then, for the peers
-    that compile on first use, that first call's seconds (kept out of their TFLOP/s)."""
-    from flashgen.bench import JIT_IMPLS
-
-    vs_efficient = "flashgen" in impls and "sdpa-efficient" in impls
-    vs_direct = "flashgen" in impls and "flashgen-torch" in impls
-    jit = [i for i in impls if i in JIT_IMPLS]
-    header = (["dtype", "hdim", "H/Hk", "causal", "seqlen", "dir"] + list(impls)
-              + (["best instance"] if all_instances else [])
-              + (["fg/efficient", "noise"] if vs_efficient else []) + (["fg-torch/fg"] if vs_direct else [])
-              + [f"{i} compile s" for i in jit])
-    table = []
-    for point in grid:
-        for direction in ("fwd", "bwd"):
-            here = [r for r in results if r.point == point and r.direction == direction]
-            got = {r.impl: r.tflops for r in here}
-            row = [point.dtype, point.head_dim, point.heads_label, _masking(point), point.seqlen, direction]
-            row += [f"{got[i]:.0f}" if got.get(i) else "-" for i in impls]
-            if all_instances:
-                tiles = {i: t for i, t in got.items() if i.startswith("flashgen[") and t}
-                best = max(tiles, key=tiles.get) if tiles else None
-                row.append(f"{tiles[best]:.0f} {best[len('flashgen['):-1]}" if best else "-")
-            if vs_efficient:
-                noise = [r.spread for r in here if r.impl in ("flashgen", "sdpa-efficient") and r.spread is not None]
-                row += [_ratio(got, "flashgen", "sdpa-efficient"), f"{max(noise):.0%}" if noise else "-"]
-            if vs_direct:
-                row.append(_ratio(got, "flashgen-torch", "flashgen"))
-            compiled = {r.impl: r.compile_s for r in here if r.compile_s is not None}
-            row += [f"{compiled[i]:.1f}" if i in compiled else "-" for i in jit]
-            table.append(row)
-    return _table(header, table)
-
-
-def _bench_notes(results) -> List[str]:
-    """Why cells are "-": each implementation's distinct notes (an import that failed, a point a
-    peer does not support), with how many of its results carry each."""
-    counts: dict = {}
-    for r in results:
-        if r.note:
-            counts[(r.impl, r.note)] = counts.get((r.impl, r.note), 0) + 1
-    total = {impl: sum(r.impl == impl for r in results) for impl, _ in counts}
-    return [f"no timing, {impl}: {note} ({n} of {total[impl]})" for (impl, note), n in counts.items()]
-
-
 @main.command()
 @_grid_options
 @click.option("--impl", "impls", multiple=True, type=click.Choice(["flashgen", "flashgen-torch", "fa4", "sdpa-flash",
@@ -421,6 +397,7 @@ def bench(dtypes, head_dims, seqlens, tokens, hidden, groups, masks, impls, all_
     """Forward and backward TFLOP/s of flashgen (directly and through its PyTorch adapter), FlashAttention-4 and
     torch's SDPA backends, side by side."""
     from flashgen import bench as b, bench_host as host
+    from flashgen.bench_table import bench_notes, bench_table
 
     grid = b.default_grid(dtypes, head_dims, hidden, tokens, seqlens, groups, masks)
     unused = sorted(set(groups) - {p.group for p in grid})  # checked before torch: a typo fails fast anywhere
@@ -445,8 +422,8 @@ def bench(dtypes, head_dims, seqlens, tokens, hidden, groups, masks, impls, all_
         click.echo(f"[{n}/{len(grid)}] {point.dtype} d{point.head_dim} {'causal ' if point.causal else ''}"
                    f"{point.mask + ' ' if point.mask else ''}"
                    f"B{point.batch} H{point.heads_label} S{point.seqlen}: {summary}", err=True)
-    click.echo(_bench_table(grid, results, impls, all_instances))
-    for line in _bench_notes(results):
+    click.echo(bench_table(grid, results, impls, all_instances))
+    for line in bench_notes(results):
         click.echo(line)
     overhead = host.call_overhead_us(torch)
     for name, us in overhead.items():

@@ -168,8 +168,12 @@ class ScoreMod(_Mod):
                            "'1' for an added bias) is required; gradients into captured tensors are not computed")
         return _Parser(self.grad, self.NAMES, self.specs(name), f"ScoreMod {name} grad".strip()).parse()
 
-    def _grad_cpp(self, name: str) -> Optional[str]:
+    def grad_cpp(self, name: str = "") -> str:
+        """The C++ of ``grad``, as ``cpp`` translates the expression."""
         return _cpp(self.grad_tree(name))
+
+    def _grad_cpp(self, name: str) -> Optional[str]:
+        return self.grad_cpp(name)
 
 
 # Built-ins.  causal, sliding_window and softcap are what the kernels' own options do already

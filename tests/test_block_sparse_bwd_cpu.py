@@ -30,9 +30,10 @@ def test_sparse_instances_are_one_per_dtype_and_tier_after_the_plain_ones():
     assert {(k.dtype, k.max_k, k.block_m, k.block_n) for k in sparse} == {
         (d, 64, 128, 128) for d in ("f16", "bf16")} | {(d, 128, 64, 128) for d in ("f16", "bf16")}
     assert all((k.stages, k.band, k.softcap, k.bias) == (2, False, False, False) for k in sparse)
-    assert all(k.name.endswith("_s2_sparse_sm90a") and k.cpp_type.endswith(", false, false, false, true, false>")
-               for k in sparse)
-    assert all(k.cpp_type.endswith(", false, false>") for k in Sm90Bwd.default_set() if not (k.sparse or k.dropout))
+    assert all(k.name.endswith("_s2_sparse_sm90a")
+               and k.cpp_type.endswith(", false, false, false, true, false, flashgen::sm90::NoScoreMod>") for k in sparse)
+    assert all(k.cpp_type.endswith((", false, false, flashgen::sm90::NoScoreMod>", ", false, false, ScoreMod_alibi>"))
+               for k in Sm90Bwd.default_set() if not (k.sparse or k.dropout))
     order = sorted(Sm90Bwd.default_set(), key=lambda k: k.priority)
     for k in sparse:  # a plain call never reaches one
         assert not any(o.dtype == k.dtype and not (o.band or o.softcap or o.bias or o.sparse)
@@ -50,10 +51,13 @@ def test_every_other_sparse_candidate_names_its_rule(change, reason):
     assert all(k.pruned_by() is not None for k in Sm90Bwd.candidates() if k.sparse and k not in Sm90Bwd.default_set())
 
 
-def test_params_end_with_the_mask_fields_and_sparse_fields_fill_them():
+def test_params_end_with_the_mask_fields_then_the_mods_and_sparse_fields_fill_them():
     from flashgen.runtime.families.sm90_bwd import sparse_fields
 
-    names = [f.name for f in Sm90Bwd.ABI]
+    from flashgen.spec.sm90_tile import MOD_FIELDS
+
+    assert Sm90Bwd.ABI[-len(MOD_FIELDS):] == MOD_FIELDS, "a score mod's fields come last"
+    names = [f.name for f in Sm90Bwd.ABI[:-len(MOD_FIELDS)]]
     assert names[-14:-4] == ["sparse_partial_counts", "sparse_partial_blocks", "sparse_full_counts",
                            "sparse_full_blocks", "sparse_tiles", "sparse_bits", "sparse_batch_step",
                            "sparse_head_step", "sparse_query_blocks", "sparse_key_blocks"]

@@ -119,10 +119,11 @@ def test_sparse_instances_are_the_mask_block_tiles_of_tiers_64_and_128():
     sparse = [k for k in Sm90Fwd.default_set() if k.sparse]
     assert {(k.dtype, k.max_k) for k in sparse} == {(d, m) for d in ("f16", "bf16") for m in (64, 128)}
     assert all((k.block_m, k.block_n, k.stages, k.band, k.bias) == (128, 128, 2, False, False) for k in sparse)
-    assert all(k.name.endswith("_s2_sparse_sm90a") and k.cpp_type.endswith(", false, false, true, false, false>") for k in sparse)
+    assert all(k.name.endswith("_s2_sparse_sm90a") and k.cpp_type.endswith(", false, false, true, false, false, "
+                                                                         "flashgen::sm90::NoScoreMod>") for k in sparse)
     plain = [k for k in Sm90Fwd.default_set() if not k.sparse]
-    assert all(k.cpp_type.endswith(", false, false, false>") or k.staged_o or k.dropout for k in plain), \
-        "plain instances compile kSparse (and kStagedO, kDropout) false"
+    assert all(k.cpp_type.endswith((", false, false, false, flashgen::sm90::NoScoreMod>", ", false, false, false, ScoreMod_alibi>"))
+               or k.staged_o or k.dropout for k in plain), "plain instances compile kSparse (and kStagedO, kDropout) false"
     # after every plain kernel of its dtype: a plain call never reaches one, a sparse call skips the rest
     order = sorted(Sm90Fwd.default_set(), key=lambda k: k.priority)
     for k in sparse:

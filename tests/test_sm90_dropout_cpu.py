@@ -16,6 +16,7 @@ from flashgen.runtime.registry import Registry
 from flashgen.runtime.select import Request, rejection
 from flashgen.spec.sm90_bwd import Sm90Bwd
 from flashgen.spec.sm90_fwd import Sm90Fwd
+from flashgen.spec.sm90_tile import MOD_FIELDS
 from philox_reference import keep_mask, philox4x32_10, random_bits
 from test_runtime_cpu import H100, fake_call, write_build
 from test_sm90_bias_cpu import binary, first
@@ -122,10 +123,11 @@ def test_dropout_instances_are_eight_per_direction_each_with_a_plain_twin():
             twin = dataclasses.replace(k, dropout=False)
             staged = hasattr(k, "staged_o") and dataclasses.replace(twin, staged_o=True)
             assert twin in kernels or staged in kernels, f"{k.name} has no plain twin"
-            assert k.name.endswith("_dropout_sm90a") and k.cpp_type.endswith(", true>")
+            assert k.name.endswith("_dropout_sm90a") and k.cpp_type.endswith(", true, flashgen::sm90::NoScoreMod>")
             assert not (k.bias or k.sparse or getattr(k, "softcap", False))
         names = [f.name for f in cls.ABI]
-        assert names[-4:] == ["dropout_seed", "dropout_offset", "dropout_keep", "dropout_scale"]
+        mods = len(MOD_FIELDS)  # a score mod's fields come last
+        assert names[-4 - mods:-mods] == ["dropout_seed", "dropout_offset", "dropout_keep", "dropout_scale"]
         dtype = cls.params_dtype()
         assert dtype.fields["dropout_seed"][1] % 8 == 0 and dtype.fields["dropout_offset"][1] % 8 == 0
     fwd = {(k.max_k, k.block_m, k.block_n, k.stages) for k in Sm90Fwd.default_set() if k.dropout}

@@ -51,12 +51,12 @@ def test_default_set_sizes_are_what_the_readme_says():
     assert len(sm80) == 68 + 4 + 6
     # + bias: 2 dtypes x (tiers 64, 128 x band, and q192 at 64); + sparse: 2 dtypes x tiers 64, 128;
     # + staged O: the unmasked k128 s2 tile's twin, 2 dtypes (the band one is built staged only);
-    # + dropout: 2 dtypes x tiers 64, 128 x band
-    assert len(Sm90Fwd.default_set()) == 40 + 10 + 4 + 2 + 8
-    assert len(Sm90Bwd.default_set()) == 24 + 12 + 4 + 8  # + bias: 2 dtypes x 2 bands x (64, 128, 128 + softcap)
-    # + sparse: 2 dtypes x tiers 64, 128; + dropout: 2 dtypes x tiers 64, 128 x band
+    # + dropout and ALiBi: each 2 dtypes x tiers 64, 128 x band
+    assert len(Sm90Fwd.default_set()) == 40 + 10 + 4 + 2 + 8 + 8
+    assert len(Sm90Bwd.default_set()) == 24 + 12 + 4 + 8 + 8  # + bias: 2 dtypes x 2 bands x (64, 128, 128 + softcap)
+    # + sparse: 2 dtypes x tiers 64, 128; + dropout and ALiBi: each 2 dtypes x tiers 64, 128 x band
     # sm90a: the wgmma families beside example 41; the sm80 ones are not built there (sm90_* serve their calls)
-    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 64 + 48
+    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 72 + 56
     assert len([k for k in default_kernels() if k.runs_on("sm90")]) == 68 + 4 + 6, "plain sm90 cannot build wgmma code"
 
 
@@ -82,7 +82,7 @@ def test_sm90_backward_covers_dtypes_head_dims_masks_and_softcap():
                          if k.dtype == dtype and k.band == band and k.softcap == softcap}
                 assert tiles == {(64, 128, 128), (128, 64, 128), (256, 64, 64)}
     assert all(k.runs_on("sm90a") and not k.runs_on("sm90") for k in kernels)
-    assert Sm90Bwd.params_dtype().itemsize == 1024, "the 128-byte-aligned tensor maps round Params up to 128"
+    assert Sm90Bwd.params_dtype().itemsize == 1152, "the 128-byte-aligned tensor maps round Params up to 128"
 
 
 def test_sm90_bias_instances_are_the_tiles_the_plain_calls_pick():
@@ -106,7 +106,28 @@ def test_sm90_bias_instances_are_the_tiles_the_plain_calls_pick():
     assert "sm90_fwd_f16_k64_q128x128_s2_band_bias_sm90a" in [k.name for k in Sm90Fwd.default_set()]
     assert "sm90_bwd_bf16_k128_q64x128_s2_band_softcap_bias_sm90a" in [k.name for k in Sm90Bwd.default_set()]
     bias = Sm90Bwd.default_set()[-1]
-    assert bias.cpp_type.endswith(", true, true, true, false, false>") and bias.name.endswith("_band_softcap_bias_sm90a")
+    assert bias.cpp_type.endswith(", true, true, true, false, false, flashgen::sm90::NoScoreMod>")
+    assert bias.name.endswith("_band_softcap_bias_sm90a")
+
+
+def test_sm90_alibi_instances_are_the_default_tile_of_each_tier_and_band():
+    """ALiBi is compiled in on tiers 64 and 128, both bands and dtypes, on the tile a plain call of the
+    tier picks first, never beside bias, block-mask lists or soft-capping; its name carries the mod."""
+    for cls in (Sm90Fwd, Sm90Bwd):
+        modded = [k for k in cls.default_set() if k.score_mod]
+        assert {k.score_mod for k in modded} == {"alibi"} and len(modded) == 8
+        assert {(k.dtype, k.max_k, k.band) for k in modded} == {(d, t, b) for d in ("f16", "bf16") for t in (64, 128)
+                                                                for b in (False, True)}
+        assert not any(k.bias or k.sparse or getattr(k, "softcap", False) for k in modded)
+        for k in modded:
+            plain = dataclasses.replace(k, score_mod="")
+            staged = hasattr(k, "staged_o") and dataclasses.replace(plain, staged_o=True)
+            assert plain in cls.default_set() or staged in cls.default_set(), k.name
+            first = next(p for p in cls.default_set() if (p.dtype, p.max_k, p.band) == (k.dtype, k.max_k, k.band)
+                         and not (p.bias or p.sparse or getattr(p, "softcap", False) or p.score_mod or p.dropout))
+            assert (first.block_m, first.block_n, first.stages) == (k.block_m, k.block_n, k.stages)
+            assert "_mod_alibi_" in k.name and k.name.replace("_mod_alibi", "") == plain.name
+            assert k.cpp_type.endswith(", ScoreMod_alibi>") and plain.cpp_type.endswith(", flashgen::sm90::NoScoreMod>")
 
 
 @pytest.mark.parametrize("cls", [MemEffFwd, MemEffBwd])
@@ -221,7 +242,7 @@ def test_sm90_staged_o_instances_are_the_plain_k128_tiles():
     for k in staged:
         twin = dataclasses.replace(k, staged_o=False)
         assert (twin in kernels) == (not k.band), k.name
-        assert k.name.endswith("_staged_o_sm90a") and k.cpp_type.endswith(", false, true, false>")
+        assert k.name.endswith("_staged_o_sm90a") and k.cpp_type.endswith(", false, true, false, flashgen::sm90::NoScoreMod>")
         if not k.band:
             assert kernels.index(k) < kernels.index(twin), "the staged tile is tried before its twin"
     assert "staged_max_key_blocks" in [c.name for c in Sm90Fwd.CONSTANTS]

@@ -146,6 +146,41 @@ def test_a_block_mask_under_torch_compile_is_refused_with_what_to_do(monkeypatch
         ops.forward(None, None, None, None, None, None, 0, 1, None, 0.0, 0, 0, -1, -1, 0.0, False, block_mask=object())
 
 
+def test_a_score_mod_reaches_the_runtime_forward_and_backward_eagerly_without_plans(monkeypatch):
+    """The eager autograd.Function carries the mod and its captured tensors to both directions, and
+    its forward takes no shortcut plan (score-mod calls take none)."""
+    slope = torch.ones(2)
+    seen = {}
+
+    def forward(q, k, v, **options):
+        seen["forward"] = (options["score_mod"], options["mod_tensors"])
+        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    def backward(grad_out, q, k, v, out, lse, **options):
+        seen["backward"] = (options["score_mod"], options["mod_tensors"])
+        return torch.ones_like(q), torch.ones_like(k), torch.ones_like(v)
+
+    monkeypatch.setattr(ops.api, "attention_forward", forward)
+    monkeypatch.setattr(ops.api, "attention_backward", backward)
+    monkeypatch.setattr(ops, "_shortcut_key", lambda *a: pytest.fail("a score-mod call looked for a plan"))
+    q, k, v = (torch.zeros(1, 5, 2, 8, requires_grad=True) for _ in range(3))
+    out, _ = ops.forward(q, k, v, None, None, None, 0, 1, None, 0.0, 0, 0, -1, -1, 0.0, False,
+                         mods=("alibi", {"slope": slope}))
+    out.sum().backward()
+    assert seen == {"forward": ("alibi", {"slope": slope}), "backward": ("alibi", {"slope": slope})}
+    assert (k.grad == 1).all()
+
+
+def test_a_score_mod_under_torch_compile_is_refused_with_what_to_do(monkeypatch):
+    from flashgen.errors import UnsupportedError
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(UnsupportedError, match=r"^flashgen.torch: score_mod under torch.compile is not supported yet "
+                                               r".*call this attention eagerly"):
+        ops.forward(None, None, None, None, None, None, 0, 1, None, 0.0, 0, 0, -1, -1, 0.0, False,
+                    mods=("alibi", {}))
+
+
 def test_a_backward_replays_the_follower_of_its_forwards_plan(monkeypatch):
     """Step 1 (forward replayed plan F): the backward takes the runtime's path and F keeps the plan
     that path served as its follower for grad_out's strides and alignment; step 2 replays it with

@@ -18,7 +18,7 @@ from flashgen.atomic import atomic_write_text
 from flashgen.build.cubin import parse_resource_usage, read_int64_array, sha256_file
 from flashgen.build.graph import Job
 from flashgen.errors import FlashgenError
-from flashgen.spec import FAMILIES
+from flashgen.spec import FAMILIES, score_mods
 from flashgen.spec.core import target_cc
 
 SCHEMA_VERSION = 1
@@ -73,9 +73,12 @@ def describe(build_dir: Path, job: Job, built: Dict[str, dict]) -> dict:
 
 
 def kernel_record(job: Job) -> dict:
+    """A kernel's entry; one with a score mod records the mod's declaration and digest (the runtime
+    runs it only for that declaration)."""
     k = job.kernel
+    mod = getattr(k, "score_mod", "")
     return {"name": k.name, "family": k.FAMILY, "params": k.params, "symbol": k.name,
-            "meta_symbol": k.meta_symbol, "targets": {}}
+            "meta_symbol": k.meta_symbol, **({"score_mod": score_mods.record(mod)} if mod else {}), "targets": {}}
 
 
 def toolchain_record(nvcc_version: str, cutlass_version: str) -> dict:

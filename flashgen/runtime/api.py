@@ -33,8 +33,8 @@ from flashgen.runtime.validate import Call, backward_call, check_rng, forward_ca
 
 
 def attention_forward(q, k, v, *, attn_bias=None, block_mask=None, causal=None, scale=None, dropout_p=0.0, seed=None,
-                      offset=0, cu_seqlens_q=None, cu_seqlens_k=None, window=None, softcap=0.0, stream=None,
-                      registry: Optional[Registry] = None):
+                      offset=0, cu_seqlens_q=None, cu_seqlens_k=None, window=None, softcap=0.0, score_mod=None,
+                      mod_tensors=None, stream=None, registry: Optional[Registry] = None):
     """Fused attention forward: returns ``(out [B, M, H, Kv], lse [B, H, M] float32)``.
 
     ``causal``: None, "top_left" (query i sees keys <= i) or "bottom_right"
@@ -54,12 +54,19 @@ def attention_forward(q, k, v, *, attn_bias=None, block_mask=None, causal=None, 
     (128 x 128 blocks, f16/bf16, head dims up to 128, no attn_bias: ``explain`` says); other
     calls run it as a dense bias on the example-41 kernels (warned once).  Rows it leaves without a
     key get output 0 and lse -inf.
+    ``score_mod``: a score mod compiled into sm90_fwd instances (``flashgen build --mods``): its name
+    ("alibi", or one a mods file declared) or its ``flashgen.mods.ScoreMod``; each score becomes
+    mod(scale * q.k, b, h, q_idx, kv_idx) before the mask and the softmax.  ``mod_tensors``: the
+    tensors it captures, by name (checked against the declaration: dtype, shape, device, contiguous;
+    they get no gradient).  Not with attn_bias, block_mask, softcap, dropout or cu_seqlens.  Such
+    calls take no launch plan (each validates and selects anew: runtime/score_mods.py); a mod that is
+    not built is an UnsupportedError naming the command that builds it.
     """
     block_mask, causal, window = fold_band(block_mask, causal, window)
     cupy = cupy_module()
     registry = registry or default_registry()
     memory, key = memory_for(q, cupy), None
-    if memory is not None and cu_seqlens_q is None and cu_seqlens_k is None:
+    if memory is not None and cu_seqlens_q is None and cu_seqlens_k is None and score_mod is None:
         # a block mask's arrays end the signature (a sparse plan points at them), its block size joins
         # the options; one that is not a BlockMask (validation says why) or lacks bits gets no plan
         sparse = () if block_mask is None else _mask_arrays(memory, block_mask, "kernel_arrays")
@@ -74,7 +81,7 @@ def attention_forward(q, k, v, *, attn_bias=None, block_mask=None, causal=None, 
             return outputs
     options = dict(attn_bias=attn_bias, block_mask=block_mask, causal=causal, scale=scale, dropout_p=dropout_p,
                    seed=seed, offset=offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window,
-                   softcap=softcap, stream=stream, registry=registry)
+                   softcap=softcap, score_mod=score_mod, mod_tensors=mod_tensors, stream=stream, registry=registry)
     call = forward_call(q, k, v, options, attention_forward, key)
     with _full_path(cupy, memory, call):
         outputs = _adopt(memory, _serve(cupy, call, _forward, block_fallback.forward))
@@ -110,7 +117,7 @@ def _forward_without_rows(call: Call, skip: int):
 def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requires_grad=False, block_mask=None,
                        causal=None,
                        scale=None, dropout_p=0.0, seed=None, offset=0, cu_seqlens_q=None, cu_seqlens_k=None,
-                       window=None, softcap=0.0, deterministic=False, stream=None,
+                       window=None, softcap=0.0, deterministic=False, score_mod=None, mod_tensors=None, stream=None,
                        registry: Optional[Registry] = None):
     """Gradients of ``attention_forward``: returns ``(dq, dk, dv)``, plus ``dbias`` when
     ``bias_requires_grad`` (full [B, H, M, N]; sum over broadcast dims yourself).
@@ -123,7 +130,8 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
     (the example-41 kernels then run without key splits).  ``block_mask``: the forward's; the
     mask gets no gradient (``dbias`` is that of ``attn_bias``).  sm90_bwd visits only its listed
     blocks where it can (as the forward, and not ``deterministic`` or ``softcap``: ``explain`` says);
-    other calls run it as a dense bias on the example-41 kernels.
+    other calls run it as a dense bias on the example-41 kernels.  ``score_mod`` and ``mod_tensors``:
+    the forward's (dS carries the mod's declared derivative; the captured tensors get no gradient).
     """
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be True or False, got {deterministic!r}")
@@ -131,7 +139,8 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
     cupy = cupy_module()
     registry = registry or default_registry()
     memory, key = memory_for(q, cupy), None
-    if memory is not None and not bias_requires_grad and cu_seqlens_q is None and cu_seqlens_k is None:
+    if (memory is not None and not bias_requires_grad and cu_seqlens_q is None and cu_seqlens_k is None
+            and score_mod is None):
         # as in the forward: a block mask's (transposed) arrays end the signature, its block size joins the options
         sparse = () if block_mask is None else _mask_arrays(memory, block_mask, "backward_arrays")
         arrays = (grad_out, q, k, v, out, lse) + (() if attn_bias is None else (attn_bias,)) + sparse
@@ -147,7 +156,7 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
     options = dict(attn_bias=attn_bias, bias_requires_grad=bias_requires_grad, block_mask=block_mask, causal=causal,
                    scale=scale, dropout_p=dropout_p, seed=seed, offset=offset, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, window=window, softcap=softcap, deterministic=deterministic,
-                   stream=stream, registry=registry)
+                   score_mod=score_mod, mod_tensors=mod_tensors, stream=stream, registry=registry)
     call = backward_call(grad_out, q, k, v, out, lse, options, attention_backward, key)
     with _full_path(cupy, memory, call):
         grads = _adopt(memory, _serve(cupy, call, _backward, block_fallback.backward))
@@ -200,7 +209,8 @@ def _adopt(memory, outputs):
 
 
 def explain(q, k, v, *, backward=False, attn_bias=None, block_mask=None, dropout_p=0.0, causal=None, window=None,
-            softcap=0.0, scale=None, cu_seqlens_q=None, cu_seqlens_k=None, registry: Optional[Registry] = None):
+            softcap=0.0, scale=None, cu_seqlens_q=None, cu_seqlens_k=None, score_mod=None, mod_tensors=None,
+            registry: Optional[Registry] = None):
     """Every candidate kernel for this call, family by family in the order tried, with why it was
     rejected or chosen (on a 9.0 GPU flashgen's sm90_fwd / sm90_bwd kernels come first).  With a
     ``block_mask``, families that read its lists are asked with it, the others with its dense bias
@@ -208,7 +218,7 @@ def explain(q, k, v, *, backward=False, attn_bias=None, block_mask=None, dropout
     block_mask, causal, window = fold_band(block_mask, causal, window)
     options = dict(attn_bias=attn_bias, block_mask=block_mask, causal=causal, scale=scale, dropout_p=dropout_p,
                    seed=0 if dropout_p else None, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window,
-                   softcap=softcap, registry=registry)
+                   softcap=softcap, score_mod=score_mod, mod_tensors=mod_tensors, registry=registry)
     call, dense = forward_call(q, k, v, options, attention_forward), None
     if call.block_mask is not None:
         with on_device(cupy_module(), call.p.device):

@@ -36,6 +36,8 @@ class KernelBinary:
     sha256: str
     constants: Dict[str, int] = field(compare=False, hash=False)
     record: dict = field(compare=False, hash=False, repr=False)
+    # the manifest's record of a score mod compiled in (name, expression, digest: spec/score_mods.record)
+    score_mod: Optional[dict] = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -79,7 +81,8 @@ class Registry:
                         raise manifest.ManifestError(f"{path}: {entry['name']} ({target}) lacks constants "
                                                      f"{', '.join(missing)}; rebuild it with this version")
                     self.binaries.setdefault((spec.name, target), KernelBinary(
-                        spec, target, directory / manifest.binary_path(rec), rec["sha256"], rec["constants"], rec))
+                        spec, target, directory / manifest.binary_path(rec), rec["sha256"], rec["constants"], rec,
+                        entry.get("score_mod")))
         self._modules: Dict[Tuple[Path, int], tuple] = {}  # (cubin, device) -> (module, {entry: function})
         self._lock = threading.Lock()
         self._warned_ptx = False

@@ -53,6 +53,10 @@ class Request:
     # dropout compiled in or not (sm90): the kernel's dropout axis must match ``dropout`` both ways; else a
     # kernel with dropout (example 41: a run-time branch) also serves calls without
     compiled_dropout: bool = False
+    # a score mod compiled in (sm90's score_mod axis, which must match both ways) and the digest of the
+    # declaration asked for, which the kernel's manifest record must carry (runtime/score_mods.py)
+    score_mod: str = ""
+    score_mod_digest: str = ""
 
 
 def seq_multiples(num_queries: int, num_keys: int, varlen: bool) -> Tuple[int, int]:
@@ -103,6 +107,12 @@ def rejection(binary: KernelBinary, req: Request) -> Optional[str]:
     if sparse and mask_block(c) != req.block_sparse:
         return (f"reads {mask_block(c)[0]} x {mask_block(c)[1]} mask blocks; the block mask's are "
                 f"{req.block_sparse[0]} x {req.block_sparse[1]}")
+    mod = getattr(spec, "score_mod", req.score_mod)
+    if mod != req.score_mod:
+        return f"built with score mod {mod!r}" if mod else "built without a score mod"
+    if mod and (binary.score_mod or {}).get("digest") != req.score_mod_digest:
+        return (f"built from another declaration of score mod {mod!r}: its manifest digest is not the one asked "
+                "for; rebuild it from your mods file")
     if getattr(spec, "block_aligned", False):
         rows, keys = req.seq_multiples
         if not rows or rows % spec.block_i or keys % spec.block_j:

@@ -15,6 +15,7 @@ from typing import Callable, Optional, Tuple
 import numpy as np
 
 from flashgen.errors import UnsupportedError
+from flashgen.runtime import score_mods
 from flashgen.runtime.arrays import as_array, check_strides, cupy_module, dtype_name, elem_strides
 from flashgen.runtime.block_masks import BlockMask
 from flashgen.runtime.limits import SPLIT_ROWS, check_input_offsets, check_kernel_limits, check_offset
@@ -331,6 +332,7 @@ class Call:
     plan_key: object = None
     extra: dict = field(default_factory=dict)  # what a family keeps between its steps
     block_mask: Optional[BlockMask] = None  # validated; while it runs dense, ``bias`` holds it (block_fallback)
+    score_mod: Optional[score_mods.BoundScoreMod] = None  # validated, with its captured tensors
 
     @property
     def registry(self):
@@ -348,7 +350,8 @@ class Call:
 # The public functions' keyword arguments and their defaults: a Call's options always hold
 # all of its direction's, so a family reads them directly and ``again`` passes them back.
 FORWARD_OPTIONS = dict(attn_bias=None, block_mask=None, causal=None, scale=None, dropout_p=0.0, seed=None, offset=0,
-                       cu_seqlens_q=None, cu_seqlens_k=None, window=None, softcap=0.0, stream=None, registry=None)
+                       cu_seqlens_q=None, cu_seqlens_k=None, window=None, softcap=0.0, score_mod=None, mod_tensors=None,
+                       stream=None, registry=None)
 BACKWARD_OPTIONS = dict(FORWARD_OPTIONS, bias_requires_grad=False, deterministic=False)
 
 
@@ -371,9 +374,11 @@ def forward_call(q, k, v, options: dict, entry: Callable, plan_key=None) -> Call
     b, copied = checked_bias(cupy, options["attn_bias"], p, q, q.shape[1], k.shape[1])
     bm = check_block_mask(options["block_mask"], p, q, k)
     check_varlen_bottom_right(p)
+    mod = score_mods.bind(options, p, q, k)
     # a block mask's arrays are in the plan's key (api.py); a plan is left only where a sparse kernel
     # reads them (the dense fallback clears the key: block_fallback.dense_call)
-    return Call("fwd", p, q, k, v, b, options, entry, plan_key=None if copied else plan_key, block_mask=bm)
+    return Call("fwd", p, q, k, v, b, options, entry, plan_key=None if copied else plan_key, block_mask=bm,
+                score_mod=mod)
 
 
 def backward_call(grad_out, q, k, v, out, lse, options: dict, entry: Callable, plan_key=None) -> Call:
@@ -402,5 +407,6 @@ def backward_call(grad_out, q, k, v, out, lse, options: dict, entry: Callable, p
     b, copied = checked_bias(cupy, options["attn_bias"], p, q, q.shape[1], k.shape[1])
     bm = check_block_mask(options["block_mask"], p, q, k)
     check_varlen_bottom_right(p)
+    mod = score_mods.bind(options, p, q, k)
     return Call("bwd", p, q, k, v, b, options, entry, out=out, grad_out=grad_out, lse=lse,
-                plan_key=None if copied else plan_key, block_mask=bm)  # as forward_call: block masks too
+                plan_key=None if copied else plan_key, block_mask=bm, score_mod=mod)  # as forward_call

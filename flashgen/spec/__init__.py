@@ -4,6 +4,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Dict, List, Optional, Sequence, Type
 
+from flashgen.spec import score_mods
 from flashgen.spec.core import KernelSpec
 from flashgen.spec.mem_eff_bwd import MemEffBwd
 from flashgen.spec.mem_eff_fwd import MemEffFwd
@@ -27,6 +28,15 @@ def family(name: str) -> Type[KernelSpec]:
 def default_kernels() -> List[KernelSpec]:
     """Every family's default set, family by family, each in priority order."""
     return [k for cls in FAMILIES.values() for k in cls.default_set()]
+
+
+def mod_kernels(names: Sequence[str]) -> List[KernelSpec]:
+    """The instances of declared score mods ``names`` (``score_mods.declare``) in every family with a
+    score_mod axis, on the tiles and options of the default set's ALiBi; none for the mods the
+    default set builds already."""
+    names = [n for n in names if n not in score_mods.DEFAULT_SCORE_MODS]
+    return [k for cls in FAMILIES.values() if "score_mod" in cls.AXES
+            for k in score_mods.kernels_with(names, cls.default_set())]
 
 
 def parse_globs(pattern: Optional[str]) -> List[str]:

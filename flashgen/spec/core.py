@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Dict, Iterator, List, Optional, Tuple
 
@@ -61,7 +62,8 @@ class Field:
     """One member of a kernel's ``Params`` struct, in declaration order.
 
     ``name`` is the C++ member; nested members are dotted
-    (``rng_engine_inputs.seed``) and become ``rng_engine_inputs_seed`` in NumPy.
+    (``rng_engine_inputs.seed``) and become ``rng_engine_inputs_seed`` in NumPy, array
+    elements subscripted (``mod_stride[1][2]``: ``mod_stride_1_2``).
     """
 
     name: str
@@ -69,7 +71,7 @@ class Field:
 
     @property
     def numpy_name(self) -> str:
-        return self.name.replace(".", "_")
+        return re.sub(r"\W+", "_", self.name).strip("_")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """``sm90_bwd``: flashgen's own Hopper backward (``flashgen/csrc/flashgen/sm90_bwd.h``).
 
 Template: ``flashgen::sm90::BwdKernel<Element, kHeadDim, kBlockM, kBlockN,
-kStages, kBand, kSoftcap, kBias, kSparse, kDropout>`` -- one CTA per ``block_n`` keys of one (sequence, k/v head),
+kStages, kBand, kSoftcap, kBias, kSparse, kDropout, ScoreMod_>`` -- one CTA per ``block_n`` keys of one (sequence, k/v head),
 one consumer warpgroup per 64 of them, Q/dO/lse/delta streamed by a producer
 warpgroup through a ``kStages``-deep ring of ``block_m``-query tiles.  Each instance
 holds three entry points, launched in order on one stream:
@@ -47,7 +47,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashgen.spec.core import DTYPES, Constant, Field, Rule
-from flashgen.spec.sm90_tile import DROPOUT_FIELDS, SPARSE_POINTER_FIELDS, Sm90Tile, tile_constants
+from flashgen.spec.sm90_tile import (DROPOUT_FIELDS, MOD_FIELDS, SCORE_MOD_AXIS, SPARSE_POINTER_FIELDS, Sm90Tile,
+                                    score_mod_rules, tile_constants)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Sm90Bwd(Sm90Tile):
     bias: bool     # an additive attention bias, and dbias, compiled in (BwdKernel::kBias)
     sparse: bool   # a block mask's transposed lists and bits compiled in (BwdKernel::kSparse)
     dropout: bool  # the forward's Philox dropout mask, redrawn (BwdKernel::kDropout)
+    score_mod: str  # a score mod compiled in (BwdKernel's ScoreMod_, spec/score_mods.py); "": none
 
     FAMILY = "sm90_bwd"
     DIRECTION = "bwd"
@@ -75,6 +77,7 @@ class Sm90Bwd(Sm90Tile):
         "bias": (False, True),
         "sparse": (False, True),
         "dropout": (False, True),
+        "score_mod": SCORE_MOD_AXIS,
     }
     RULES = (
         Rule("a 64-query step of head dim 64 would split dQ into 32-column halves, less than one "
@@ -110,12 +113,17 @@ class Sm90Bwd(Sm90Tile):
              lambda k: k.dropout and k.max_k == 256),
         Rule("dropout without soft-capping, bias or block-mask lists: the forward's twins have none; such calls "
              "stay on example 41", lambda k: k.dropout and (k.softcap or k.bias or k.sparse)),
+        # score mods: one instance per dtype, tier and band (each mod's instances are build jobs)
+        *score_mod_rules("score mods on tiers 64 and 128 only: smaller head dims run on them (TMA zero-fills); "
+                         "the split head dim is not built"),
+        Rule("score mods without soft-capping: soft-capping is a score mod of its own (tanh in the mod's expression)",
+             lambda k: k.score_mod and k.softcap),
     )
 
     @property
     def priority(self) -> tuple:
         return (tuple(DTYPES).index(self.dtype), self.band, self.softcap, self.bias, self.sparse, self.dropout,
-                self.max_k, self.block_m, self.stages, self.block_n)
+                self.score_mod, self.max_k, self.block_m, self.stages, self.block_n)
 
     # `flashgen::sm90::BwdParams`
     ABI = (
@@ -175,6 +183,7 @@ class Sm90Bwd(Sm90Tile):
         Field("sparse_query_blocks", "i32"),
         Field("sparse_key_blocks", "i32"),
         *DROPOUT_FIELDS,
+        *MOD_FIELDS,
     )
 
     # prep and convert run aux_threads threads; a sparse instance reads mask blocks of mask_rows queries

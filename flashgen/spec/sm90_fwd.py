@@ -1,7 +1,7 @@
 """``sm90_fwd``: flashgen's own Hopper forward (``flashgen/csrc/flashgen/sm90_fwd.h``).
 
 Template: ``flashgen::sm90::FwdKernel<Element, kHeadDim, kBlockM, kBlockN,
-kStages, kBand, kBias, kSparse, kStagedO, kDropout>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
+kStages, kBand, kBias, kSparse, kStagedO, kDropout, ScoreMod_>`` -- wgmma tiles of 64 query rows per consumer warpgroup,
 K/V streamed by TMA through a ``kStages``-deep shared-memory ring, one
 producer warpgroup.  Launch: block (threads_per_block, 1, 1), a persistent
 grid (min(tiles, SMs), 1, 1) over the ceil(M / block_m) x heads x (batch or
@@ -60,7 +60,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashgen.spec.core import DTYPES, Constant, Field, Rule
-from flashgen.spec.sm90_tile import DROPOUT_FIELDS, SPARSE_POINTER_FIELDS, Sm90Tile, tile_constants
+from flashgen.spec.sm90_tile import (DROPOUT_FIELDS, MOD_FIELDS, SCORE_MOD_AXIS, SPARSE_POINTER_FIELDS, Sm90Tile,
+                                    score_mod_rules, tile_constants)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class Sm90Fwd(Sm90Tile):
     sparse: bool  # a block mask's lists and bits compiled in (FwdKernel::kSparse)
     staged_o: bool  # O stored through shared memory for tiles of few key blocks (FwdKernel::kStagedO)
     dropout: bool  # Philox dropout of P compiled in (FwdKernel::kDropout)
+    score_mod: str  # a score mod compiled in (FwdKernel's ScoreMod_, spec/score_mods.py); "": none
 
     FAMILY = "sm90_fwd"
     DIRECTION = "fwd"
@@ -88,6 +90,7 @@ class Sm90Fwd(Sm90Tile):
         "sparse": (False, True),
         "staged_o": (False, True),
         "dropout": (False, True),
+        "score_mod": SCORE_MOD_AXIS,
     }
     RULES = (
         Rule("192 query rows are three consumer warpgroups beside the producer's: at most 160 registers "
@@ -127,9 +130,11 @@ class Sm90Fwd(Sm90Tile):
              lambda k: k.staged_o and (k.bias or k.sparse or k.stages != 2)),
         Rule("staged O not with dropout: its keep bits take the registers the staged store needs",
              lambda k: k.staged_o and k.dropout),
+        Rule("staged O not with score mods: a mod's registers beside the staged store's, on tiles measured "
+             "as they are", lambda k: k.staged_o and bool(k.score_mod)),
         Rule("the plain band tile at head dim 128 is built staged only: it serves every length (its tiles "
              "near the diagonal visit few blocks, +3-7% at 512-2k tokens, even beyond)",
-             lambda k: k.band and not k.staged_o and k.max_k == 128 and not (k.bias or k.sparse or k.dropout)
+             lambda k: k.band and not k.staged_o and k.max_k == 128 and not (k.bias or k.sparse or k.dropout or k.score_mod)
              and k.stages == 2),
         # dropout: one instance per dtype, tier and band, each with a backward twin (a call's mask is
         # drawn by both directions' instances or by neither)
@@ -139,6 +144,11 @@ class Sm90Fwd(Sm90Tile):
              "keep bits", lambda k: k.dropout and (k.block_m != 128 or k.stages != 2)),
         Rule("dropout without bias or block-mask lists: such calls stay on example 41",
              lambda k: k.dropout and (k.bias or k.sparse)),
+        # score mods: one tile per dtype, tier and band (each mod's instances are build jobs)
+        *score_mod_rules("score mods on tiers 64 and 128 only: smaller head dims run on them (TMA zero-fills); "
+                         "larger ones are not built"),
+        Rule("score mods on the default tile of their tier: two stages, 128 keys, 192 query rows at head dim 64",
+             lambda k: k.score_mod and (k.block_m, k.block_n, k.stages) != (192 if k.max_k == 64 else 128, 128, 2)),
     )
 
     @property
@@ -147,8 +157,8 @@ class Sm90Fwd(Sm90Tile):
         # 192 query rows where they exist (head dim 64: +5-15% from 512 to 16k tokens on an H200,
         # within noise of 128 for causal 1k), two stages (a third never won by more than noise)
         # and the staged-O tile before its twin (it refuses calls of more key blocks than it serves)
-        return (tuple(DTYPES).index(self.dtype), self.band, self.bias, self.sparse, self.dropout, self.max_k,
-                -self.block_m, self.stages, self.block_n, not self.staged_o)
+        return (tuple(DTYPES).index(self.dtype), self.band, self.bias, self.sparse, self.dropout, self.score_mod,
+                self.max_k, -self.block_m, self.stages, self.block_n, not self.staged_o)
 
     # `flashgen::sm90::FwdParams`
     ABI = (
@@ -186,6 +196,7 @@ class Sm90Fwd(Sm90Tile):
         Field("sparse_head_step", "i32"),
         Field("sparse_key_blocks", "i32"),
         *DROPOUT_FIELDS,
+        *MOD_FIELDS,
     )
 
     CONSTANTS = tile_constants("flashgen::sm90::FwdParams") + (

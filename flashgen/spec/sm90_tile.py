@@ -5,13 +5,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from flashgen.spec.core import DTYPES, Constant, Field, KernelSpec, cpp_bool, normalize_target
+from flashgen.spec import score_mods
+from flashgen.spec.core import DTYPES, Constant, Field, KernelSpec, Rule, cpp_bool, normalize_target
 
 # The pointers of a flashgen.block_mask's arrays that a sparse instance of either family reads, in the
 # order both Params structs hold them (sm90_fwd's lists per query block, sm90_bwd's per key block)
 SPARSE_POINTER_FIELDS = tuple(Field(name, "ptr") for name in (
     "sparse_partial_counts", "sparse_partial_blocks", "sparse_full_counts", "sparse_full_blocks", "sparse_tiles",
     "sparse_bits"))
+# A score mod's captured tensors (spec/score_mods.py), the last fields of both Params structs: pointer
+# and element strides of each, in the declaration's order (flashgen::sm90::kModTensors, kModDims)
+MOD_FIELDS = tuple(Field(f"mod_ptr[{i}]", "ptr") for i in range(score_mods.MAX_TENSORS)) + tuple(
+    Field(f"mod_stride[{i}][{d}]", "i64") for i in range(score_mods.MAX_TENSORS) for d in range(score_mods.MAX_DIMS))
+# The score_mod axis: none, or the default set's built-ins (a mods file adds others: score_mods.kernels_with)
+SCORE_MOD_AXIS = ("",) + score_mods.DEFAULT_SCORE_MODS
+
+
+def score_mod_rules(tiers_reason: str) -> tuple:
+    """The rules both Hopper families prune score-mod instances by: head-dim tiers 64 and 128, and
+    none of the other compiled-in options (each a build job per mod, and registers beside the mod's)."""
+    return (
+        Rule(tiers_reason, lambda k: k.score_mod and k.max_k not in (64, 128)),
+        Rule("score mods without bias: a bias is a score mod of its own (add it in the mod's expression)",
+             lambda k: k.score_mod and k.bias),
+        Rule("score mods without block-mask lists: a mod's calls with a block mask are refused",
+             lambda k: k.score_mod and k.sparse),
+        Rule("score mods without dropout: a mod's calls with dropout are refused",
+             lambda k: k.score_mod and k.dropout),
+    )
 
 # Both Params structs end with these (flashgen/dropout.h): the Philox key and counter offset (the
 # call's seed and offset, re-filled by every launch of a plan), the keep threshold of 65536 and 1 / (1 - p)
@@ -29,6 +50,8 @@ class Sm90Tile(KernelSpec):
     stages: int   # depth of the TMA ring
     band: bool    # keys limited to a band around the diagonal: causal masks, sliding windows
 
+    # each family declares ``score_mod`` as its last axis: the name of a score mod compiled in ("": none)
+
     KERNEL: ClassVar[str]  # the C++ class template, e.g. flashgen::sm90::FwdKernel
     # boolean axes, in the order of the template's last arguments; a true one is spelled in the name
     FLAGS: ClassVar[tuple] = ("band",)
@@ -42,12 +65,19 @@ class Sm90Tile(KernelSpec):
     def name(self) -> str:
         parts = [self.FAMILY, self.dtype, f"k{self.max_k}", f"q{self.block_m}x{self.block_n}", f"s{self.stages}"]
         parts += [flag for flag in self.FLAGS if getattr(self, flag)]
+        parts += [f"mod_{self.score_mod}"] if self.score_mod else []
         return "_".join(parts + [self.arch])
 
     @property
     def cpp_type(self) -> str:
         flags = "".join(f", {cpp_bool(getattr(self, flag))}" for flag in self.FLAGS)
-        return f"{self.KERNEL}<{DTYPES[self.dtype]}, {self.max_k}, {self.block_m}, {self.block_n}, {self.stages}{flags}>"
+        return (f"{self.KERNEL}<{DTYPES[self.dtype]}, {self.max_k}, {self.block_m}, {self.block_n}, {self.stages}"
+                f"{flags}, {score_mods.cpp_type(self.score_mod)}>")
+
+    @property
+    def score_mod_functor(self) -> str:
+        """The C++ of the score mod's functor, which the source defines before the kernel type ("": none)."""
+        return score_mods.functor(self.score_mod)
 
 
 def tile_constants(params: str) -> tuple:

@@ -65,7 +65,7 @@ def _causal(causal) -> int:
 
 
 def _run(q, k, v, attn_bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, dropout_p, seed, offset,
-         window, softcap, deterministic, block_mask=None):
+         window, softcap, deterministic, block_mask=None, mods=None):
     """Check the options and tensors, then run the forward operator (eager or traced)."""
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be True or False; got {deterministic!r}")
@@ -78,11 +78,11 @@ def _run(q, k, v, attn_bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, s
     q, k, v, attn_bias = _autocast(q, k, v, attn_bias)
     return ops.forward(q, k, v, attn_bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal,
                        None if scale is None else float(scale), float(dropout_p), seed, int(offset), left, right,
-                       float(softcap), deterministic, block_mask=block_mask)
+                       float(softcap), deterministic, block_mask=block_mask, mods=mods)
 
 
 def attention(q, k, v, attn_bias=None, *, causal=None, scale=None, dropout_p=0.0, seed=None, offset=0, window=None,
-              softcap=0.0, deterministic=False, block_mask=None,
+              softcap=0.0, deterministic=False, block_mask=None, score_mod=None, mod_tensors=None,
               return_lse=False) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
     """softmax(q k^T * scale + bias) v over [B, M, H, K] tensors (k, v: [B, N, Hk, K/Kv], H a
     multiple of Hk), differentiable in q, k, v and attn_bias (broadcastable to [B, H, M, N]).
@@ -92,10 +92,13 @@ def attention(q, k, v, attn_bias=None, *, causal=None, scale=None, dropout_p=0.0
     With ``dropout_p > 0`` and no ``seed``, one is drawn from torch's generator.  With
     ``return_lse``: (out, lse [B, H, M] float32, not differentiable).  ``block_mask``: a
     ``flashgen.block_mask`` built on the tensors' GPU (it gets no gradient); eager calls only for
-    now (which kernels serve it: ``flashgen.attention_forward``).
+    now (which kernels serve it: ``flashgen.attention_forward``).  ``score_mod`` and ``mod_tensors``:
+    ``flashgen.attention_forward``'s, eager calls only for now (the captured tensors get no gradient:
+    one that requires grad is refused).
     """
+    mods = None if score_mod is None else (score_mod, mod_tensors)
     out, lse = _run(q, k, v, attn_bias, None, None, 0, causal, scale, dropout_p, seed, offset, window, softcap,
-                    deterministic, block_mask)
+                    deterministic, block_mask, mods)
     return (out, lse) if return_lse else out
 
 

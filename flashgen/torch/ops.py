@@ -12,7 +12,9 @@ Options travel as plain ints and floats (an operator schema has no None in a tup
 ``causal`` 0/1/2 (none, top-left, bottom-right), a window side < 0 for unbounded,
 ``max_seqlen_q`` 0 for fixed-length batches.  A block mask (``flashgen.block_mask``) is no
 tensor an operator schema can carry: it takes the eager path only, and under
-``torch.compile`` it is refused until the kernels read its lists as tensors.
+``torch.compile`` it is refused until the kernels read its lists as tensors.  A score mod
+(``mods``: its name or declaration and its captured tensors, which get no gradient) takes the
+eager path too, without launch plans, and is refused under ``torch.compile``.
 """
 from __future__ import annotations
 
@@ -55,6 +57,11 @@ def _runtime_options(causal: int, scale: Optional[float], dropout_p: float, seed
                 offset=offset, window=window, softcap=softcap)
 
 
+def _mod_options(mods) -> dict:
+    """The runtime's score_mod and mod_tensors from the eager path's ``mods`` pair (None: no mod)."""
+    return {} if mods is None else {"score_mod": mods[0], "mod_tensors": mods[1]}
+
+
 def _with_lse_layout(lse: Tensor, heads: int, rows: int) -> Tensor:
     """lse in the layout the fake implementation promises (padded to 32 rows, or to max_seqlen_q's)."""
     strides = _lse_strides(heads, rows)
@@ -73,12 +80,12 @@ def _contiguous(x: Tensor) -> Tensor:
 def _forward(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
              cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, causal: int, scale: Optional[float], dropout_p: float,
              seed: int, offset: int, window_left: int, window_right: int, softcap: float,
-             block_mask=None) -> Tuple[Tensor, Tensor]:
+             block_mask=None, mods=None) -> Tuple[Tensor, Tensor]:
     """(out, lse) as the runtime returns them, a packed batch's lse padded to ``max_seqlen_q`` rows:
     what the eager path needs (its tensors may have any strides; only the op promises some)."""
     options = _runtime_options(causal, scale, dropout_p, seed, offset, window_left, window_right, softcap)
     out, lse = api.attention_forward(q, k, v, attn_bias=attn_bias, block_mask=block_mask, cu_seqlens_q=cu_seqlens_q,
-                                     cu_seqlens_k=cu_seqlens_k, **options)
+                                     cu_seqlens_k=cu_seqlens_k, **_mod_options(mods), **options)
     if max_seqlen_q:
         if lse.shape[2] > max_seqlen_q:
             raise ValueError(f"max_seqlen_q is {max_seqlen_q}, but the longest query sequence has {lse.shape[2]} rows")
@@ -102,7 +109,7 @@ def forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], c
 def _grads(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, attn_bias: Optional[Tensor],
            bias_requires_grad: bool, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], causal: int,
            scale: Optional[float], dropout_p: float, seed: int, offset: int, window_left: int, window_right: int,
-           softcap: float, deterministic: bool, block_mask=None) -> tuple:
+           softcap: float, deterministic: bool, block_mask=None, mods=None) -> tuple:
     """(dq, dk, dv, dbias [B, H, M, N] or None when not asked for) as the runtime returns them: the
     eager backward's, which allocates nothing it does not return."""
     options = _runtime_options(causal, scale, dropout_p, seed, offset, window_left, window_right, softcap)
@@ -111,7 +118,7 @@ def _grads(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
     grads = api.attention_backward(grad_out, q, k, v, out, lse, attn_bias=attn_bias,
                                    bias_requires_grad=bias_requires_grad, block_mask=block_mask,
                                    cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, deterministic=deterministic,
-                                   **options)
+                                   **_mod_options(mods), **options)
     return grads[0], grads[1], grads[2], grads[3] if bias_requires_grad else None
 
 
@@ -169,11 +176,11 @@ def _setup_context(ctx, inputs, output):
 
 def _gradients(ctx, grad_out: Tensor, backward) -> tuple:
     """dq, dk, dv, dbias through ``backward`` (the op, or its implementation in eager mode, which
-    alone takes a block mask)."""
+    alone takes a block mask and a score mod)."""
     q, k, v, attn_bias, out, lse = ctx.saved_tensors
     cu_q, cu_k, _, *options = ctx.options
     bias_grad = attn_bias is not None and ctx.needs_input_grad[3]
-    masked = {"block_mask": ctx.block_mask} if getattr(ctx, "block_mask", None) is not None else {}
+    masked = {name: getattr(ctx, name) for name in ("block_mask", "mods") if getattr(ctx, name, None) is not None}
     dq, dk, dv, dbias = backward(grad_out, q, k, v, out, lse, attn_bias, bias_grad, cu_q, cu_k, *options, **masked)
     return dq, dk, dv, dbias.sum_to_size(attn_bias.shape) if bias_grad else None
 
@@ -189,31 +196,32 @@ class EagerAttention(torch.autograd.Function):
     is what a training step pays on every call."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, options, block_mask):
-        plannable = block_mask is None and options[0] is None and options[1] is None  # not packed
+    def forward(ctx, q, k, v, attn_bias, options, block_mask, mods):
+        # not packed, no score mod (its calls take no plans)
+        plannable = block_mask is None and mods is None and options[0] is None and options[1] is None
         key = _shortcut_key(q, k, v, attn_bias, options) if plannable else None
         plan = None if key is None else plans.lookup(key)
         if plan is not None:
             out, lse = _replayed_forward(plan, q, k, v, attn_bias, options)
         else:
-            out, lse = _forward(q, k, v, attn_bias, *options[:-1], block_mask=block_mask)
+            out, lse = _forward(q, k, v, attn_bias, *options[:-1], block_mask=block_mask, mods=mods)
             # the forward's launch plan when it replayed one (a block mask's backward plan ends with its lists)
             plan = plans.served() if block_mask is None else None
             if plan is not None and key is not None:
                 plans.remember(key, plan)
         ctx.plan = plan
         _save(ctx, q, k, v, attn_bias, options, out, lse)
-        ctx.block_mask = block_mask
+        ctx.block_mask, ctx.mods = block_mask, mods
         ctx.set_materialize_grads(False)  # no zero-filled gradient for lse (a launch per backward)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         if grad_out is None:  # only lse (not differentiable) reached the loss
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         if ctx.plan is not None and not ctx.needs_input_grad[3]:
-            return _replayed_gradients(ctx, grad_out) + (None, None, None)
-        return _gradients(ctx, grad_out, _grads) + (None, None)
+            return _replayed_gradients(ctx, grad_out) + (None, None, None, None)
+        return _gradients(ctx, grad_out, _grads) + (None, None, None)
 
 
 def _shortcut_key(q, k, v, attn_bias, options: tuple) -> Optional[tuple]:
@@ -271,14 +279,18 @@ _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 _apply = super(torch.autograd.Function, EagerAttention).apply if _transforms_active else EagerAttention.apply
 
 
-def forward(q, k, v, attn_bias, *options, block_mask=None) -> Tuple[Tensor, Tensor]:
+def forward(q, k, v, attn_bias, *options, block_mask=None, mods=None) -> Tuple[Tensor, Tensor]:
     """The forward op while torch.compile traces, the autograd.Function otherwise (same arguments)."""
     if torch.compiler.is_compiling():
+        if mods is not None:
+            raise UnsupportedError("flashgen.torch: score_mod under torch.compile is not supported yet (the operators' "
+                                   "schemas take no mod or captured tensors): call this attention eagerly, outside "
+                                   "the compiled region")
         if block_mask is not None:
             raise UnsupportedError("flashgen.torch: block_mask under torch.compile is not supported yet (the operators "
                                    "take tensors only; the block lists become their inputs once the kernels read "
                                    "them): call this attention eagerly, outside the compiled region")
         return attention_forward(q, k, v, attn_bias, *options)
     if _transforms_active is not None and _transforms_active():
-        return EagerAttention.apply(q, k, v, attn_bias, options, block_mask)
-    return _apply(q, k, v, attn_bias, options, block_mask)
+        return EagerAttention.apply(q, k, v, attn_bias, options, block_mask, mods)
+    return _apply(q, k, v, attn_bias, options, block_mask, mods)

@@ -12,7 +12,7 @@
 template <class Params>
 struct FlashgenAbiCheck_sm90_bwd {
   static_assert(std::is_standard_layout<Params>::value, "flashgen ABI: Params is no longer standard-layout");
-  static_assert(sizeof(Params) == 1024, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm90_bwd.py");
+  static_assert(sizeof(Params) == 1152, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm90_bwd.py");
   static_assert(offsetof(Params, q_map) == 0 && sizeof(((Params*)nullptr)->q_map) == 128,
                 "flashgen ABI: Params::q_map moved or changed size; update flashgen/spec/sm90_bwd.py");
   static_assert(offsetof(Params, k_map) == 128 && sizeof(((Params*)nullptr)->k_map) == 128,
@@ -141,4 +141,44 @@ struct FlashgenAbiCheck_sm90_bwd {
                 "flashgen ABI: Params::dropout_keep moved or changed size; update flashgen/spec/sm90_bwd.py");
   static_assert(offsetof(Params, dropout_scale) == 980 && sizeof(((Params*)nullptr)->dropout_scale) == 4,
                 "flashgen ABI: Params::dropout_scale moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_ptr[0]) == 984 && sizeof(((Params*)nullptr)->mod_ptr[0]) == 8,
+                "flashgen ABI: Params::mod_ptr[0] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_ptr[1]) == 992 && sizeof(((Params*)nullptr)->mod_ptr[1]) == 8,
+                "flashgen ABI: Params::mod_ptr[1] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_ptr[2]) == 1000 && sizeof(((Params*)nullptr)->mod_ptr[2]) == 8,
+                "flashgen ABI: Params::mod_ptr[2] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_ptr[3]) == 1008 && sizeof(((Params*)nullptr)->mod_ptr[3]) == 8,
+                "flashgen ABI: Params::mod_ptr[3] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[0][0]) == 1016 && sizeof(((Params*)nullptr)->mod_stride[0][0]) == 8,
+                "flashgen ABI: Params::mod_stride[0][0] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[0][1]) == 1024 && sizeof(((Params*)nullptr)->mod_stride[0][1]) == 8,
+                "flashgen ABI: Params::mod_stride[0][1] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[0][2]) == 1032 && sizeof(((Params*)nullptr)->mod_stride[0][2]) == 8,
+                "flashgen ABI: Params::mod_stride[0][2] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[0][3]) == 1040 && sizeof(((Params*)nullptr)->mod_stride[0][3]) == 8,
+                "flashgen ABI: Params::mod_stride[0][3] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[1][0]) == 1048 && sizeof(((Params*)nullptr)->mod_stride[1][0]) == 8,
+                "flashgen ABI: Params::mod_stride[1][0] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[1][1]) == 1056 && sizeof(((Params*)nullptr)->mod_stride[1][1]) == 8,
+                "flashgen ABI: Params::mod_stride[1][1] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[1][2]) == 1064 && sizeof(((Params*)nullptr)->mod_stride[1][2]) == 8,
+                "flashgen ABI: Params::mod_stride[1][2] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[1][3]) == 1072 && sizeof(((Params*)nullptr)->mod_stride[1][3]) == 8,
+                "flashgen ABI: Params::mod_stride[1][3] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[2][0]) == 1080 && sizeof(((Params*)nullptr)->mod_stride[2][0]) == 8,
+                "flashgen ABI: Params::mod_stride[2][0] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[2][1]) == 1088 && sizeof(((Params*)nullptr)->mod_stride[2][1]) == 8,
+                "flashgen ABI: Params::mod_stride[2][1] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[2][2]) == 1096 && sizeof(((Params*)nullptr)->mod_stride[2][2]) == 8,
+                "flashgen ABI: Params::mod_stride[2][2] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[2][3]) == 1104 && sizeof(((Params*)nullptr)->mod_stride[2][3]) == 8,
+                "flashgen ABI: Params::mod_stride[2][3] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[3][0]) == 1112 && sizeof(((Params*)nullptr)->mod_stride[3][0]) == 8,
+                "flashgen ABI: Params::mod_stride[3][0] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[3][1]) == 1120 && sizeof(((Params*)nullptr)->mod_stride[3][1]) == 8,
+                "flashgen ABI: Params::mod_stride[3][1] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[3][2]) == 1128 && sizeof(((Params*)nullptr)->mod_stride[3][2]) == 8,
+                "flashgen ABI: Params::mod_stride[3][2] moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, mod_stride[3][3]) == 1136 && sizeof(((Params*)nullptr)->mod_stride[3][3]) == 8,
+                "flashgen ABI: Params::mod_stride[3][3] moved or changed size; update flashgen/spec/sm90_bwd.py");
 };

@@ -12,7 +12,7 @@
 template <class Params>
 struct FlashgenAbiCheck_sm90_fwd {
   static_assert(std::is_standard_layout<Params>::value, "flashgen ABI: Params is no longer standard-layout");
-  static_assert(sizeof(Params) == 768, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm90_fwd.py");
+  static_assert(sizeof(Params) == 896, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm90_fwd.py");
   static_assert(offsetof(Params, q_map) == 0 && sizeof(((Params*)nullptr)->q_map) == 128,
                 "flashgen ABI: Params::q_map moved or changed size; update flashgen/spec/sm90_fwd.py");
   static_assert(offsetof(Params, k_map) == 128 && sizeof(((Params*)nullptr)->k_map) == 128,
@@ -97,4 +97,44 @@ struct FlashgenAbiCheck_sm90_fwd {
                 "flashgen ABI: Params::dropout_keep moved or changed size; update flashgen/spec/sm90_fwd.py");
   static_assert(offsetof(Params, dropout_scale) == 724 && sizeof(((Params*)nullptr)->dropout_scale) == 4,
                 "flashgen ABI: Params::dropout_scale moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_ptr[0]) == 728 && sizeof(((Params*)nullptr)->mod_ptr[0]) == 8,
+                "flashgen ABI: Params::mod_ptr[0] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_ptr[1]) == 736 && sizeof(((Params*)nullptr)->mod_ptr[1]) == 8,
+                "flashgen ABI: Params::mod_ptr[1] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_ptr[2]) == 744 && sizeof(((Params*)nullptr)->mod_ptr[2]) == 8,
+                "flashgen ABI: Params::mod_ptr[2] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_ptr[3]) == 752 && sizeof(((Params*)nullptr)->mod_ptr[3]) == 8,
+                "flashgen ABI: Params::mod_ptr[3] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[0][0]) == 760 && sizeof(((Params*)nullptr)->mod_stride[0][0]) == 8,
+                "flashgen ABI: Params::mod_stride[0][0] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[0][1]) == 768 && sizeof(((Params*)nullptr)->mod_stride[0][1]) == 8,
+                "flashgen ABI: Params::mod_stride[0][1] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[0][2]) == 776 && sizeof(((Params*)nullptr)->mod_stride[0][2]) == 8,
+                "flashgen ABI: Params::mod_stride[0][2] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[0][3]) == 784 && sizeof(((Params*)nullptr)->mod_stride[0][3]) == 8,
+                "flashgen ABI: Params::mod_stride[0][3] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[1][0]) == 792 && sizeof(((Params*)nullptr)->mod_stride[1][0]) == 8,
+                "flashgen ABI: Params::mod_stride[1][0] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[1][1]) == 800 && sizeof(((Params*)nullptr)->mod_stride[1][1]) == 8,
+                "flashgen ABI: Params::mod_stride[1][1] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[1][2]) == 808 && sizeof(((Params*)nullptr)->mod_stride[1][2]) == 8,
+                "flashgen ABI: Params::mod_stride[1][2] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[1][3]) == 816 && sizeof(((Params*)nullptr)->mod_stride[1][3]) == 8,
+                "flashgen ABI: Params::mod_stride[1][3] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[2][0]) == 824 && sizeof(((Params*)nullptr)->mod_stride[2][0]) == 8,
+                "flashgen ABI: Params::mod_stride[2][0] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[2][1]) == 832 && sizeof(((Params*)nullptr)->mod_stride[2][1]) == 8,
+                "flashgen ABI: Params::mod_stride[2][1] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[2][2]) == 840 && sizeof(((Params*)nullptr)->mod_stride[2][2]) == 8,
+                "flashgen ABI: Params::mod_stride[2][2] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[2][3]) == 848 && sizeof(((Params*)nullptr)->mod_stride[2][3]) == 8,
+                "flashgen ABI: Params::mod_stride[2][3] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[3][0]) == 856 && sizeof(((Params*)nullptr)->mod_stride[3][0]) == 8,
+                "flashgen ABI: Params::mod_stride[3][0] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[3][1]) == 864 && sizeof(((Params*)nullptr)->mod_stride[3][1]) == 8,
+                "flashgen ABI: Params::mod_stride[3][1] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[3][2]) == 872 && sizeof(((Params*)nullptr)->mod_stride[3][2]) == 8,
+                "flashgen ABI: Params::mod_stride[3][2] moved or changed size; update flashgen/spec/sm90_fwd.py");
+  static_assert(offsetof(Params, mod_stride[3][3]) == 880 && sizeof(((Params*)nullptr)->mod_stride[3][3]) == 8,
+                "flashgen ABI: Params::mod_stride[3][3] moved or changed size; update flashgen/spec/sm90_fwd.py");
 };

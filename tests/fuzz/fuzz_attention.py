@@ -24,7 +24,10 @@ batches with empty sequences, the softmax scale (of either sign), and on flashge
 kernels' path (sm90, sm80) sliding windows and soft-capping, and on the sm90 path bias (the
 sm90 bias instances), and block masks (documents, causal + window, random blocks with empty
 rows, all full; 128 x 128 blocks, which sm90_fwd's and sm90_bwd's sparse instances read, or others,
-served dense; a causal mask or window beside them folded into their lists).  Outputs come from poisoned memory, so an unwritten element fails.
+served dense; a causal mask or window beside them folded into their lists), and on a 9.0 GPU the sm90
+ALiBi instances (``score_mod="alibi"``, checked as the additive bias -slope[h] * |i - j|; drawn only
+there, so a reproducer redraws the same case on the same kind of GPU).  Outputs come from poisoned
+memory, so an unwritten element fails.
 
 A gradient passes if it matches the exact float64 gradient, or the exact
 gradient of the kernel's own rounded output: every flash-style backward takes
@@ -56,6 +59,7 @@ from attention_reference import (  # noqa: E402
 import flashgen  # noqa: E402
 
 FORWARD_ONLY = False  # --forward-only: no backward call, out and lse checked
+ALIBI_RUNS = False  # GPU 0 is a 9.0 part, which the sm90 ALiBi instances serve (set in main)
 BIAS_PATTERNS = tuple(b or "full" for b in BIAS_BROADCASTS)  # the dims a drawn bias broadcasts ("full": none)
 
 
@@ -109,7 +113,21 @@ def draw(seed: int, case: int) -> dict:
             p["window"] = None
         if r.random() < 0.5:  # drawn after the mask: half its calls are ones sm90's sparse kernels take
             p.update(bias=None, deterministic=False)
+    own = p["dtype"] != "f32" and p["K"] == p["Kv"] and p["K"] <= 128 and p["K"] % 8 == 0 and p["layout"] != "offset"
+    p["alibi"] = bool(ALIBI_RUNS and own and not (p["varlen"] or p["dropout"] or p["block_mask"])
+                      and r.random() < 0.3)  # drawn last
+    if p["alibi"]:  # the score mod's calls take no bias or soft-capping, nor bottom-right rows without keys
+        p.update(bias=None, softcap=0.0)
+        if p["causal"] == "bottom_right" and p["M"] > p["N"]:
+            p["causal"] = "top_left"
     return p
+
+
+def alibi(H, M, N):
+    """ALiBi's slopes (2^(-8 i / H)) and the same mod as the additive float32 bias [1, H, M, N]."""
+    slope = cupy.asarray([2.0 ** (-8.0 * (i + 1) / H) for i in range(H)], dtype=cupy.float32)
+    distance = cupy.abs(cupy.arange(M)[:, None] - cupy.arange(N)[None, :]).astype(cupy.float32)
+    return slope, -slope[None, :, None, None] * distance
 
 
 def make_block_mask(p):
@@ -203,6 +221,9 @@ def run_case(seed: int, case: int) -> dict:
         opts["block_mask"] = make_block_mask(p)
         dense = opts["block_mask"].to_dense(cupy.float32)
         bias = dense if bias is None else dense + bias.astype(cupy.float32)
+    if p.get("alibi"):
+        slope, bias = alibi(H, M, N)
+        opts.update(score_mod="alibi", mod_tensors={"slope": slope})
     keep = None
     if p["dropout"]:
         opts.update(dropout_p=p["dropout"], seed=p["seed"])
@@ -265,8 +286,11 @@ def main(argv=None) -> int:
                          "sm80_fwd,sm80_bwd,mem_eff_fwd,mem_eff_bwd")
     ap.add_argument("--forward-only", action="store_true", help="check the forward only (out and lse)")
     args = ap.parse_args(argv)
-    global FORWARD_ONLY
+    global FORWARD_ONLY, ALIBI_RUNS
     FORWARD_ONLY = args.forward_only
+    from flashgen.runtime.device import device_info
+
+    ALIBI_RUNS = device_info(0).cc == 90
     if args.families is not None:
         os.environ["FLASHGEN_FAMILIES"] = args.families
     cases = [args.case] if args.case is not None else range(args.cases)

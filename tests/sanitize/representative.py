@@ -4,7 +4,8 @@ Covers every family (the Ampere ones, sm80_fwd and sm80_bwd, forced with FLASHGE
 an earlier family would serve their calls), each dtype, aligned and 4-aligned (unaligned kernels), the
 block-aligned backward kernels (M and N multiples of the block),
 dropout, the largest kMaxK tier (head dim 320), split keys > 1 (few batch x
-heads, many keys), causal kinds, bias with its gradient, varlen, and block masks.  Sizes are
+heads, many keys), causal kinds, bias with its gradient, varlen, block masks and (on a 9.0 GPU) the
+sm90 ALiBi instances (a score mod).  Sizes are
 small: the sanitizer slows kernels down a hundredfold.
 """
 import os
@@ -19,6 +20,7 @@ import cupy  # noqa: E402
 from attention_reference import make_bias, randn  # noqa: E402
 
 import flashgen  # noqa: E402
+from flashgen.runtime.device import device_info  # noqa: E402
 
 r = np.random.default_rng(0)
 
@@ -88,6 +90,15 @@ for dtype in ("f16", "bf16"):
     call(dtype, 1, 300, 259, 4, 64, heads_kv=2, causal="bottom_right", dropout_p=0.2, seed=3)
     call(dtype, 2, 129, 201, 2, 96, window=(50, 10), dropout_p=0.5, seed=4, offset=9, deterministic=True)
     call(dtype, 1, 77, 130, 2, 44, causal="top_left", dropout_p=0.1, seed=5)
+# the sm90 ALiBi instances (score_mod="alibi"; 9.0 GPUs only): odd key and query counts (the indices
+# past the sequence that the mod clamps before it reads the slope), grouped-query k/v, both bands, a
+# window, a head dim below its tier, the deterministic order
+if device_info(0).cc == 90:
+    slope = {"slope": cupy.asarray([2.0 ** (-2.0 * i) for i in range(1, 5)], dtype=cupy.float32)}
+    for dtype in ("f16", "bf16"):
+        call(dtype, 1, 259, 300, 4, 64, heads_kv=2, causal="bottom_right", score_mod="alibi", mod_tensors=slope)
+        call(dtype, 2, 129, 201, 4, 96, window=(50, 10), score_mod="alibi", mod_tensors=slope)
+        call(dtype, 1, 77, 130, 4, 128, deterministic=True, score_mod="alibi", mod_tensors=slope)
 # packed batches: example 41 (float32) and, on a 9.0 GPU, sm90 (a sequence without keys, one
 # without queries, rows past the last sequence, a band per sequence, the deterministic order)
 cu_q, cu_k = np.array([0, 5, 5, 40], np.int32), np.array([0, 0, 30, 70], np.int32)

@@ -27,6 +27,9 @@
 // the forward did, and, when the caller wants dbias, write dS (before soft-capping's slope:
 // the gradient of the biased score) for every (query, key) the CTA visits.  A step's bias
 // tile comes by TMA into the dS buffer that step later writes (see consume()).
+// A score mod (the last template parameter, sm90_common.h: NoScoreMod) recomputes the forward's
+// modded score: P^T = exp2(mod(S^T * scale) * log2(e) - lse_log2), and dS^T carries the mod's
+// derivative (grad) in the scaled score before the dK / dQ products.
 // Transposing S rather than dQ keeps every per-row softmax quantity a column
 // broadcast (one smem read per column) and dK/dV in registers for the whole
 // CTA.  The dQ product is split between the warpgroups by query rows when a
@@ -142,10 +145,13 @@ struct BwdParams {
   unsigned long long dropout_offset;
   uint32_t dropout_keep;
   float dropout_scale;
+  // A score mod's captured tensors (sm90_common.h: kModTensors), in its declaration's order
+  void const* mod_ptr[kModTensors];
+  long long mod_stride[kModTensors][kModDims];
 };
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBand_, bool kSoftcap_,
-          bool kBias_, bool kSparse_, bool kDropout_>
+          bool kBias_, bool kSparse_, bool kDropout_, class ScoreMod_>
 struct BwdKernel {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -171,6 +177,12 @@ struct BwdKernel {
                 "soft-capping or bias");
   // And so is dropout: the Philox rounds and the keep bits exist only in these instances.
   static constexpr bool kDropout = kDropout_;
+  // A score mod: P^T from the modded scaled score, dS^T times the mod's derivative (consume()); built
+  // without soft-capping, a bias, block-mask lists or dropout (spec/sm90_bwd.py).
+  using ScoreMod = ScoreMod_;
+  static constexpr bool kScoreMod = ScoreMod::kEnabled;
+  static_assert(!kScoreMod || (!kSoftcap && !kBias && !kSparse && !kDropout),
+                "a score mod is built without soft-capping, bias, block-mask lists and dropout");
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
   static_assert(kBlockN % 64 == 0 && kBlockM % 64 == 0 && kHeadDim % 32 == 0, "wgmma tile shapes");
@@ -669,7 +681,30 @@ struct BwdKernel {
       };
       // The mask is applied in a loop of its own: tested per element inside the exp2 loop,
       // it became 64 branches between the MUFU ops and cost 10-15% at head dim 64.
-      if constexpr (!kSoftcap) {
+      if constexpr (kScoreMod) {
+        // P^T from mod(S^T * scale) into its A operand, and the mod's derivative in S^T's registers
+        // (kept in float) for dS^T; rows and keys past the sequence's are clamped to its last, so that
+        // a captured tensor indexed by them is read in bounds (their P is 0: lse +inf, keys masked).
+        CUTE_UNROLL
+        for (int r = 0; r < size(tSrS); ++r) {
+          int const col = (r / 4) * 8 + col0 + r % 2;
+          int const key = min(key0 + key_row + ((r / 2) % 2) * 8, seq.num_keys - 1);
+          int const query = min(query0 + col, seq.num_queries - 1);
+          float const score = tSrS(r) * p.scale;
+          float const prob = exp2_approx(fmaf(ScoreMod::apply(p, score, seq.index, head, query, key), kLog2e,
+                                              offset(r)));
+          tVrP(r) = static_cast<Element>(masked && hidden(r, col) ? 0.f : prob);
+          tSrS(r) = ScoreMod::grad(p, score, seq.index, head, query, key);
+        }
+        free_dq_part();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tPrDp);
+        CUTE_UNROLL
+        for (int r = 0; r < size(tSrS); ++r) {  // d/d(scaled score) = d/d(modded score) * grad; scale comes at the end
+          float const ds = static_cast<float>(tVrP(r)) * (tPrDp(r) - column_value(delta, r));
+          tKrDs(r) = static_cast<Element>(ds * tSrS(r));
+        }
+      } else if constexpr (!kSoftcap) {
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {  // P^T in place of S^T
           tSrS(r) = exp2_approx(fmaf(tSrS(r), p.scale_log2, offset(r)));

@@ -17,6 +17,17 @@ namespace sm90 {
 
 constexpr float kLog2e = 1.44269504088896341f;  // log2(e): natural-log units to the kernels' log2 ones
 
+// Score mods (flashgen/spec/score_mods.py): a kernel's last template parameter is a functor type
+// whose static apply(p, score, b, h, q_idx, kv_idx) makes the new score from the scaled one and
+// grad(...) its derivative in score, reading up to kModTensors captured tensors of up to kModDims
+// dims through the Params' mod_ptr / mod_stride (elements).  The generated functors set kEnabled;
+// plain instances take NoScoreMod, whose code paths are compiled out.
+constexpr int kModTensors = 4;
+constexpr int kModDims = 4;
+struct NoScoreMod {
+  static constexpr bool kEnabled = false;
+};
+
 // Two 16-bit values (half or bfloat16) in one register, low half first, by bit operations: a
 // reinterpret_cast of a local array element put the whole array in local memory (spills).
 template <class Element>

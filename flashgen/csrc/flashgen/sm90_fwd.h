@@ -23,6 +23,8 @@
 // bias (natural-log units, like the scaled scores): the producer loads each key
 // block's bias tile by TMA into a ring beside the K/V ring (same stage, barriers
 // of its own), and the softmax reads it from there (sm90_common.h: kBiasBox).
+// A score mod (the last template parameter, sm90_common.h: NoScoreMod) takes the place of both:
+// each score becomes mod(scale * q.k, b, h, q_idx, kv_idx), in natural-log units, before the mask.
 // kSparse instances visit the key blocks a flashgen.block_mask lists for the
 // (batch, head, query block) instead of a range: its partial blocks first, then
 // its full ones, the producer and the consumers walking the same lists.  In a
@@ -114,10 +116,13 @@ struct FwdParams {
   unsigned long long dropout_offset;
   uint32_t dropout_keep;
   float dropout_scale;
+  // A score mod's captured tensors (sm90_common.h: kModTensors), in its declaration's order
+  void const* mod_ptr[kModTensors];
+  long long mod_stride[kModTensors][kModDims];
 };
 
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBand_, bool kBias_,
-          bool kSparse_, bool kStagedO_, bool kDropout_>
+          bool kSparse_, bool kStagedO_, bool kDropout_, class ScoreMod_>
 struct FwdKernel {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -136,6 +141,15 @@ struct FwdKernel {
   // Dropout is compiled in too: the Philox rounds and the keep bits exist only in these instances.
   static constexpr bool kDropout = kDropout_;
   static_assert(!kDropout || (!kSparse && !kBias), "dropout without block-mask lists or bias (spec/sm90_fwd.py)");
+  // A score mod rewrites every scaled score before the mask (sm90_common.h: NoScoreMod); soft-capping,
+  // a bias, block-mask lists and dropout are not built beside one (spec/sm90_fwd.py).
+  using ScoreMod = ScoreMod_;
+  static constexpr bool kScoreMod = ScoreMod::kEnabled;
+  static_assert(!kScoreMod || (!kBias && !kSparse && !kDropout),
+                "a score mod is built without bias, block-mask lists and dropout");
+  // Where the scores the softmax sees are in natural-log units (the scale applied before the max, as
+  // a bias or a mod needs): the max, the exponents and the lse then take log2(e) as their scale.
+  static constexpr bool kNaturalScores = kBias || kScoreMod;
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 32 == 0, "wgmma tile shapes");
@@ -485,16 +499,28 @@ struct FwdKernel {
     // adds the bias to the scaled score first (natural-log units, one FMA with the bias), so its
     // max is in natural units and exp_scale is log2(e) (two instructions fewer per score than
     // moving score and bias into log2 units before the max).
-    float const exp_scale = kBias ? kLog2e : p.scale_log2;
-    float const bias_score_scale = p.scale_log2 * (1.f / kLog2e);  // kBias: the softmax scale
+    // kScoreMod likewise: the mod takes the scaled score (flex's convention: q.k * scale, then the mod).
+    float const exp_scale = kNaturalScores ? kLog2e : p.scale_log2;
+    float const bias_score_scale = p.scale_log2 * (1.f / kLog2e);  // kBias, kScoreMod: the softmax scale
     auto to_log2 = [&](float score) { return score * exp_scale; };
     // Block t's scores in tSrS become exp2(scaled score - running max) in place (soft-capped and
     // masked first); the row sums follow, and `correction` is what O must be scaled by.
     auto softmax = [&](int t, float (&correction)[2]) {
-      if (p.softcap_in != 0.f) {
+      if (!kScoreMod && p.softcap_in != 0.f) {  // (a call with a mod has no soft-capping: the runtime refuses it)
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {
           tSrS(r) = p.softcap_out * tanh_approx(tSrS(r) * p.softcap_in);
+        }
+      }
+      if constexpr (kScoreMod) {  // mod(S * scale): natural-log units (see exp_scale)
+        // Rows and keys past the sequence's (masked or never stored below) are clamped to its last, so
+        // that a captured tensor indexed by them is read in bounds.
+        int const key0 = (blocks.begin + t) * kBlockN;
+        CUTE_UNROLL
+        for (int r = 0; r < size(tSrS); ++r) {
+          int const row = min(row0 + ((r / 2) % 2) * 8, seq.num_queries - 1);
+          int const key = min(key0 + (r / 4) * 8 + col0 + r % 2, seq.num_keys - 1);
+          tSrS(r) = ScoreMod::apply(p, tSrS(r) * bias_score_scale, seq.index, head, row, key);
         }
       }
       if constexpr (kBias) {  // S * scale + bias: natural-log units (see exp_scale)
@@ -651,7 +677,7 @@ struct FwdKernel {
     float const sum = quad_sum(row_sum);
     if (threadIdx.x % 4 == 0) {
       if (row < seq.num_queries) {
-        float const max_log2 = row_max * (kBias ? kLog2e : p.scale_log2);  // see consume()'s exp_scale
+        float const max_log2 = row_max * (kNaturalScores ? kLog2e : p.scale_log2);  // see consume()'s exp_scale
         lse[row] = sum > 0.f ? (max_log2 + __log2f(sum)) * 0.69314718055994531f : -INFINITY;
       } else if (row < p.lse_rows) {
         lse[row] = INFINITY;
@@ -739,7 +765,7 @@ struct FwdKernel {
           *reinterpret_cast<cutlass::Array<Element, 2>*>(out_row + col) = pair;
         }
         if (lane % 4 == 0) {
-          float const max_log2 = row_max[h] * (kBias ? kLog2e : p.scale_log2);  // see consume()'s exp_scale
+          float const max_log2 = row_max[h] * (kNaturalScores ? kLog2e : p.scale_log2);  // see consume()'s exp_scale
           lse[row] = sum > 0.f ? (max_log2 + __log2f(sum)) * 0.69314718055994531f : -INFINITY;
         }
       } else if (row < p.lse_rows && lane % 4 == 0) {

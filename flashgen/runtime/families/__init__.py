@@ -81,7 +81,7 @@ class RuntimeFamily:
             kernels = call.registry.for_device(self.name, device_info(call.p.device))
         except UnsupportedError:
             return []  # nothing of this family is built for the GPU
-        why = self.unfit(call)
+        why = score_mod_refusal(self, call) or self.unfit(call)
         if why is not None:
             return [(b.name, b.target, why) for b in kernels]
         return selector(call.registry).explain(self.request(call))
@@ -152,11 +152,18 @@ def replay(plan, memory, arrays: Sequence, seed, offset, stream):
     return _runtimes[plan.family].replay(plan, memory, arrays, seed, offset, stream)
 
 
+def score_mod_refusal(family: RuntimeFamily, call: Call) -> Optional[str]:
+    """A score-mod call goes only to families that compile score mods (a ``score_mod`` axis)."""
+    if call.score_mod is not None and "score_mod" not in family.spec.AXES:
+        return "no score mods (sm90 instances built with the mod take them)"
+    return None
+
+
 def dispatch(call: Call):
     """Run ``call`` on the first family that accepts it, or say what each family lacks."""
     refusals = []
     for family in serving(call.direction):
-        why = family.refusal(call)
+        why = score_mod_refusal(family, call) or family.refusal(call)
         if why is None:
             return family.run(call)
         refusals.append(f"  {family.name}: {why}")

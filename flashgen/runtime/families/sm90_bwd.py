@@ -22,8 +22,9 @@ from flashgen.runtime.arrays import cupy_module, elem_strides
 from flashgen.runtime.families import sm90_dropout
 from flashgen.runtime.families.sm90_common import (SPARSE_POINTERS, HopperFamily, band_fields, bias_fields,
                                                    check_compiled_bias, check_compiled_dropout,
-                                                   check_compiled_sparse, dbias_fields,
-                                                   encode_bias_map, encode_maps, sparse_refusal, zero_unpacked_rows)
+                                                   check_compiled_score_mod, check_compiled_sparse, dbias_fields,
+                                                   encode_bias_map, encode_maps, mod_fields, sparse_refusal,
+                                                   zero_unpacked_rows)
 from flashgen.runtime.launch import fill, handle, launch, on_device, packed_offsets, params_buffer
 from flashgen.runtime.memory import CupyMemory
 from flashgen.runtime.limits import check_int32
@@ -193,11 +194,13 @@ class Sm90BwdRuntime(ThreeKernelBackward, HopperFamily):
         check_compiled_bias(binary, call)
         check_compiled_sparse(binary, call)
         check_compiled_dropout(binary, call)
+        check_compiled_score_mod(binary, call)
         if binary.spec.sparse and call.options["deterministic"]:
             raise ValueError(f"{binary.name} adds dQ in no fixed order: deterministic=True is not for it")
 
     def own_fields(self, call: Call):
-        return {}, {**bias_fields(call.bias), **sparse_fields(call.block_mask), **sm90_dropout.fields(call.p)}
+        return {}, {**bias_fields(call.bias), **sparse_fields(call.block_mask), **sm90_dropout.fields(call.p),
+                    **mod_fields(call)}
 
     def own_outputs(self, call: Call):
         dbias = self.dbias(call)

@@ -22,7 +22,8 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 from flashgen.errors import UnsupportedError
-from flashgen.runtime import tensormap
+from flashgen.mods import BUILTIN_MODS
+from flashgen.runtime import score_mods, tensormap
 from flashgen.runtime.arrays import alignment, cupy_module, elem_strides
 from flashgen.runtime.device import device_info
 from flashgen.runtime.families import RuntimeFamily, planned_forward_outputs, selector, sm90_dropout, visible_lse
@@ -144,6 +145,21 @@ def sparse_refusal(call: Call) -> Optional[str]:
     return None
 
 
+def check_compiled_score_mod(binary: KernelBinary, call: Call) -> None:
+    """A score-mod instance reads its captured tensors (without them it would fault) and a plain one
+    would ignore the mod; selection keeps them apart (``Request.score_mod``), this stops a launch that
+    names the kernel itself."""
+    asked = "" if call.score_mod is None else call.score_mod.name
+    if binary.spec.score_mod != asked:
+        built = f"with score mod {binary.spec.score_mod!r}" if binary.spec.score_mod else "without a score mod"
+        raise ValueError(f"{binary.name} is built {built}; the call asks for {asked or 'none'}")
+
+
+def mod_fields(call: Call) -> dict:
+    """The Params fields of the call's score mod (its captured tensors), nothing without one."""
+    return {} if call.score_mod is None else call.score_mod.fields()
+
+
 def check_compiled_sparse(binary: KernelBinary, call: Call) -> None:
     """A sparse instance reads the mask's lists (without them it would fault) and a plain one would
     ignore the mask; selection keeps them apart (``Request.block_sparse``), this stops a launch that
@@ -229,11 +245,13 @@ class OwnKernelFamily(RuntimeFamily):
             aligned = 8
         else:
             aligned = alignment([x for _, x in self.aligned_arrays(call)], (p.K, p.Kv))
+        mod = call.score_mod
         return Request(self.name, p.dtype, p.K, p.Kv, aligned, dropout, call.bias is not None,
                        device_info(p.device), band=p.mask != 0 or p.window is not None, softcap=p.softcap > 0,
                        compiled_bias=self.compiled_bias,
                        block_sparse=None if call.block_mask is None else call.block_mask.block,
-                       compiled_dropout=self.compiled_dropout, num_keys=min(p.N, KEYS_CAP))
+                       compiled_dropout=self.compiled_dropout, num_keys=min(p.N, KEYS_CAP),
+                       score_mod="" if mod is None else mod.name, score_mod_digest="" if mod is None else mod.digest)
 
     def refusal(self, call: Call) -> Optional[str]:
         """``unfit``, or none of the kernels accepts the call (a head dim over the largest tier,
@@ -276,7 +294,18 @@ class HopperFamily(OwnKernelFamily):
             why = tensormap.bmhk_problem(tensormap.bias_view(call.bias))
             if why:
                 return f"TMA cannot read attn_bias: {why}"
-        return None
+        return self.score_mod_unbuilt(call, info)
+
+    def score_mod_unbuilt(self, call: Call, info) -> Optional[str]:
+        """A score-mod call whose mod has no instance of this family for the GPU: the command that builds it."""
+        mod = call.score_mod
+        if mod is None:
+            return None
+        try:
+            built = {b.spec.score_mod for b in call.registry.for_device(self.name, info)}
+        except UnsupportedError:
+            built = set()
+        return None if mod.name in built else str(score_mods.not_built(mod.name, mod.name in BUILTIN_MODS))
 
 
     def run(self, call: Call):

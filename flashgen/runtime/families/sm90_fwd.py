@@ -18,8 +18,10 @@ from flashgen.runtime.arrays import cupy_module
 from flashgen.runtime.device import device_info
 from flashgen.runtime.families import sm90_dropout, visible_lse
 from flashgen.runtime.families.sm90_common import (SPARSE_POINTERS, HopperFamily, band_fields, bias_fields,
-                                                   check_compiled_bias, check_compiled_dropout, check_compiled_sparse, encode_bias_map,
-                                                   encode_maps, replay_forward, sparse_refusal, zero_unpacked_rows)
+                                                   check_compiled_bias, check_compiled_dropout,
+                                                   check_compiled_score_mod, check_compiled_sparse, encode_bias_map,
+                                                   encode_maps, mod_fields, replay_forward, sparse_refusal,
+                                                   zero_unpacked_rows)
 from flashgen.runtime.launch import fill, handle, launch, params_buffer
 from flashgen.runtime.limits import check_int32, lse_rows
 from flashgen.runtime.registry import KernelBinary
@@ -76,6 +78,7 @@ class Sm90FwdRuntime(HopperFamily):
         check_compiled_bias(binary, call)
         check_compiled_sparse(binary, call)
         check_compiled_dropout(binary, call)
+        check_compiled_score_mod(binary, call)
         if call.p.scale <= 0:
             call = _positive_scale(call)
         cupy, p, q, k, v = cupy_module(), call.p, call.q, call.k, call.v
@@ -89,7 +92,7 @@ class Sm90FwdRuntime(HopperFamily):
              out_stride_m=p.H * p.Kv, out_stride_h=p.Kv, lse_stride_b=p.H * rows, lse_stride_h=rows,
              lse_rows=rows, num_queries=p.M, num_keys=p.N, num_heads=p.H, num_sequences=p.batches, head_dim=p.K,
              head_group=p.H // k.shape[2], **band_fields(p), **bias_fields(call.bias),
-             **sparse_fields(call.block_mask), **sm90_dropout.fields(p))
+             **sparse_fields(call.block_mask), **sm90_dropout.fields(p), **mod_fields(call))
         encode_maps(params, MAPS, (q, k, v), (kc["block_m"], kc["block_n"], kc["block_n"]), p, kc)
         encode_bias_map(params, call.bias, p)
         tiles = -(-p.M // kc["block_m"]) * p.H * p.batches
