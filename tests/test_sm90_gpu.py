@@ -33,7 +33,9 @@ def _example41_kernels() -> bool:
 
 
 KERNELS = hopper_kernels(Sm90Fwd.FAMILY)
-PLAIN_KERNELS = [b for b in KERNELS if not b.spec.sparse]  # sparse ones: tests/test_block_sparse_gpu.py
+# the others have tests of their own: sparse in test_block_sparse_gpu.py, dropout in test_sm90_dropout_gpu.py,
+# score mods in test_score_mods_gpu.py
+PLAIN_KERNELS = [b for b in KERNELS if not (b.spec.sparse or b.spec.dropout or b.spec.score_mod)]
 needs_kernels = pytest.mark.skipif(not _example41_kernels(), reason="no example-41 kernels built for this GPU")
 needs_sm90 = pytest.mark.skipif(not KERNELS, reason="needs a 9.0 GPU and sm90_fwd kernels (flashgen build --arch sm90a)")
 

@@ -208,16 +208,18 @@ def _adopt(memory, outputs):
     return outputs if memory is None else memory.adopt(outputs)
 
 
-def explain(q, k, v, *, backward=False, attn_bias=None, block_mask=None, dropout_p=0.0, causal=None, window=None,
-            softcap=0.0, scale=None, cu_seqlens_q=None, cu_seqlens_k=None, score_mod=None, mod_tensors=None,
-            registry: Optional[Registry] = None):
+def explain(q, k, v, *, backward=False, attn_bias=None, block_mask=None, dropout_p=0.0, seed=None, offset=0,
+            causal=None, window=None, softcap=0.0, scale=None, cu_seqlens_q=None, cu_seqlens_k=None, score_mod=None,
+            mod_tensors=None, registry: Optional[Registry] = None):
     """Every candidate kernel for this call, family by family in the order tried, with why it was
     rejected or chosen (on a 9.0 GPU flashgen's sm90_fwd / sm90_bwd kernels come first).  With a
     ``block_mask``, families that read its lists are asked with it, the others with its dense bias
-    (``block_fallback``); a causal mask or window beside a block mask is folded into it, as the calls do."""
+    (``block_fallback``); a causal mask or window beside a block mask is folded into it, as the calls do.
+    ``seed`` and ``offset`` are taken so that a call's own arguments can be passed as they are: they are
+    checked like the call's, and no choice depends on them."""
     block_mask, causal, window = fold_band(block_mask, causal, window)
     options = dict(attn_bias=attn_bias, block_mask=block_mask, causal=causal, scale=scale, dropout_p=dropout_p,
-                   seed=0 if dropout_p else None, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window,
+                   seed=(0 if seed is None else seed) if dropout_p else seed, offset=offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window,
                    softcap=softcap, score_mod=score_mod, mod_tensors=mod_tensors, registry=registry)
     call, dense = forward_call(q, k, v, options, attention_forward), None
     if call.block_mask is not None:
