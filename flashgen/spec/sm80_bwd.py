@@ -87,7 +87,7 @@ class Sm80Bwd(KernelSpec):
              "take 64 or 128 keys, 4 warps 32",
              lambda k: k.warps != key_warps(k.block_n)),
         Rule("128-query steps: S^T and dP^T of 128 queries beside dK and dV spill at head dim 64 (104 bytes on "
-             "sm_80); from 128 on the tile needs 226 KB or more, beyond an A100 block",
+             "sm_80); larger head dims only add registers and shared memory",
              lambda k: k.block_m == 128),
         Rule("128-key CTAs take 64-query steps: 32 queries halve the work per load and barrier",
              lambda k: k.block_n == 128 and k.block_m == 32),
