@@ -37,6 +37,7 @@ def shared_bytes(max_k: int, block_m: int, block_n: int, stages: int) -> int:
 
 
 def fits_budget(max_k: int, block_m: int, block_n: int, stages: int) -> bool:
+    """Whether the tile stays within ``CTA_SHARED_BUDGET``: two CTAs an A100/H100 SM, one within 99 KB."""
     return shared_bytes(max_k, block_m, block_n, stages) <= CTA_SHARED_BUDGET
 
 
