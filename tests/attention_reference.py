@@ -224,17 +224,18 @@ def offsets(lengths):
 
 
 # The Ampere families' reference grid (sm80_fwd's tests and sm80_bwd's): each dtype, head dims
-# below, between and at the 64 and 128 tiers, each mask kind, the sizes taken in turn (one and
-# many blocks, partial ones, M != N).
+# below, between and at the 64, 128, 192 and 256 tiers, each mask kind, the sizes taken in turn
+# (one and many blocks, partial ones, M != N).
 AMPERE_SIZES = ((1, 1), (7, 129), (129, 7), (1000, 129), (129, 1000), (1000, 1000), (1, 1000), (2048, 2048))
 AMPERE_GRID = [(dtype, K, *AMPERE_SIZES[(i + j + c) % len(AMPERE_SIZES)], causal)
-               for i, dtype in enumerate(("f16", "bf16")) for j, K in enumerate((8, 40, 64, 96, 128))
+               for i, dtype in enumerate(("f16", "bf16")) for j, K in enumerate((8, 40, 64, 96, 128, 160, 192, 200, 256))
                for c, causal in enumerate((None, "top_left", "bottom_right"))]
 
 # Their sliding windows ((left, right) of the diagonal, None unbounded), each run on these
 # (dtype, head dim, M, N) shapes.
 AMPERE_WINDOWS = ((0, 0), (3, None), (None, 5), (100, 50), (1, 1000), (127, 0))
-AMPERE_WINDOW_SHAPES = [("f16", 64, 1000, 700), ("bf16", 128, 129, 1000), ("f16", 96, 700, 700)]
+AMPERE_WINDOW_SHAPES = [("f16", 64, 1000, 700), ("bf16", 128, 129, 1000), ("f16", 96, 700, 700),
+                        ("bf16", 192, 300, 700), ("f16", 256, 700, 129)]
 
 # The Ampere families' packed batches (sm80_fwd's tests and sm80_bwd's): (query lengths, key
 # lengths) per packing, with sequences of no queries or no keys; the masks each packing runs

@@ -14,7 +14,7 @@ from flashgen.runtime import families, validate
 from flashgen.runtime.families import sm80_bwd, sm90_common
 from flashgen.runtime.registry import Registry
 from flashgen.runtime.select import Request, Selector
-from flashgen.spec.sm80_bwd import SM86_SHARED, Sm80Bwd, shared_bytes
+from flashgen.spec.sm80_bwd import A100_SHARED, SM86_SHARED, Sm80Bwd, shared_bytes
 from test_runtime_cpu import A100, H100, RTX3090, RTX4090, T4, FakeArray, qkv, write_build
 
 SM86_OPTIN = 101376  # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm86/sm89: 99 KB
@@ -27,7 +27,8 @@ def block_cupy(monkeypatch):
 
 
 def constants(k: Sm80Bwd) -> dict:
-    known = dict(threads_per_block=256, min_blocks_per_sm=1, shared_memory_bytes=shared_bytes(k.max_k, k.block_m, k.block_n),
+    known = dict(threads_per_block=32 * k.warps, min_blocks_per_sm=1,
+                 shared_memory_bytes=shared_bytes(k.max_k, k.block_m, k.block_n, k.warps),
                  block_m=k.block_m, block_n=k.block_n, max_k=k.max_k, alignment=8,
                  params_bytes=Sm80Bwd.params_dtype().itemsize, aux_threads=128)
     return {c.name: known[c.name] for c in Sm80Bwd.CONSTANTS}
@@ -46,25 +47,42 @@ def test_dispatch_order_puts_it_after_the_hopper_backward_and_before_example41(m
 def test_default_set_has_per_tier_a_tile_within_sm86s_shared_memory():
     kernels = Sm80Bwd.default_set()
     assert [k.name for k in kernels if k.dtype == "f16"] == [
-        "sm80_bwd_f16_k64_q64x128_sm80", "sm80_bwd_f16_k128_q64x128_sm80", "sm80_bwd_f16_k128_q32x64_sm80"]
-    assert len(kernels) == 6
+        "sm80_bwd_f16_k64_q64x128_sm80", "sm80_bwd_f16_k128_q64x128_sm80", "sm80_bwd_f16_k128_q32x64_sm80",
+        "sm80_bwd_f16_k192_q64x64_sm80", "sm80_bwd_f16_k192_q32x32_w4_sm80",
+        "sm80_bwd_f16_k256_q32x64_sm80", "sm80_bwd_f16_k256_q32x32_w4_sm80"]
+    assert len(kernels) == 14
     for dtype in ("f16", "bf16"):
-        for tier in (64, 128):
-            fitting = [k for k in kernels if k.dtype == dtype and k.max_k == tier
-                       and shared_bytes(k.max_k, k.block_m, k.block_n) <= SM86_SHARED]
-            assert fitting, (dtype, tier)
+        for tier in (64, 128, 192, 256):
+            tiles = [k for k in kernels if k.dtype == dtype and k.max_k == tier]
+            sizes = [shared_bytes(k.max_k, k.block_m, k.block_n, k.warps) for k in tiles]
+            assert min(sizes) <= SM86_SHARED, (dtype, tier)  # one tile per tier for 99 KB parts ...
+            assert max(sizes) <= A100_SHARED, (dtype, tier)  # ... and none beyond an A100 block
+            assert len(tiles) == 1 + (max(sizes) > SM86_SHARED), (dtype, tier)  # one per shared-memory class
     # the sizes the kernels' SharedStorage has (the build reads kSharedBytes back; tests on a GPU compare)
     assert shared_bytes(64, 64, 128) == 99328 and shared_bytes(128, 64, 128) == 164864
     assert shared_bytes(128, 32, 64) == 74240 and SM86_SHARED <= SM86_OPTIN < shared_bytes(128, 64, 128)
-    assert kernels[0].cpp_type == "flashgen::sm80::BwdKernel<cutlass::half_t, 64, 64, 128>"
+    assert shared_bytes(192, 64, 64) == 164864 and shared_bytes(192, 32, 32, 4) == 78336
+    assert shared_bytes(256, 32, 64) == 139776
+    # 4 warps at head dim 256: one dS^T buffer (100.5 KB); two would be 102912 B, past sm86/sm89's 101376
+    assert shared_bytes(256, 32, 32, 4) == 102912 - 2 * 32 * 32 == 100864 <= SM86_OPTIN
+    assert shared_bytes(192, 32, 32, 8) == shared_bytes(192, 32, 32, 4), "two dS^T buffers where they fit"
+    assert kernels[0].cpp_type == "flashgen::sm80::BwdKernel<cutlass::half_t, 64, 64, 128, 8>"
+    assert kernels[4].cpp_type == "flashgen::sm80::BwdKernel<cutlass::half_t, 192, 32, 32, 4>"
 
 
 def test_every_pruned_candidate_names_its_rule():
     reasons = {k.name: k.pruned_by().reason for k in Sm80Bwd.candidates() if k.pruned_by() is not None}
+    assert reasons["sm80_bwd_f16_k64_q64x32_sm80"].startswith("the template's warps")
+    assert reasons["sm80_bwd_f16_k128_q64x128_w4_sm80"].startswith("the template's warps")
     assert reasons["sm80_bwd_f16_k128_q128x128_sm80"].startswith("128-query steps")
     assert reasons["sm80_bwd_f16_k64_q32x128_sm80"].startswith("128-key CTAs take 64-query steps")
-    assert reasons["sm80_bwd_f16_k64_q32x64_sm80"].startswith("64-key CTAs only where")
-    assert reasons["sm80_bwd_f16_k128_q64x64_sm80"].startswith("64-key CTAs take 32-query steps")
+    assert reasons["sm80_bwd_f16_k192_q64x128_sm80"].startswith("128-key CTAs up to head dim 128")
+    assert reasons["sm80_bwd_f16_k64_q64x64_sm80"].startswith("64-key CTAs only where")
+    assert reasons["sm80_bwd_f16_k128_q64x64_sm80"].startswith("64-key CTAs take the larger query step")
+    assert reasons["sm80_bwd_f16_k256_q64x64_sm80"].startswith("64-key CTAs take the larger query step")  # 209 KB
+    assert reasons["sm80_bwd_f16_k192_q32x64_sm80"].startswith("64-key CTAs take the larger query step")
+    assert reasons["sm80_bwd_f16_k128_q32x32_w4_sm80"].startswith("4-warp CTAs only where")
+    assert reasons["sm80_bwd_f16_k192_q64x32_w4_sm80"].startswith("4-warp CTAs take the larger query step")
 
 
 def test_built_for_plain_targets_from_sm80_on_not_sm90a():
@@ -120,12 +138,36 @@ def test_sm86_and_sm89_skip_the_tile_above_their_shared_memory_with_the_reason(r
     assert hopper.name == "sm80_bwd_f16_k128_q64x128_sm80" and hopper.target == "sm90"  # plain sm90 SASS
 
 
+@pytest.mark.parametrize("head_dim,tier", [(160, 192), (192, 192), (200, 256), (256, 256)])
+def test_head_dims_past_128_take_a_tile_each_device_holds(registry, head_dim, tier):
+    """An A100 (163 KB a block) and Hopper take the tier's larger tile; sm86/sm89 (99 KB) skip it with
+    the shared-memory reason and take the 4-warp 32 x 32 one."""
+    big = {192: "q64x64", 256: "q32x64"}[tier]
+    sel = Selector(registry)
+    for dtype in ("f16", "bf16"):
+        large, small = f"sm80_bwd_{dtype}_k{tier}_{big}_sm80", f"sm80_bwd_{dtype}_k{tier}_q32x32_w4_sm80"
+        assert sel.select(request(A100, head_dim=head_dim, dtype=dtype)).name == large
+        assert sel.select(request(H100, head_dim=head_dim, dtype=dtype)).name == large
+        for device in (RTX3090, RTX4090):
+            verdicts = {name: why for name, target, why in sel.explain(request(device, head_dim, dtype=dtype))
+                        if target == "sm80"}
+            need = shared_bytes(*{192: (192, 64, 64), 256: (256, 32, 64)}[tier])
+            assert verdicts[large] == f"needs {need} B of shared memory; {device.name} allows {SM86_OPTIN} B per block"
+            assert verdicts[small] == "selected"
+            chosen = sel.select(request(device, head_dim=head_dim, dtype=dtype))
+            assert chosen.name == small and chosen.constants["shared_memory_bytes"] <= device.shared_memory_optin
+            assert chosen.constants["threads_per_block"] == 128
+        if tier == 256:  # the 192 tier's kernels are refused by head dim, not tried
+            rows = {name: why for name, _, why in sel.explain(request(RTX3090, head_dim, dtype=dtype))}
+            assert rows[f"sm80_bwd_{dtype}_k192_q32x32_w4_sm80"] == f"kMaxK 192 < head dim {head_dim}"
+
+
 def test_selection_by_tier_alignment_and_dtype(registry):
     sel = Selector(registry)
     assert sel.select(request(A100, head_dim=8)).name == "sm80_bwd_f16_k64_q64x128_sm80"
     assert sel.select(request(A100, head_dim=96)).name == "sm80_bwd_f16_k128_q64x128_sm80"
     assert sel.select(request(RTX3090, head_dim=80, dtype="bf16")).name == "sm80_bwd_bf16_k128_q32x64_sm80"
-    assert sel.find(request(A100, head_dim=136)) is None
+    assert sel.find(request(A100, head_dim=264)) is None
     verdicts = {why for _, _, why in sel.explain(request(RTX3090, alignment=4))}
     assert "needs 8-element alignment of pointers, strides and head dims; the call has 4" in verdicts
     with pytest.raises(UnsupportedError, match="no sm80_bwd kernel can run on GPU 2"):
@@ -165,7 +207,7 @@ def test_refuses_calls_none_of_its_kernels_takes(monkeypatch, registry):
     req = runtime.request(backward_of(registry=registry, window=(8, None), softcap=2.0))
     assert (req.family, req.band, req.softcap, req.alignment, req.device) == ("sm80_bwd", True, True, 8, RTX3090)
     wide = runtime.refusal(backward_of(arrays=qkv(K=264), registry=registry))
-    assert wide.startswith("none of its kernels accepts the call: ") and "kMaxK 128 < head dim 264" in wide
+    assert wide.startswith("none of its kernels accepts the call: ") and "kMaxK 256 < head dim 264" in wide
     grouped = qkv()[:1] + (FakeArray((2, 7, 1, 64)), FakeArray((2, 7, 1, 64)))  # three q heads per k/v head
     assert runtime.refusal(backward_of(arrays=grouped, registry=registry)) is None
 
@@ -188,7 +230,9 @@ def test_explain_names_why_a_99_kb_part_skips_the_larger_tile(monkeypatch, regis
     monkeypatch.setattr(families, "device_info", lambda index: RTX4090)
     rows = sm80_bwd.RUNTIME.explain(backward_of(arrays=qkv(K=96), registry=registry, causal="top_left"))
     f16 = [(name, why) for name, target, why in rows if "_f16_" in name and target == "sm80"]
-    assert f16 == [("sm80_bwd_f16_k64_q64x128_sm80", "kMaxK 64 < head dim 96"),
-                   ("sm80_bwd_f16_k128_q64x128_sm80", f"needs 164864 B of shared memory; {RTX4090.name} allows "
-                                                      f"{SM86_OPTIN} B per block"),
-                   ("sm80_bwd_f16_k128_q32x64_sm80", "selected")]
+    assert f16[:3] == [("sm80_bwd_f16_k64_q64x128_sm80", "kMaxK 64 < head dim 96"),
+                       ("sm80_bwd_f16_k128_q64x128_sm80", f"needs 164864 B of shared memory; {RTX4090.name} allows "
+                                                          f"{SM86_OPTIN} B per block"),
+                       ("sm80_bwd_f16_k128_q32x64_sm80", "selected")]
+    assert [name for name, _ in f16[3:]] == ["sm80_bwd_f16_k192_q64x64_sm80", "sm80_bwd_f16_k192_q32x32_w4_sm80",
+                                             "sm80_bwd_f16_k256_q32x64_sm80", "sm80_bwd_f16_k256_q32x32_w4_sm80"]

@@ -111,6 +111,25 @@ def test_matches_float64_reference(dtype, K, M, N, causal):
 
 
 @needs_sm80
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+@pytest.mark.parametrize("K", [136, 160, 192, 200, 256])
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_head_dims_past_128(dtype, K, causal):
+    """The 192 and 256 tiers (head dims between them padded) through the public forward and
+    backward: odd sizes both ways round, grouped-query k/v, dq/dk/dv against float64, and the
+    deterministic order repeated bit for bit."""
+    rng = np.random.default_rng([K, len(dtype), len(causal or "")])
+    tier = 192 if K <= 192 else 256
+    for M, N in ((129, 1000), (1000, 77)):
+        q, k, v, do = inputs(rng, dtype, B=2, M=M, N=N, H=4, K=K, Hk=2)
+        assert f"_k{tier}_" in selected_backward(q, k, v, causal=causal)
+        first = check_backward(q, k, v, do, deterministic=True, causal=causal)
+        out, lse = flashgen.attention_forward(q, k, v, causal=causal)
+        assert_same_bits(first, flashgen.attention_backward(do, q, k, v, out, lse, causal=causal,
+                                                            deterministic=True))
+
+
+@needs_sm80
 @pytest.mark.parametrize("scale", [0.02, 1.0, -0.3])
 def test_scale_of_either_sign(scale):
     rng = np.random.default_rng(int(abs(scale) * 100))
@@ -129,7 +148,7 @@ def test_strided_inputs(layout, causal, K):
 @needs_sm80
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
-@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("K", [64, 128, 160, 256])
 def test_grouped_query_attention(group, causal, K):
     """k/v with H / group heads are read in place; dk/dv sum their group in registers."""
     rng = np.random.default_rng([group, len(causal or ""), K])
@@ -148,7 +167,8 @@ def test_sliding_windows(dtype, K, M, N, window, causal):
 @needs_sm80
 @pytest.mark.parametrize("softcap", [1.0, 8.0, 50.0])
 @pytest.mark.parametrize("dtype,K,causal,window", [("f16", 64, None, None), ("bf16", 128, "top_left", None),
-                                                   ("bf16", 64, "bottom_right", (300, 0)), ("f16", 128, None, (64, 64))])
+                                                   ("bf16", 64, "bottom_right", (300, 0)), ("f16", 128, None, (64, 64)),
+                                                   ("bf16", 192, None, (64, 64)), ("f16", 256, "top_left", None)])
 def test_softcap(dtype, K, causal, window, softcap):
     rng = np.random.default_rng([K, int(softcap)])
     check_backward(*inputs(rng, dtype, B=2, M=1000, N=777, H=2, K=K), causal=causal, window=window, softcap=softcap,
@@ -191,7 +211,7 @@ def test_packed_batches_per_sequence(dtype, K, packing, mask):
 
 
 @needs_sm80
-@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize("K", [64, 128, 192, 256])
 @pytest.mark.parametrize("causal", [None, "top_left"])
 @pytest.mark.parametrize("group", [1, 4])
 def test_deterministic_mode_repeats_bit_for_bit(causal, K, group):
@@ -245,10 +265,10 @@ def test_lse_with_a_row_stride():
 
 @needs_sm80
 def test_what_it_refuses_another_family_serves(monkeypatch):
-    """Bias, dropout, float32, different q/v head dims, 4-element alignment and head dims over 128
+    """Bias, dropout, float32, different q/v head dims, 4-element alignment and head dims over 256
     are refused with the reason.  With every family allowed, a later one in the dispatch order
     (sm90_bwd where built and it fits, else example 41) serves the cases without bias or dropout,
-    to the float64 reference.  q, k and v are drawn apart: with q = k (head dim 136) the softmax
+    to the float64 reference.  q, k and v are drawn apart: with q = k (a wide head dim) the softmax
     peaks on the diagonal, and the rounding of O to f16 alone (delta = rowsum(dO * O)) puts even
     an exact dq, dk ~5% off the float64 gradient, past BWD_TOL whichever kernel runs."""
     rng = np.random.default_rng(5)
@@ -256,13 +276,13 @@ def test_what_it_refuses_another_family_serves(monkeypatch):
     bias = randn(rng, (1, 2, 130, 130), "f16")
     # head dim 60 and head stride 68: 4-element aligned (rows of 136 elements are 8-aligned)
     odd = tuple(randn(rng, (1, 130, 2, 68), "f16")[..., :60] for _ in range(3))
-    wide = tuple(randn(rng, (1, 130, 2, 136), "f16") for _ in range(3))
+    wide = tuple(randn(rng, (1, 130, 2, 264), "f16") for _ in range(3))
     cases = (((q, k, v), {"attn_bias": bias}, "no attn_bias"),
              ((q, k, v), {"dropout_p": 0.1, "seed": 1}, "no dropout"),
              (tuple(randn(rng, (1, 130, 2, 64), "f32") for _ in range(3)), {}, "float16 or bfloat16 only"),
              ((q, k, randn(rng, (1, 130, 2, 32), "f16")), {}, "equal q/v head dims only"),
              (odd, {}, "needs 8-element alignment"),
-             (wide, {}, "kMaxK 128 < head dim 136"))
+             (wide, {}, "kMaxK 256 < head dim 264"))
     for arrays, options, why in cases:
         out = cupy.zeros(out_shape(arrays), arrays[0].dtype)
         lse = cupy.zeros((1, 2, 130), cupy.float32)

@@ -16,6 +16,7 @@ from flashgen.runtime.registry import Registry
 from flashgen.runtime.select import Request, Selector
 from flashgen.spec import FAMILIES
 from flashgen.spec.sm80_fwd import CTA_SHARED_BUDGET, Sm80Fwd, ring_slots
+from flashgen.spec.sm80_fwd import shared_bytes as spec_shared_bytes
 from test_runtime_cpu import A100, H100, RTX3090, RTX4090, T4, FakeArray, qkv, write_build
 
 SM86_OPTIN = 101376  # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm86/sm89: 99 KB
@@ -48,20 +49,36 @@ def test_dispatch_order_puts_it_between_the_hopper_and_the_example41_forward():
 def test_default_set_has_one_tile_per_tier_that_fits_sm86():
     kernels = Sm80Fwd.default_set()
     for dtype in ("f16", "bf16"):
-        assert sorted(k.max_k for k in kernels if k.dtype == dtype) == [64, 128]
+        assert sorted(k.max_k for k in kernels if k.dtype == dtype) == [64, 128, 192, 256]
     for k in kernels:
+        assert shared_bytes(k) == spec_shared_bytes(k.max_k, k.block_m, k.block_n, k.stages)
         assert shared_bytes(k) <= CTA_SHARED_BUDGET <= SM86_OPTIN, k.name
         assert 2 * (shared_bytes(k) + 1024) <= A100.shared_memory_optin + 1024, "two CTAs per A100 SM"
-    names = [k.name for k in kernels]
-    assert "sm80_fwd_f16_k128_q128x64_s3_sm80" in names and "sm80_fwd_bf16_k64_q128x64_s4_sm80" in names
+    assert [k.name for k in kernels if k.dtype == "f16"] == [
+        "sm80_fwd_f16_k64_q128x64_s4_sm80", "sm80_fwd_f16_k128_q128x64_s3_sm80", "sm80_fwd_f16_k192_q64x64_s2_sm80",
+        "sm80_fwd_f16_k256_q64x32_s3_sm80"]
     assert kernels[0].cpp_type == "flashgen::sm80::FwdKernel<cutlass::half_t, 64, 128, 64, 4>"
+    # past head dim 128: 64 query rows (16 a warp); 72 KB at 192 (64 keys, 2 slots), 80 KB at 256 (32 keys, 3)
+    assert [shared_bytes(k) for k in kernels[2:4]] == [73728, 81920]
+
+
+def test_every_pruned_candidate_names_its_rule():
+    reasons = {k.name: k.pruned_by().reason for k in Sm80Fwd.candidates() if k.pruned_by() is not None}
+    assert reasons["sm80_fwd_f16_k64_q128x128_s2_sm80"].startswith("128-key tiles leave too few registers")
+    assert reasons["sm80_fwd_f16_k192_q128x32_s2_sm80"].startswith("128 query rows up to head dim 128")
+    assert reasons["sm80_fwd_f16_k128_q64x64_s4_sm80"].startswith("64 query rows only past head dim 128")
+    assert reasons["sm80_fwd_f16_k192_q64x32_s4_sm80"].startswith("32-key tiles only where")
+    assert reasons["sm80_fwd_f16_k192_q64x64_s3_sm80"].startswith("one ring depth per tile")
+    assert reasons["sm80_fwd_f16_k256_q64x64_s2_sm80"].startswith("the tile within 80 KB")
 
 
 def test_ring_depth_fills_the_budget_between_two_and_four_slots():
     assert ring_slots(64, 128, 64) == 4      # 16 KB Q + 4 x 8 KB
     assert ring_slots(128, 128, 64) == 3     # 32 KB Q + 3 x 16 KB = 80 KB
     assert ring_slots(128, 128, 128) == 2    # nothing fits: the minimum, one K and one V tile
-    assert ring_slots(256, 64, 64) == 2
+    assert ring_slots(256, 64, 64) == 2     # 32 KB Q + 2 x 32 KB: over 80 KB, so 256 takes 32-key tiles
+    assert ring_slots(192, 64, 64) == 2     # 24 KB Q + 2 x 24 KB = 72 KB
+    assert ring_slots(256, 64, 32) == 3     # 32 KB Q + 3 x 16 KB = 80 KB
 
 
 def test_built_for_plain_targets_from_sm80_on_not_sm90a():
@@ -122,11 +139,23 @@ def test_selection_by_tier_alignment_and_dtype(registry):
     assert sel.select(request(RTX3090, head_dim=40)).name == "sm80_fwd_f16_k64_q128x64_s4_sm80"
     assert sel.select(request(RTX3090, head_dim=96)).name == "sm80_fwd_f16_k128_q128x64_s3_sm80"
     assert sel.select(request(RTX3090, head_dim=80, dtype="bf16")).name == "sm80_fwd_bf16_k128_q128x64_s3_sm80"
-    assert sel.find(request(RTX3090, head_dim=136)) is None
+    assert sel.find(request(RTX3090, head_dim=264)) is None
     verdicts = {why for _, _, why in sel.explain(request(RTX3090, alignment=4))}
     assert "needs 8-element alignment of pointers, strides and head dims; the call has 4" in verdicts
     with pytest.raises(UnsupportedError, match="no sm80_fwd kernel can run on GPU 2"):
         sel.select(request(T4))
+
+
+@pytest.mark.parametrize("head_dim,tier", [(136, 192), (160, 192), (192, 192), (200, 256), (256, 256)])
+@pytest.mark.parametrize("device", [A100, RTX3090, RTX4090, H100], ids=lambda d: d.sm)
+def test_head_dims_past_128_take_the_next_tier_on_every_device(registry, device, head_dim, tier):
+    """Head dims 129-256 pad to tier 192 or 256, whose single tiles (at most 80 KB) every 8.x and
+    9.0 device holds: selected everywhere, not left to example 41."""
+    for dtype in ("f16", "bf16"):
+        chosen = Selector(registry).select(request(device, head_dim=head_dim, dtype=dtype))
+        assert (chosen.spec.max_k, chosen.spec.dtype) == (tier, dtype)
+        assert chosen.constants["shared_memory_bytes"] <= device.shared_memory_optin
+        assert chosen.target == ("sm90" if device.cc == 90 else "sm80")
 
 
 # === the runtime's refusals ======================================================================
@@ -159,7 +188,7 @@ def test_refuses_calls_none_of_its_kernels_takes(monkeypatch, registry):
     req = runtime.request(call_of(registry=registry, window=(8, None), softcap=2.0))
     assert (req.band, req.softcap, req.alignment, req.device) == (True, True, 8, RTX3090)
     wide = runtime.refusal(call_of(arrays=qkv(K=264), registry=registry))
-    assert wide.startswith("none of its kernels accepts the call: ") and "kMaxK 128 < head dim 264" in wide
+    assert wide.startswith("none of its kernels accepts the call: ") and "kMaxK 256 < head dim 264" in wide
     skewed = (FakeArray((2, 5, 3, 64), ptr=0x7F2A00000008),) + qkv()[1:]
     assert "needs 8-element alignment" in runtime.refusal(call_of(arrays=skewed, registry=registry))
     grouped = qkv()[:1] + (FakeArray((2, 7, 1, 64)), FakeArray((2, 7, 1, 64)))  # three q heads per k/v head

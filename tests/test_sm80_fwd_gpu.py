@@ -94,6 +94,22 @@ def test_matches_float64_reference(dtype, K, M, N, causal):
 
 
 @needs_sm80
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+@pytest.mark.parametrize("K", [136, 160, 192, 200, 256])
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_head_dims_past_128(dtype, K, causal):
+    """The 192 and 256 tiers (head dims between them padded) through the public API: odd sizes both
+    ways round, grouped-query k/v (two query heads per k/v head), out and lse against float64."""
+    rng = np.random.default_rng([K, len(dtype), len(causal or "")])
+    tier = 192 if K <= 192 else 256
+    for M, N in ((129, 1000), (1000, 77)):
+        q = randn(rng, (2, M, 4, K), dtype)
+        k, v = (randn(rng, (2, N, 2, K), dtype) for _ in range(2))
+        assert f"_k{tier}_" in selected(q, k, v, causal=causal)
+        check_forward(q, k, v, dtype, causal=causal)
+
+
+@needs_sm80
 @pytest.mark.parametrize("scale", [0.02, 1.0, -0.3])
 def test_scale_of_either_sign(scale):
     """The scores are scaled before the running max, so a negative scale (largest score last) is exact too."""
@@ -112,12 +128,13 @@ def test_strided_inputs(layout, causal):
 
 
 @needs_sm80
+@pytest.mark.parametrize("K", [128, 192, 256])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
-def test_grouped_query_attention_reads_kv_in_place(group, causal):
-    rng = np.random.default_rng([group, len(causal or "")])
-    q = randn(rng, (2, 129, 8, 128), "bf16")
-    k, v = (randn(rng, (2, 1000, 8 // group, 128), "bf16") for _ in range(2))
+def test_grouped_query_attention_reads_kv_in_place(group, causal, K):
+    rng = np.random.default_rng([group, len(causal or ""), K])
+    q = randn(rng, (2, 129, 8, K), "bf16")
+    k, v = (randn(rng, (2, 1000, 8 // group, K), "bf16") for _ in range(2))
     check_forward(q, k, v, "bf16", causal=causal)
 
 
@@ -133,7 +150,8 @@ def test_sliding_windows(dtype, K, M, N, window, causal):
 
 @needs_sm80
 @pytest.mark.parametrize("softcap", [1.0, 8.0, 50.0])
-@pytest.mark.parametrize("dtype,K,causal", [("f16", 64, None), ("bf16", 128, "top_left"), ("bf16", 64, "bottom_right")])
+@pytest.mark.parametrize("dtype,K,causal", [("f16", 64, None), ("bf16", 128, "top_left"), ("bf16", 64, "bottom_right"),
+                                           ("f16", 256, "top_left")])
 def test_softcap(dtype, K, causal, softcap):
     rng = np.random.default_rng([K, int(softcap)])
     q, k, v = (randn(rng, (2, S, 2, K), dtype) for S in (1000, 777, 777))
@@ -217,18 +235,18 @@ def test_planned_repeat_uses_the_new_inputs():
 
 @needs_sm80
 def test_what_it_refuses_goes_to_example41(monkeypatch):
-    """Bias, dropout, float32, different q/v head dims, 4-element alignment and head dims over 128
+    """Bias, dropout, float32, different q/v head dims, 4-element alignment and head dims over 256
     are refused with the reason, and (all families allowed) example 41 serves them."""
     rng = np.random.default_rng(5)
     q, k, v = (randn(rng, (1, 130, 2, 64), "f16") for _ in range(3))
     bias = randn(rng, (1, 2, 130, 130), "f16")
     odd = randn(rng, (1, 130, 2, 68), "f16")[..., :60]  # row stride 136 elements: 8-aligned, head dim 60 is not
-    wide = randn(rng, (1, 130, 2, 136), "f16")
+    wide = randn(rng, (1, 130, 2, 264), "f16")
     for arrays, options, why in (((q, k, v), {"attn_bias": bias}, "no attn_bias"),
                                  ((q, k, v), {"dropout_p": 0.1, "seed": 1}, "no dropout"),
                                  ((q, k, randn(rng, (1, 130, 2, 32), "f16")), {}, "equal q/v head dims only"),
                                  ((odd, odd, odd), {}, "needs 8-element alignment"),
-                                 ((wide, wide, wide), {}, "kMaxK 128 < head dim 136")):
+                                 ((wide, wide, wide), {}, "kMaxK 256 < head dim 264")):
         call = validate.forward_call(*arrays, dict(options), flashgen.attention_forward)
         assert why in sm80_fwd.RUNTIME.refusal(call)
     monkeypatch.delenv("FLASHGEN_FAMILIES")

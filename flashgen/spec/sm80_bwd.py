@@ -1,13 +1,14 @@
 """``sm80_bwd``: flashgen's own Ampere-class backward (``flashgen/csrc/flashgen/sm80_bwd.h``).
 
-Template: ``flashgen::sm80::BwdKernel<Element, kHeadDim, kBlockM, kBlockN>`` -- eight warps
-with mma.sync, ldmatrix and cp.async.  One CTA per ``block_n`` keys of one (sequence, k/v
-head) keeps K and V in shared memory and walks every query head of the k/v head's group and
-every query block of ``block_m`` rows it meets, Q, dO, lse, delta and dS double-buffered.  Each
-warp owns 16 keys of a 64-key CTA or 32 of a 128-key one, and half of each query block; dK and
-dV stay in registers (at head dim 128 with 32 keys, split by columns between the two warps of
-the same keys, which trade P^T and dS^T through shared memory); dQ goes into a float32
-accumulator by atomics.  Each instance holds three entry points, launched in order on one
+Template: ``flashgen::sm80::BwdKernel<Element, kHeadDim, kBlockM, kBlockN, kWarps>`` -- eight
+warps (four in 32-key CTAs) with mma.sync, ldmatrix and cp.async.  One CTA per ``block_n`` keys
+of one (sequence, k/v head) keeps K and V in shared memory and walks every query head of the k/v
+head's group and every query block of ``block_m`` rows it meets, Q, dO, lse, delta and dS
+double-buffered (dS single in the 4-warp tile at head dim 256, which two would take past 99 KB).
+Each warp owns 16 keys (32 in a 128-key CTA) and half of each query block; dK and dV stay in
+registers (where a warp's over all columns would exceed 128 registers, split by columns between
+the two warps of the same keys, which trade P^T and dS^T through shared memory); dQ goes into a
+float32 accumulator by atomics.  Each instance holds three entry points, launched in order on one
 stream, with the contract of ``sm90_bwd``:
 
 * ``<name>_prep``: grid (ceil(M / block_m), heads, batch or sequences), ``aux_threads``
@@ -31,13 +32,29 @@ from dataclasses import dataclass
 from flashgen.spec.core import DTYPES, Constant, Field, KernelSpec, Rule, normalize_target, target_cc
 
 KB = 1024
-SM86_SHARED = 99 * KB  # what an sm86/sm89 block may opt into; an A100 block 163 KB, a Hopper one 227 KB
+SM86_SHARED = 99 * KB   # what an sm86/sm89 block may opt into
+A100_SHARED = 163 * KB  # an A100 block's (a Hopper one: 227 KB)
+WIDE_KEYS_MAX_K = 128   # 128-key CTAs up to this head dim (see RULES)
 
 
-def shared_bytes(max_k: int, block_m: int, block_n: int) -> int:
-    """BwdKernel::kSharedBytes: K and V, double-buffered Q and dO, double-buffered dS, double-buffered
-    lse and delta (tests compare it with the value the build reads back from the cubin)."""
-    return 2 * (2 * block_n * max_k + 4 * block_m * max_k + 2 * block_m * block_n) + 4 * 4 * block_m
+def shared_bytes(max_k: int, block_m: int, block_n: int, warps: int = 8) -> int:
+    """BwdKernel::kSharedBytes: K and V, double-buffered Q and dO, dS (double-buffered, except in a
+    4-warp CTA that two buffers would take past 99 KB), double-buffered lse and delta (tests compare
+    it with the value the build reads back from the cubin)."""
+    def total(ds_buffers):
+        return 2 * (2 * block_n * max_k + 4 * block_m * max_k + ds_buffers * block_m * block_n) + 4 * 4 * block_m
+    return total(1) if warps == 4 and total(2) > SM86_SHARED else total(2)
+
+
+def query_step(max_k: int, block_n: int, warps: int, budget: int) -> int:
+    """The larger of the query steps 64 and 32 whose tile fits ``budget`` bytes (32 if neither does)."""
+    return 64 if shared_bytes(max_k, 64, block_n, warps) <= budget else 32
+
+
+def key_warps(block_n: int) -> int:
+    """The template's warps for a CTA of ``block_n`` keys: two query halves of block_n / 16 warps
+    of 16 keys, or of 4 warps of 32 keys in a 128-key CTA."""
+    return 2 * (4 if block_n == 128 else block_n // 16)
 
 
 @dataclass(frozen=True)
@@ -46,7 +63,8 @@ class Sm80Bwd(KernelSpec):
     dtype: str
     max_k: int    # head-dim tier; smaller head dims (multiples of 8) read zeros past theirs
     block_m: int  # query rows per step
-    block_n: int  # keys per CTA: 16 per warp, so 128 (8 warps x 16) or 64 (4 x 16, each query block halved)
+    block_n: int  # keys per CTA: 16 per warp of each query half (32 in a 128-key CTA)
+    warps: int    # 8; 4 for 32-key CTAs, sm86/sm89's tile past head dim 128
 
     FAMILY = "sm80_bwd"
     DIRECTION = "bwd"
@@ -56,23 +74,38 @@ class Sm80Bwd(KernelSpec):
     AXES = {
         "arch": ("sm80",),
         "dtype": ("f16", "bf16"),
-        "max_k": (64, 128),
+        "max_k": (64, 128, 192, 256),
         "block_m": (32, 64, 128),
-        "block_n": (64, 128),
+        "block_n": (32, 64, 128),
+        "warps": (4, 8),
     }
-    TUNED_AXES = ("block_m", "block_n")
+    TUNED_AXES = ("block_m", "block_n", "warps")
+    # Per head-dim tier one tile for the shared memory of an A100 or Hopper block, and one within
+    # sm86/sm89's 99 KB where that one is larger: selection skips a tile a device cannot hold.
     RULES = (
+        Rule("the template's warps: two query halves of 16-key warps (32-key in 128-key CTAs), so 8 warps "
+             "take 64 or 128 keys, 4 warps 32",
+             lambda k: k.warps != key_warps(k.block_n)),
         Rule("128-query steps: S^T and dP^T of 128 queries beside dK and dV spill at head dim 64 (104 bytes on "
-             "sm_80); at 128 the tile needs 226 KB, beyond an A100 block",
+             "sm_80); larger head dims only add registers and shared memory",
              lambda k: k.block_m == 128),
         Rule("128-key CTAs take 64-query steps: 32 queries halve the work per load and barrier",
              lambda k: k.block_n == 128 and k.block_m == 32),
-        Rule("64-key CTAs only where the 128-key one exceeds sm86/sm89's 99 KB (head dim 128): they read Q "
-             "and dO twice as often per key",
+        Rule("128-key CTAs up to head dim 128: past it a warp's dK and dV of 32 keys (192+ registers a thread) "
+             "spill",
+             lambda k: k.block_n == 128 and k.max_k > WIDE_KEYS_MAX_K),
+        Rule("64-key CTAs only where the 128-key one exceeds sm86/sm89's 99 KB (head dim 128 on): they "
+             "read Q and dO twice as often per key",
              lambda k: k.block_n == 64 and shared_bytes(k.max_k, 64, 128) <= SM86_SHARED),
-        Rule("64-key CTAs take 32-query steps: at 64 the double-buffered Q and dO (64 KB) and K, V (32 KB) "
-             "exceed 99 KB at head dim 128",
-             lambda k: k.block_n == 64 and k.block_m != 32),
+        Rule("64-key CTAs take the larger query step that fits: 99 KB where a 128-key CTA serves A100s "
+             "(head dim 128), an A100's 163 KB past it",
+             lambda k: k.block_n == 64 and k.block_m != query_step(
+                 k.max_k, 64, 8, SM86_SHARED if k.max_k <= WIDE_KEYS_MAX_K else A100_SHARED)),
+        Rule("4-warp CTAs only where no 8-warp tile fits sm86/sm89's 99 KB (past head dim 128): half the "
+             "warps to hide each load and barrier",
+             lambda k: k.warps == 4 and shared_bytes(k.max_k, 32, 64) <= SM86_SHARED),
+        Rule("4-warp CTAs take the larger query step within 99 KB: 32 (64 queries need 129 KB at head dim 192)",
+             lambda k: k.warps == 4 and k.block_m != query_step(k.max_k, 32, 4, SM86_SHARED)),
     )
 
     def runs_on(self, target: str) -> bool:
@@ -82,17 +115,19 @@ class Sm80Bwd(KernelSpec):
 
     @property
     def name(self) -> str:
-        return "_".join([self.FAMILY, self.dtype, f"k{self.max_k}", f"q{self.block_m}x{self.block_n}", self.arch])
+        warps = "" if self.warps == 8 else f"_w{self.warps}"  # (the 8-warp names predate the axis)
+        return "_".join([self.FAMILY, self.dtype, f"k{self.max_k}", f"q{self.block_m}x{self.block_n}{warps}",
+                         self.arch])
 
     @property
     def priority(self) -> tuple:
         # the smallest head-dim tier that fits, then the larger tile: a GPU whose blocks cannot
         # opt into its shared memory (sm86/sm89) skips it with the reason and takes the next
-        return (tuple(DTYPES).index(self.dtype), self.max_k, -self.block_m * self.block_n)
+        return (tuple(DTYPES).index(self.dtype), self.max_k, -self.block_m * self.block_n, -self.warps)
 
     @property
     def cpp_type(self) -> str:
-        return f"{self.KERNEL}<{DTYPES[self.dtype]}, {self.max_k}, {self.block_m}, {self.block_n}>"
+        return f"{self.KERNEL}<{DTYPES[self.dtype]}, {self.max_k}, {self.block_m}, {self.block_n}, {self.warps}>"
 
     # `flashgen::sm80::BwdParams`
     ABI = (

@@ -31,6 +31,16 @@ CTA_SHARED_BUDGET = 80 * KB
 MAX_RING_SLOTS = 4
 
 
+def shared_bytes(max_k: int, block_m: int, block_n: int, stages: int) -> int:
+    """FwdKernel::kSharedBytes: the Q tile and the ring of K/V tiles, 16-bit elements."""
+    return 2 * max_k * (block_m + stages * block_n)
+
+
+def fits_budget(max_k: int, block_m: int, block_n: int, stages: int) -> bool:
+    """Whether the tile stays within ``CTA_SHARED_BUDGET``: two CTAs an A100/H100 SM, one within 99 KB."""
+    return shared_bytes(max_k, block_m, block_n, stages) <= CTA_SHARED_BUDGET
+
+
 def ring_slots(max_k: int, block_m: int, block_n: int) -> int:
     """The ring's slots: as many K/V tiles as fit beside the Q tile in ``CTA_SHARED_BUDGET``,
     at most ``MAX_RING_SLOTS`` (a load then has two blocks' work to land in; deeper rings are
@@ -44,7 +54,7 @@ class Sm80Fwd(KernelSpec):
     arch: str
     dtype: str
     max_k: int    # head-dim tier; smaller head dims (multiples of 8) read zeros past theirs
-    block_m: int  # query rows per CTA: 32 per warp (two 16-row MMA tiles); the template also takes 64
+    block_m: int  # query rows per CTA: 32 per warp (two 16-row MMA tiles), or 16 past head dim 128
     block_n: int  # keys per K/V tile
     stages: int   # ring slots, each one K or one V tile
 
@@ -56,22 +66,32 @@ class Sm80Fwd(KernelSpec):
     AXES = {
         "arch": ("sm80",),
         "dtype": ("f16", "bf16"),
-        "max_k": (64, 128),
-        "block_m": (128,),
-        "block_n": (64, 128),
+        "max_k": (64, 128, 192, 256),
+        "block_m": (64, 128),
+        "block_n": (32, 64, 128),
         "stages": (2, 3, 4),
     }
     TUNED_AXES = ("block_m", "block_n", "stages")
-    # One tile per head-dim tier keeps the family's share of the default sm80 build near a
-    # minute on two cores (the whole set has a 6-minute budget).  The template also takes
-    # 64 query rows (one 16-row MMA tile per warp) and head dims up to 256 (a multiple of 64).
+    # One tile per head-dim tier keeps the family's share of the default sm80 build small on two
+    # cores (the whole set has a 6-minute budget); every tile fits 80 KB, so each tier has one
+    # that sm86/sm89's 99 KB holds.
     RULES = (
         Rule("128-key tiles leave too few registers: S is 128 accumulators a thread, which spills at head dim "
              "64 and, beside O's 128, cannot fit at head dim 128",
              lambda k: k.block_n == 128),
+        Rule("128 query rows up to head dim 128: past it O alone (head dim accumulators a thread at 32 rows a "
+             "warp) leaves S and the operands too few registers",
+             lambda k: k.block_m == 128 and k.max_k > 128),
+        Rule("64 query rows only past head dim 128: 128 rows share each K and V tile among twice the queries",
+             lambda k: k.block_m == 64 and k.max_k <= 128),
+        Rule("32-key tiles only where two 64-key slots do not fit beside Q in 80 KB (head dim 256): they "
+             "halve the keys per barrier",
+             lambda k: k.block_n == 32 and fits_budget(k.max_k, k.block_m, 64, 2)),
         Rule("one ring depth per tile: as many K/V slots as fit beside Q in 80 KB (two CTAs on an A100 or "
              "H100 SM, one within sm86/sm89's 99 KB), 2 to 4",
              lambda k: k.stages != ring_slots(k.max_k, k.block_m, k.block_n)),
+        Rule("the tile within 80 KB: two CTAs on an A100 or H100 SM, one within sm86/sm89's 99 KB",
+             lambda k: not fits_budget(k.max_k, k.block_m, k.block_n, k.stages)),
     )
 
     def runs_on(self, target: str) -> bool:

@@ -90,17 +90,18 @@ def draw(seed: int, case: int) -> dict:
             p["Kv"] = p["K"]
     p["deterministic"] = bool(r.random() < 0.3)  # drawn last: earlier draws stay what they were
     p.update(window=None, softcap=0.0)
-    # the options only flashgen's own kernels have (sm90_fwd/bwd, sm80_fwd/bwd): f16/bf16, K = Kv <= 128,
-    # 16-byte-aligned strides (packed batches too)
+    # the options only flashgen's own kernels have (sm90_fwd/bwd, sm80_fwd/bwd): f16/bf16, K = Kv <= 256 (every
+    # tier, 64 to 256, and multiples of 8 between), 16-byte-aligned strides (packed batches too)
     if (kind >= 0.5 or kind < 0.2) and r.random() < 0.4:
-        p.update(dtype=pick(["f16", "bf16"]), K=int(pick([64, 96, 128, 8 * int(r.integers(1, 17))])))
+        p.update(dtype=pick(["f16", "bf16"]), K=int(pick([64, 96, 128, 160, 192, 256, 8 * int(r.integers(1, 33))])))
         if not p["varlen"]:
             p["layout"] = pick(["contiguous", "bhsk", "padded"])
         p["Kv"] = p["K"]
         side = lambda: None if r.random() < 0.25 else int(pick([0, 1, int(r.integers(0, 300))]))  # noqa: E731
         p["window"] = (side(), side()) if r.random() < 0.7 else None
         p["softcap"] = float(r.uniform(1, 50)) if r.random() < 0.4 else 0.0
-        if not p["varlen"] and r.random() < 0.3:  # the sm90 bias instances (drawn last: the rest stays)
+        # the sm90 bias instances, head dims up to 128 (drawn last: the rest stays)
+        if not p["varlen"] and r.random() < 0.3 and p["K"] <= 128:
             p["bias"] = pick(BIAS_PATTERNS)
     if p["scale"] is not None and r.random() < 0.3:  # drawn after the rest, which stays what it was
         p["scale"] = -p["scale"]  # the largest product becomes the smallest score

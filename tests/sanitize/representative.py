@@ -144,9 +144,10 @@ cupy.cuda.runtime.deviceSynchronize()
 # flashgen's Ampere forward and backward (any 8.0+ GPU with sm80_fwd and sm80_bwd built; on Hopper a
 # plain sm90 build), forced ahead of the sm90 families: one and several key blocks, partial tiles, a head
 # dim below its tier, grouped-query k/v, both causal kinds, rows without keys, windows with soft-capping,
-# deterministic dQ, a packed batch whose last sequence is short (each array its own allocation still),
-# the launch plans' replay, and every built backward kernel directly (dispatch picks one tile per
-# tier; the 64-key one, with its two query slices, serves sm86/sm89 only)
+# deterministic dQ, the 192 and 256 tiers (a head dim padded to each; 32-column swizzle atoms at 192),
+# a packed batch whose last sequence is short (each array its own allocation still), the launch plans'
+# replay, and every built backward kernel directly (dispatch picks one tile per tier; the 99 KB ones --
+# 64 keys at 128, 4 warps and one dS^T buffer at 256 -- serve sm86/sm89 only)
 try:
     from flashgen.runtime.device import device_info
     from flashgen.runtime.registry import default_registry
@@ -166,7 +167,9 @@ if sm80_backwards:
                                            (1, 200, 333, 8, 2, 128, {"causal": "top_left", "deterministic": True}),
                                            (1, 300, 130, 2, 2, 64, {"causal": "bottom_right"}),
                                            (1, 300, 700, 4, 2, 64, {"window": (100, 20), "softcap": 10.0}),
-                                           (1, 400, 100, 2, 2, 128, {"window": (0, 5)})):
+                                           (1, 400, 100, 2, 2, 128, {"window": (0, 5)}),
+                                           (1, 150, 200, 4, 2, 256, {"causal": "bottom_right", "deterministic": True}),
+                                           (2, 130, 77, 2, 1, 176, {"window": (30, 20), "softcap": 5.0})):
             call(dtype, B, M, N, H, K, heads_kv=Hk, **options)  # full path, then the plans
     cu_q, cu_k = np.array([0, 300, 300, 301, 560], np.int32), np.array([0, 400, 410, 420, 1000], np.int32)
     q, do = randn(r, (1, 570, 4, 128), "bf16"), randn(r, (1, 570, 4, 128), "bf16")

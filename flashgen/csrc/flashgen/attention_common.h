@@ -100,40 +100,46 @@ __device__ __forceinline__ long long workspace_row0(Params const& p, Sequence co
 template <class Element, int kHeadDim, int kBlockM, int kAuxThreads, class Params>
 __device__ void backward_prep(Params const& p) {
   constexpr int kChunks = kHeadDim / 8;  // 16-byte pieces of a row
-  constexpr int kRowsPerPass = kAuxThreads / kChunks;
-  static_assert(32 % kChunks == 0 && kBlockM % kRowsPerPass == 0, "a row's pieces within one warp");
+  // the lanes of a row: a power of two dividing kChunks (a shuffle tree), each lane kChunks /
+  // kLanes pieces (one, except at head dims like 192: 24 pieces over 8 lanes)
+  constexpr int kLanes = (kChunks & -kChunks) < 32 ? (kChunks & -kChunks) : 32;
+  constexpr int kRowsPerPass = kAuxThreads / kLanes;
+  static_assert(kBlockM % kRowsPerPass == 0, "whole passes");
   int const m_block = blockIdx.x;
   int const head = blockIdx.y;
   Sequence const seq = sequence(p, blockIdx.z);
   if (m_block * kBlockM >= seq.num_queries) {  // past a packed sequence: no workspace rows here
     return;
   }
-  int const chunk = threadIdx.x % kChunks;
+  int const lane = threadIdx.x % kLanes;
   long long const head_row0 = workspace_row0<kBlockM>(p, seq, head);
   long long const out_row0 = seq.batch * p.out_stride_b + seq.q0 * (long long)p.out_stride_m +
                              head * (long long)p.out_stride_h;
   long long const dout_row0 = seq.batch * p.dout_stride_b + seq.q0 * (long long)p.dout_stride_m +
                               head * (long long)p.dout_stride_h;
-  for (int r = threadIdx.x / kChunks; r < kBlockM; r += kRowsPerPass) {
+  for (int r = threadIdx.x / kLanes; r < kBlockM; r += kRowsPerPass) {
     int const row = m_block * kBlockM + r;
     float dot = 0.f;
-    if (row < seq.num_queries && chunk * 8 < p.head_dim) {
-      uint4 const o = *reinterpret_cast<uint4 const*>(static_cast<Element const*>(p.out_ptr) + out_row0 +
-                                                      row * (long long)p.out_stride_m + chunk * 8);
-      uint4 const d = *reinterpret_cast<uint4 const*>(static_cast<Element const*>(p.dout_ptr) + dout_row0 +
-                                                      row * (long long)p.dout_stride_m + chunk * 8);
-      Element const* oe = reinterpret_cast<Element const*>(&o);
-      Element const* de = reinterpret_cast<Element const*>(&d);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        dot += float(oe[i]) * float(de[i]);
+    for (int chunk = lane; chunk < kChunks; chunk += kLanes) {
+      if (row < seq.num_queries && chunk * 8 < p.head_dim) {
+        uint4 const o = *reinterpret_cast<uint4 const*>(static_cast<Element const*>(p.out_ptr) + out_row0 +
+                                                        row * (long long)p.out_stride_m + chunk * 8);
+        uint4 const d = *reinterpret_cast<uint4 const*>(static_cast<Element const*>(p.dout_ptr) + dout_row0 +
+                                                        row * (long long)p.dout_stride_m + chunk * 8);
+        Element const* oe = reinterpret_cast<Element const*>(&o);
+        Element const* de = reinterpret_cast<Element const*>(&d);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          dot += float(oe[i]) * float(de[i]);
+        }
       }
     }
 #pragma unroll
-    for (int offset = kChunks / 2; offset > 0; offset /= 2) {
+    for (int offset = kLanes / 2; offset > 0; offset /= 2) {
       dot += __shfl_xor_sync(0xffffffff, dot, offset);
     }
-    if (chunk == 0) {
+    if (lane == 0) {
       float lse = INFINITY;  // padding rows: P = 0
       if (row < seq.num_queries) {
         lse = p.lse_ptr[seq.index * (long long)p.lse_stride_b + head * (long long)p.lse_stride_h + row];
@@ -143,7 +149,7 @@ __device__ void backward_prep(Params const& p) {
       p.delta_ptr[head_row0 + row] = dot;
     }
     float4* accum = reinterpret_cast<float4*>(p.dq_accum_ptr + (head_row0 + row) * kHeadDim);
-    for (int c = chunk; c < kHeadDim / 4; c += kChunks) {
+    for (int c = lane; c < kHeadDim / 4; c += kLanes) {
       accum[c] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
   }

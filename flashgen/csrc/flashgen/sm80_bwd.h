@@ -6,18 +6,20 @@
 //   prep     per query row: delta = rowsum(dO * O), the forward's lse in the log2 domain
 //            (+inf where no key contributes, so P is 0 there), zeroed dQ accumulator rows and
 //            block counters;
-//   main     one CTA of eight warps per kBlockN keys of one (sequence, k/v head): K and V stay
+//   main     one CTA of kWarps warps (eight; four in the 32-key CTAs that sm86/sm89's 99 KB
+//            holds past head dim 128) per kBlockN keys of one (sequence, k/v head): K and V stay
 //            in shared memory while Q, dO, lse_log2 and delta of kBlockM queries stream through
 //            a cp.async double buffer, block after block, for every query head of the k/v
 //            head's group (grouped-query dK and dV are summed in registers, k/v read in place),
-//            one barrier per block (see mainloop);
+//            one barrier per block (two in a 4-warp CTA with one dS^T buffer; see mainloop);
 //   convert  dQ = scale * accumulator, in the input dtype and the caller's strides.
 // (prep and workspace_row0 are attention_common.h's, shared with sm90_bwd.h; convert is this
 // file's own: sm90_bwd.h's dQ accumulator is laid out in wgmma register order, this one's
 // row-major.)
 //
-// In the main kernel warp w owns kKeysPerWarp keys of the CTA's block (16-key MMA tiles w % 4,
-// + 4, ...; kKeyWarps = 4) and query half w / 4 of every query block.  Per query block:
+// In the main kernel warp w owns kKeysPerWarp keys of the CTA's block (16-key MMA tiles
+// w % kKeyWarps, + kKeyWarps, ...; kKeyWarps = kWarps / 2) and query half w / kKeyWarps of every
+// query block.  Per query block:
 //   S^T  = K Q^T,  dP^T = V dO^T             (the warp's keys x its queries each)
 //   P^T  = exp2(S^T * scale_log2 - lse_log2),   dS^T = P^T * (dP^T - delta)
 //          (soft-capped: S^T goes through tanh first and dS^T carries tanh's slope 1 - t^2)
@@ -118,19 +120,22 @@ struct BwdParams {
   float softcap_out;          // softcap / scale
 };
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_>
+// Whether a tile of `cols` columns is whole swizzle atoms of `atom` columns, or lies within one.
+constexpr bool whole_atoms(int cols, int atom) { return cols % atom == 0 || atom % cols == 0; }
+
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
 struct BwdKernel {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // queries per step
   static constexpr int kBlockN = kBlockN_;  // keys per CTA
-  static constexpr int kWarps = 8;
+  static constexpr int kWarps = kWarps_;    // 8, or 4 for 32-key CTAs (sm86/sm89's tile past head dim 128)
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kMinBlocksPerSm = 1;  // dK and dV in registers: over 128 of them a thread
   static constexpr int kAuxThreads = 128;    // prep and convert
 
   // S^T, dP^T, dK, dV: kKeysPerWarp keys per warp (16-key MMA tiles w % kKeyWarps, + kKeyWarps),
-  // 4 key warps, each query block split between the two warps of the same keys.  Per warp and
+  // kWarps / 2 key warps, each query block split between the two warps of the same keys.  Per warp and
   // step, S^T and dP^T read (keys + queries) x head dim / 256 ldmatrix.x4 each, dV and dK
   // queries x columns / 256 each (P^T and dS^T are registers): at 128 x 64 and head dim 64 a
   // 32 x 32 tile of S^T reads 16 + 16 + 8 + 8 where 16 keys x 64 queries read 16 + 16 + 16 + 16
@@ -147,12 +152,10 @@ struct BwdKernel {
   static constexpr int kDkvCols = kSplitColumns ? kHeadDim / kQueryWarps : kHeadDim;
   static constexpr int kQueryChunk = kBlockM / kQueryWarps;  // queries of one warp per step
   static constexpr int kKeyThreads = 32 * kKeyWarps;         // the threads of one query chunk
-  // Where S^T and dP^T (64 accumulators) sit beside 128 of dK and dV, all fit in 255 registers only
-  // (kTightRegisters) with B loaded an ldmatrix at a time (gemm_ss_fine, gemm_rs_fine) and the
-  // per-thread offsets of add_dq and of the dS^T stores recomputed each step rather than kept
-  // live (opaque thread indices: some 60 integer instructions a step).
-  static constexpr int kAccumulators = 2 * kKeysPerWarp * (kDkvCols + kQueryChunk) / 32;  // a thread's
-  static constexpr bool kTightRegisters = kAccumulators > 160;
+  // Columns of the shared-memory swizzle atoms of Q, dO, K and V: 64 (128-byte rows), or 32 where
+  // a warp's share of the columns is not whole 64-column atoms (head dim 192: halves of 96), as
+  // the column tiles of dK, dV and dQ below must be (or lie within one).
+  static constexpr int kAtomCols = whole_atoms(kDkvCols, 64) ? 64 : 32;
   // dQ (kBlockM queries x kHeadDim columns): kDqRowWarps warps along the queries, each 16 rows of
   // every 16 * kDqRowWarps, and the head dim split among the warps that share rows.  A warp's
   // ldmatrix count per step is proportional to its rows plus its columns, so the squarest split
@@ -160,22 +163,36 @@ struct BwdKernel {
   static constexpr int kDqRowWarpsMax = kBlockM / 16 < kWarps ? kBlockM / 16 : kWarps;
   static constexpr int kDqRowWarps =  // halve the row warps where rows + columns shrink (the columns double)
       kDqRowWarpsMax > 1 && 2 * kBlockM / kDqRowWarpsMax + kHeadDim * kDqRowWarpsMax / 2 / kWarps <
-                                kBlockM / kDqRowWarpsMax + kHeadDim * kDqRowWarpsMax / kWarps
+                                kBlockM / kDqRowWarpsMax + kHeadDim * kDqRowWarpsMax / kWarps &&
+                                whole_atoms(kHeadDim * kDqRowWarpsMax / 2 / kWarps, kAtomCols)  // (not 48 columns at 192)
           ? kDqRowWarpsMax / 2
           : kDqRowWarpsMax;
   static constexpr int kDqColWarps = kWarps / kDqRowWarps;
   static constexpr int kDqCols = kHeadDim / kDqColWarps;
+  // Where a thread's accumulators -- S^T and dP^T, dK and dV, and add_dq's dQ tile -- come to over
+  // 192 (S^T and dP^T's 64 beside 128 of dK and dV; or add_dq's 64 beside them in a 4-warp CTA
+  // at head dim 256), all fit in 255 registers only (kTightRegisters) with B loaded an ldmatrix
+  // at a time (gemm_ss_fine, gemm_rs_fine) and the per-thread offsets of add_dq and of the dS^T
+  // stores recomputed each step rather than kept live (opaque thread indices: some 60 integer
+  // instructions a step).
+  static constexpr int kAccumulators = 2 * kKeysPerWarp * (kDkvCols + kQueryChunk) / 32 +
+                                       kBlockM * kDqCols / (32 * kDqRowWarps);
+  static constexpr bool kTightRegisters = kAccumulators > 192;
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
-  static_assert(kHeadDim % 64 == 0, "swizzle atoms are 64 columns wide");
-  static_assert(kKeyWarps * kKeysPerWarp == kBlockN && kQueryWarps == 2, "whole key tiles, two query chunks");
+  static_assert(kHeadDim % 64 == 0 && whole_atoms(kDkvCols, kAtomCols) && whole_atoms(kDqCols, kAtomCols),
+                "column tiles of whole swizzle atoms (or within one)");
+  static_assert(kKeyWarps * kKeysPerWarp == kBlockN && kQueryWarps == 2,
+                "whole key tiles, two query chunks: 8 warps take 64 or 128 keys, 4 warps 32");
   static_assert(kQueryChunk % 16 == 0 && kBlockM % 32 == 0, "a query chunk is whole 16-query MMA steps");
   static_assert(kBlockM % (kDqRowWarps * 16) == 0 && kDqCols % 16 == 0, "dQ tiles whole 16 x 16 ldmatrix tiles");
 
-  // Q, dO, K and V: 8 x 64-element atoms (128-byte rows), 16-byte chunks XOR-ed by the row, so
-  // the 8 rows one ldmatrix (plain or transposed) reads fall in 8 different bank groups.
+  // Q, dO, K and V: 8 x kAtomCols-element atoms, 16-byte chunks XOR-ed by the row (by row / 2 in
+  // 64-byte rows), so the 8 rows one ldmatrix (plain or transposed) reads fall in 8 different bank
+  // groups.
   using SmemAtom = decltype(cute::composition(
-      cute::Swizzle<3, 3, 3>{}, cute::Layout<cute::Shape<cute::_8, cute::_64>, cute::Stride<cute::_64, cute::_1>>{}));
+      cute::Swizzle<kAtomCols == 64 ? 3 : 2, 3, 3>{},
+      cute::Layout<cute::Shape<cute::_8, cute::Int<kAtomCols>>, cute::Stride<cute::Int<kAtomCols>, cute::_1>>{}));
   template <int kRows>
   using RowTile = decltype(cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kRows>, cute::Int<kHeadDim>>{}));
   // The same bytes as (head dim, rows): a B operand whose K mode is the rows, read by ldmatrix.trans.
@@ -213,14 +230,21 @@ struct BwdKernel {
   using StoreAccumulator = cute::Copy_Atom<cute::UniversalCopy<uint32_t>, Element>;  // a column pair per store
 
   static constexpr int kQTile = kBlockM * kHeadDim;
-  struct SharedStorage {
+  template <int kDsBuffers_>
+  struct Storage {
     alignas(128) Element k[kBlockN * kHeadDim];
     alignas(128) Element v[kBlockN * kHeadDim];
     alignas(128) Element qdo[2][2][kQTile];  // [buffer][Q, dO]; at the end, the partial dK / dV sums
-    alignas(128) Element ds[2][kBlockM * kBlockN];  // [buffer]: see mainloop's pipeline
+    alignas(128) Element ds[kDsBuffers_][kBlockM * kBlockN];  // [buffer]: see mainloop's pipeline
     alignas(16) float lse_log2[2][kBlockM];
     alignas(16) float delta[2][kBlockM];
   };
+  // dS^T is double-buffered (one barrier a step), except in a 4-warp CTA -- the tile of 99 KB
+  // parts -- that a second buffer would take past 99 KB (head dim 256: 100.5 KB with one, 102
+  // with two): there a second barrier a step keeps add_dq's reads of it before the next writes.
+  static constexpr int kSm86SharedBytes = 99 * 1024;
+  static constexpr int kDsBuffers = kWarps == 4 && sizeof(Storage<2>) > kSm86SharedBytes ? 1 : 2;
+  using SharedStorage = Storage<kDsBuffers>;
   static constexpr int kSharedBytes = int(sizeof(SharedStorage));
 
   using LoaderQ = TileLoader<Element, kHeadDim, kThreads, SmemLayoutQ>;
@@ -287,6 +311,9 @@ struct BwdKernel {
   // requested a whole step (and an add_dq) before they are read.  With one barrier a step,
   // warps that finish their dQ adds early go on to the next step's MMAs while the others
   // still issue atomics; dS^T is double-buffered for that (two barriers a step needed one).
+  // With one dS^T buffer (kDsBuffers, 4-warp CTAs at head dim 256) "ds[1 - b]" is ds[b] again, so
+  // a second barrier, after this step's S^T and dP^T GEMMs and before its first write to ds,
+  // waits for every warp's add_dq of step t - 1.
   template <class Acc>
   static __device__ void mainloop(BwdParams const& p, SharedStorage& s, Sequence const& seq, int n_block,
                                   int head_kv, Steps st, Acc& acc_dk, Acc& acc_dv) {
@@ -408,6 +435,7 @@ struct BwdKernel {
     __syncthreads();
     for (int t = 0; t < total; ++t) {
       int const buf = t % 2;
+      int const ds_buf = t % kDsBuffers;
 
       int const query0 = at.m_block * kBlockM + part * kQueryChunk;  // the chunk's first query
       // Where registers are tight, the step's per-thread shared-memory offsets and element
@@ -491,7 +519,7 @@ struct BwdKernel {
       // dS^T into ds[buf], for dQ (and P^T before it with kSplitColumns)
       auto const store_c = copy_c.get_thread_slice(fresh_tid());
       auto store = [&](auto const& r) {
-        copy(copy_c, store_c.retile_S(r), store_c.partition_D(chunk_ds(buf, part)));
+        copy(copy_c, store_c.retile_S(r), store_c.partition_D(chunk_ds(ds_buf, part)));
       };
 
       // dV += P^T dO, dK += dS^T Q: P^T and dS^T as A operands where the accumulators are.
@@ -502,19 +530,22 @@ struct BwdKernel {
         gemm_rs_or_fine<kTightRegisters>(mma, acc, a, copy_bt, load_qt.partition_S(chunk_cols(tile, part)), tKrQt,
                                          tKrQt_view);
       };
+      if constexpr (kDsBuffers == 1) {
+        __syncthreads();  // every warp's add_dq of step t - 1 is past its reads of ds (see the pipeline)
+      }
       if constexpr (kSplitColumns) {
         // The other query chunk's P^T and dS^T come from the warp of the same keys and that
         // chunk, through this step's dS^T buffer (free: add_dq read it two steps ago, before
-        // the last barrier), P^T first, then dS^T in its place; a named barrier of the two
+        // the last barrier; with one buffer, before the barrier above), P^T first, then dS^T in its place; a named barrier of the two
         // warps orders each write before the other's read, and the other's read of P^T
         // before dS^T replaces it.  The own chunk's MMAs go between write and barrier.
         int const other = 1 - part;
         auto pair_sync = [&] { named_barrier_sync(1 + fresh_tid() / 32, 64); };  // (0: __syncthreads)
-        Tensor tKrPt = thr.partition_fragment_A(chunk_ds(buf, other));  // the other's P^T, then dS^T
+        Tensor tKrPt = thr.partition_fragment_A(chunk_ds(ds_buf, other));  // the other's P^T, then dS^T
         Tensor tKrPt_view = load_a.retile_D(tKrPt);
         auto other_chunk = [&](auto& acc, Element* tile) {
           auto const load_pt = copy_a.get_thread_slice(fresh_tid());
-          gemm_ss_or_fine<kTightRegisters>(mma, acc, copy_a, load_pt.partition_S(chunk_ds(buf, other)), tKrPt,
+          gemm_ss_or_fine<kTightRegisters>(mma, acc, copy_a, load_pt.partition_S(chunk_ds(ds_buf, other)), tKrPt,
                                            tKrPt_view, copy_bt, load_qt.partition_S(chunk_cols(tile, other)),
                                            tKrQt, tKrQt_view);
         };
@@ -537,7 +568,7 @@ struct BwdKernel {
       __syncthreads();     // see the pipeline above
       issue(t + 2, ahead);
       advance(ahead);
-      add_dq(p, s, s.ds[buf], seq, at.head, at.m_block, n_block);
+      add_dq(p, s, s.ds[ds_buf], seq, at.head, at.m_block, n_block);
       advance(at);
     }
   }

@@ -19,12 +19,27 @@ namespace sm80 {
 // threads take, its next chunk in the row, a whole number of atoms on) lie a constant
 // distance further in shared memory: one address per tile rather than one per chunk,
 // which the ring's refills would otherwise keep in registers.
+//
+// The threads of a row: as many as divide both the row's chunks and kThreads, at most kThreads / 8
+// (a pass of at least one swizzle period), with a thread's chunks of a row a whole number of
+// atoms apart.  A 192-column row (24 chunks) takes 8 threads of 3 chunks: 16 or 24 threads would
+// leave chunks unread or rows split between passes.
+template <int kChunksPerRow, int kThreads, int kChunk>
+constexpr int threads_per_row() {
+  int n = kChunksPerRow < kThreads / 8 ? kChunksPerRow : kThreads / 8;
+  while (kChunksPerRow % n != 0 || kThreads % n != 0 || (n != kChunksPerRow && n * kChunk % 64 != 0)) {
+    --n;
+  }
+  return n;
+}
+
 template <class Element, int kHeadDim, int kThreads, class SmemLayout>
 struct TileLoader {
   static constexpr int kChunk = 16 / int(sizeof(Element));
-  static constexpr int kThreadsPerRow = cute::min(kHeadDim / kChunk, kThreads / 8);
+  static constexpr int kThreadsPerRow = threads_per_row<kHeadDim / kChunk, kThreads, kChunk>();
   static constexpr int kChunksPerThread = kHeadDim / kChunk / kThreadsPerRow;  // in one row
   static constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
+  static_assert(kChunksPerThread * kThreadsPerRow * kChunk == kHeadDim, "every chunk of a row");
   static_assert(kThreads % kThreadsPerRow == 0 && kRowsPerPass % 8 == 0, "whole swizzle periods per pass");
   static_assert(kChunksPerThread == 1 || kThreadsPerRow * kChunk % 64 == 0, "whole atoms between a thread's chunks");
   static constexpr int kPassStride = SmemLayout{}(kRowsPerPass, 0) - SmemLayout{}(0, 0);
