@@ -42,8 +42,11 @@ def random_bits(seed: int, offset: int, sequence: int, heads: int, head: int, ro
 
 
 def keep_mask(seed: int, offset: int, dropout_p: float, sequences: int, heads: int, rows: int,
-              keys: int) -> np.ndarray:
-    """bool [sequences, heads, rows, keys]: which elements of P the kernels keep."""
+              keys: int, skipped: int = 0) -> np.ndarray:
+    """bool [sequences, heads, rows, keys]: which elements of P the kernels keep.  ``skipped``: the
+    first rows, which see no key (bottom-right causal, M > N) and which the runtime leaves out, so that
+    the rule numbers the others from 0 (sm90_dropout.py); they are False here."""
     threshold = keep_threshold(dropout_p)
-    return np.stack([np.stack([random_bits(seed, offset, b, heads, h, rows, keys) < threshold
+    kept = np.stack([np.stack([random_bits(seed, offset, b, heads, h, rows - skipped, keys) < threshold
                                for h in range(heads)]) for b in range(sequences)])
+    return np.concatenate([np.zeros((sequences, heads, skipped, keys), dtype=bool), kept], axis=2)

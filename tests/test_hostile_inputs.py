@@ -581,16 +581,19 @@ CASES = [
     Case("int32/lse-offset", lambda X: fwd(X, q=broadcast(X, (65535, 1024, 65, 8)), k=broadcast(X, (65535, 4, 65, 8)),
                                            v=broadcast(X, (65535, 4, 65, 8))), V,
          r"^logsumexp_ptr: .* = 4259775 \* 1024 = 4362009600 overflows .*\(at most 4294967296\); split the batch"),
-    Case("int32/dropout-rng-batch", lambda X: fwd(X, *(broadcast(X, (2, 8192, 32, 8)) for _ in range(3)),
+    # example 41's limits on its dropout stream (f32: on a 9.0 GPU the sm90 pair draws f16/bf16 masks,
+    # whose offsets have no such limits)
+    Case("int32/dropout-rng-batch", lambda X: fwd(X, *(broadcast(X, (2, 8192, 32, 8), "f32") for _ in range(3)),
                                                   dropout_p=0.1, seed=1), V,
          r"^dropout_batch_head_rng_offset: .*num_heads \* num_queries \* num_keys = 2147483648, past 2147483647; "
          r".*Split the batch"),
-    Case("int32/dropout-rng-heads", lambda X: fwd(X, *(broadcast(X, (1, 8192, 64, 8)) for _ in range(3)),
+    Case("int32/dropout-rng-heads", lambda X: fwd(X, *(broadcast(X, (1, 8192, 64, 8), "f32") for _ in range(3)),
                                                   dropout_p=0.1, seed=1), V,
          r"^dropout_batch_head_rng_offset: .*head \* num_queries \* num_keys = 4227858432, past 2147483647"),
-    Case("int32/bwd-dropout-rng", lambda X: bwd(X, *(broadcast(X, (2, 8192, 32, 8)) for _ in range(3)),
-                                                out=broadcast(X, (2, 8192, 32, 8)),
-                                                grad_out=broadcast(X, (2, 8192, 32, 8)), lse=X.lse((2, 32, 8192)),
+    Case("int32/bwd-dropout-rng", lambda X: bwd(X, *(broadcast(X, (2, 8192, 32, 8), "f32") for _ in range(3)),
+                                                out=broadcast(X, (2, 8192, 32, 8), "f32"),
+                                                grad_out=broadcast(X, (2, 8192, 32, 8), "f32"),
+                                                lse=X.lse((2, 32, 8192)),
                                                 dropout_p=0.1, seed=1), V, r"^dropout_batch_head_rng_offset: "),
     Case("int32/bias-rows", lambda X: fwd(X, broadcast(X, (1, 2, 1, 8)), broadcast(X, (1, 8, 1, 8)),
                                           broadcast(X, (1, 8, 1, 8)),
@@ -668,7 +671,8 @@ def test_input_offset_limits(shape, strides, ok):
     (1, 1, 46341, 46341, False),  # row * N + col reaches M * N - 1 = 2147488280 (kernel_backward.h:1703)
     (1, 1, 46340, 46341, True),
 ])
-def test_dropout_offset_limits(B, H, M, N, ok):
+def test_dropout_offset_limits(B, H, M, N, ok, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_FAMILIES", "mem_eff_fwd,mem_eff_bwd")  # example 41's stream, on any machine
     q, k = fake_broadcast((B, M, H, 8)), fake_broadcast((B, N, H, 8))
     if ok:
         common(q, k, k, dropout_p=0.1, seed=1)
@@ -676,6 +680,22 @@ def test_dropout_offset_limits(B, H, M, N, ok):
         with pytest.raises(ValueError, match=r"^dropout_batch_head_rng_offset: "):
             common(q, k, k, dropout_p=0.1, seed=1)
     common(q, k, k)  # without dropout the same shapes are fine
+
+
+def test_dropout_offsets_past_example_41s_are_left_to_the_sm90_pair(monkeypatch):
+    """Where the sm90 pair may draw the mask (its stream has no such limits), validation lets a call past
+    example 41's offsets through, and the example-41 families refuse it themselves with the same reason."""
+    from flashgen.runtime.families import mem_eff_fwd, sm90_dropout
+    q, k = fake_broadcast((2, 8192, 32, 8)), fake_broadcast((2, 8192, 32, 8))
+    monkeypatch.setattr(sm90_dropout, "may_draw", lambda p: True)
+    c = common(q, k, k, dropout_p=0.1, seed=1)
+    assert limits.dropout_offsets_refusal(c).startswith("dropout_batch_head_rng_offset: ")
+    monkeypatch.setattr(sm90_dropout, "refusal", lambda call: "no sm90 dropout kernel (a bias, say)")
+    call = SimpleNamespace(p=c, bias=None, block_mask=None)
+    assert mem_eff_fwd.unfit_example41(call) == limits.dropout_offsets_refusal(c)
+    monkeypatch.setattr(sm90_dropout, "may_draw", lambda p: False)
+    with pytest.raises(ValueError, match=r"^dropout_batch_head_rng_offset: "):
+        common(q, k, k, dropout_p=0.1, seed=1)
 
 
 def test_size_limits_right_at_the_bound():

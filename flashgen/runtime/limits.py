@@ -9,7 +9,7 @@ says how to split the call instead of a fault or a silently wrong answer.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from flashgen.runtime.arrays import elem_strides
 
@@ -116,12 +116,26 @@ def check_kernel_limits(c: Problem, q, k, v):
     lse_dim = lse_rows(c.M)
     check_offset("logsumexp_ptr", "the lse offsets batch * heads * lse_dim (largest + 1)", c.batches * c.H,
                   lse_dim, _SPLIT_BATCH, _UINT32_MAX + 1)
-    if c.dropout_p > 0:
-        _check_dropout_offsets(c)
+    if c.dropout_p > 0 and not _sm90_may_draw(c):
+        why = dropout_offsets_refusal(c)
+        if why:
+            raise ValueError(why)
 
 
-def _check_dropout_offsets(c: Problem):
-    """The forward and the backward must draw the same Philox number for every element of P.
+def _sm90_may_draw(c: Problem) -> bool:
+    """Whether flashgen's Hopper pair may draw this call's dropout mask (its offsets have no such
+    limits); the example-41 families then refuse the calls past theirs (``unfit_example41``)."""
+    from flashgen.runtime.families import sm90_dropout  # runtime/families imports this module
+    try:
+        return sm90_dropout.may_draw(c)
+    except Exception:  # no GPU or no CUDA to ask: judge by example 41's limits, as before
+        return False
+
+
+def dropout_offsets_refusal(c: Problem) -> Optional[str]:
+    """Why example 41 cannot draw this call's dropout mask alike in both directions (None: it can).
+
+    The forward and the backward must draw the same Philox number for every element of P.
 
     The forward offsets each (batch, head) by batch*H*M*N + head*M*N and each element by
     row*N + col in uint32 (kernel_forward.h:241-243, 948-951); the backward computes H*M*N and
@@ -137,7 +151,8 @@ def _check_dropout_offsets(c: Problem):
         fields.append(("num_heads * num_queries * num_keys", heads * mn, INT32_MAX))
     for what, value, limit in fields:
         if value > limit:
-            raise ValueError(f"dropout_batch_head_rng_offset: with dropout the kernels offset the random stream "
-                             f"by {what} = {value}, past {limit}; the forward (uint32) and the backward (int32) "
-                             f"would then draw different masks.  Split the batch (one call per batch element, "
-                             f"with offset=b * heads * M * N so the masks stay independent), or the heads")
+            return (f"dropout_batch_head_rng_offset: with dropout the kernels offset the random stream "
+                    f"by {what} = {value}, past {limit}; the forward (uint32) and the backward (int32) "
+                    f"would then draw different masks.  Split the batch (one call per batch element, "
+                    f"with offset=b * heads * M * N so the masks stay independent), or the heads")
+    return None

@@ -228,7 +228,7 @@ def run_case(seed: int, case: int) -> dict:
     keep = None
     if p["dropout"]:
         opts.update(dropout_p=p["dropout"], seed=p["seed"])
-        keep = recover_keep_mask(q, k, p["dropout"], p["seed"], v=v)  # the sm90 pair's rule where it draws
+        keep = recover_keep_mask(q, k, p["dropout"], p["seed"], v=v, causal=p["causal"])  # sm90's rule where it draws
     with poisoned_allocations():
         out, lse = flashgen.attention_forward(q, k, v, **opts)
         if FORWARD_ONLY:

@@ -13,6 +13,8 @@
 // as lane l = 4 * (i / 8 % 2) + 2 * (j / 8 % 2) + j % 2 of its 8 16-bit values (value l is the
 // low half of word l / 2 for even l, the high half for odd l).  The element is kept iff its
 // value < keep (the runtime passes round((1 - p) * 65536)); kept elements are scaled by 1 / (1 - p).
+// (Rows that see no key -- bottom-right causal, more queries than keys -- are left out by the
+// runtime in both directions, so i counts from the first row that sees one.)
 //
 // One call thus covers rows {i, i + 8} x keys {j, j + 1, j + 8, j + 9} (i % 16 < 8, j % 16 < 8,
 // j even): the eight values one thread holds of a 16 x 16 block of a wgmma (or mma.sync)

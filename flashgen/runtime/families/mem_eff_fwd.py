@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from flashgen.runtime import plans
+from flashgen.runtime import limits, plans
 from flashgen.runtime.arrays import alignment, cupy_module, elem_strides
 from flashgen.runtime.device import device_info
 from flashgen.runtime.families import RuntimeFamily, planned_forward_outputs, selector, sm90_dropout, tuned, visible_lse
@@ -32,8 +32,10 @@ def unfit_example41(call: Call) -> Optional[str]:
     if call.p.window is not None or call.p.softcap:
         return ("no sliding window or soft-capping (flashgen's own kernels only, f16/bf16 with equal head dims: "
                 "sm90_fwd/sm90_bwd on a 9.0 GPU, the sm80_fwd forward from 8.0 on)")
-    if call.p.dropout_p > 0 and sm90_dropout.refusal(call) is None:
-        return "the sm90 pair draws this dropout call's mask, in both directions (sm90_dropout.py)"
+    if call.p.dropout_p > 0:
+        if sm90_dropout.refusal(call) is None:
+            return "the sm90 pair draws this dropout call's mask, in both directions (sm90_dropout.py)"
+        return limits.dropout_offsets_refusal(call.p)  # validation let it through for the sm90 pair
     return None
 
 

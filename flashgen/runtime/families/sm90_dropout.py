@@ -12,7 +12,9 @@ as lane 4 * (i // 8 % 2) + 2 * (j // 8 % 2) + j % 2 of the call's eight 16-bit v
 the low half of word l // 2 for even l, the high half for odd l).  It is kept iff that value is
 below ``keep_threshold(dropout_p)`` = round((1 - p) * 65536), and kept values are scaled by
 1 / (1 - p).  Nothing in it depends on a tile, so ``sm90_fwd`` (S in 128 x 128 tiles) and
-``sm90_bwd`` (S^T, other tiles) draw the same mask.
+``sm90_bwd`` (S^T, other tiles) draw the same mask.  Under a bottom-right causal mask with more
+queries than keys, the first M - N rows see no key and both directions leave them out
+(``validate.rows_without_keys``): i then counts from row M - N.
 
 The contract is example 41's (same ``dropout_p``, ``seed``, ``offset`` arguments, ``check_rng``):
 pass the forward's seed and offset to the backward; calls whose offsets differ by at least B * H
@@ -58,6 +60,14 @@ def fields(p: Problem) -> dict:
 
 def padded_dim(n: int) -> int:
     return -(-n // 8) * 8
+
+
+def may_draw(p: Problem) -> bool:
+    """Whether the pair may draw ``p``'s mask, judged from the problem alone (GPU, dtype, head dims,
+    FLASHGEN_FAMILIES): ``refusal`` decides, with the call's bias, block mask and kernels."""
+    allowed = forced_families()
+    return ((allowed is None or set(PAIR) <= set(allowed)) and p.dtype in ("f16", "bf16") and p.K == p.Kv
+            and padded_dim(p.K) <= MAX_K and device_info(p.device).cc == 90)
 
 
 def refusal(call: Call, info: Optional[DeviceInfo] = None) -> Optional[str]:
