@@ -44,9 +44,9 @@
 // block's element mask comes with the step's Q and dO: its rows of the mask's partial_bits, into
 // the stage's bits buffer, and zeroes P^T (so dS^T too) where a bit is 0 (consume()).
 // kDropout instances redraw the forward's keep mask (flashgen/dropout.h) for each step, each Philox
-// call once per warpgroup, under the previous step's dQ GEMM: dV += (P^T o mask) dO (scaled by 1 / (1 - p) at its store) and
-// dS^T = P^T o (dP^T o mask / (1 - p) - delta), where delta = rowsum(dO * O) already holds
-// because O is the dropped output.
+// call once per warpgroup, under the previous step's dQ GEMM: dV += (P^T o mask) dO (scaled by
+// 1 / (1 - p) at its store) and dS^T = P^T o (dP^T o mask / (1 - p) - delta), where
+// delta = rowsum(dO * O) already holds because O is the dropped output.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap

@@ -433,7 +433,7 @@ struct FwdKernel {
     // are one Philox call's 16 elements (dropout.h): register r is row row0 + 8x, key 32g + col0 +
     // 8z + y of the block for r % 16 = y + 2x + 4z, the call's byte 8x + 2z + y, kept at bit
     // keep_bit(r) of keep[r / 32] (each call's 16 bits as they come, no reordering).
-    static_assert(!kDropout || kBlockN % 32 == 0, "a Philox call spans 32 keys");
+    static_assert(!kDropout || kBlockN % 64 == 0, "a Philox call spans 32 keys, a keep word two calls");
     constexpr int kKeepWords = kDropout ? kBlockN / 64 : 1;
     uint32_t keep[kKeepWords];
     auto keep_bit = [](int r) { return 16 * (r / 16 % 2) + 8 * (r / 2 % 2) + 2 * (r / 4 % 4) + r % 2; };
