@@ -26,19 +26,19 @@ def philox4x32_10(counters: np.ndarray, key) -> np.ndarray:
 
 
 def random_bits(seed: int, offset: int, sequence: int, heads: int, head: int, rows: int, keys: int) -> np.ndarray:
-    """The 16-bit values of (sequence, head)'s [rows, keys] elements, by the rule of dropout.h."""
+    """The bytes of (sequence, head)'s [rows, keys] elements, by the rule of dropout.h."""
     i = np.arange(rows, dtype=np.int64)[:, None]
     j = np.arange(keys, dtype=np.int64)[None, :]
     stream = (offset + sequence * heads + head) % 2**64
     counters = np.empty((rows, keys, 4), dtype=np.uint32)
-    counters[..., 0] = (j >> 4) * 4 + ((j >> 1) & 3)
+    counters[..., 0] = (j >> 5) * 4 + ((j >> 1) & 3)
     counters[..., 1] = (i >> 4) * 8 + (i & 7)
     counters[..., 2] = stream & 0xFFFFFFFF
     counters[..., 3] = stream >> 32
     words = philox4x32_10(counters, (seed & 0xFFFFFFFF, seed >> 32))
-    lane = 4 * ((i >> 3) & 1) + 2 * ((j >> 3) & 1) + (j & 1)
-    word = np.take_along_axis(words, np.broadcast_to(lane // 2, (rows, keys))[..., None], axis=-1)[..., 0]
-    return np.where(lane % 2 == 1, word >> 16, word & 0xFFFF).astype(np.uint32)
+    lane = np.broadcast_to(8 * ((i >> 3) & 1) + 2 * ((j >> 3) & 3) + (j & 1), (rows, keys))
+    word = np.take_along_axis(words, (lane // 4)[..., None], axis=-1)[..., 0]
+    return (word >> (8 * (lane % 4)).astype(np.uint32)) & np.uint32(0xFF)
 
 
 def keep_mask(seed: int, offset: int, dropout_p: float, sequences: int, heads: int, rows: int,

@@ -43,71 +43,92 @@ def test_philox_matches_the_known_answers(counter, key, expected):
 
 
 def call_bits(seed, offset, sequence, heads, head, i, j, threshold):
-    """dropout.h's DropoutStream::keep_bits, one element at a time from the documented rule."""
+    """dropout.h's DropoutStream::keep_bits, one byte at a time from the documented rule."""
     stream = (offset + sequence * heads + head) % 2**64
-    counter = ((j // 16) * 4 + (j // 2) % 4, (i // 16) * 8 + i % 8, stream % 2**32, stream >> 32)
+    counter = ((j // 32) * 4 + (j // 2) % 4, (i // 16) * 8 + i % 8, stream % 2**32, stream >> 32)
     words = philox4x32_10(np.array(counter, dtype=np.uint32), (seed % 2**32, seed >> 32))
-    values = [(int(words[lane // 2]) >> (16 * (lane % 2))) & 0xFFFF for lane in range(8)]
+    values = [(int(words[lane // 4]) >> (8 * (lane % 4))) & 0xFF for lane in range(16)]
     return sum(int(v < threshold) << lane for lane, v in enumerate(values))
 
 
 def test_the_rule_reads_each_element_from_its_documented_call_and_lane():
-    seed, offset, heads, threshold = 0x0123456789ABCDEF, 2**64 - 3, 3, 40000  # offset + b*H + h wraps
-    bits = random_bits(seed, offset, 1, heads, 2, 40, 40) < threshold
-    for i, j in ((0, 0), (7, 9), (8, 1), (15, 15), (16, 30), (39, 33)):
-        lane = 4 * (i // 8 % 2) + 2 * (j // 8 % 2) + j % 2
+    seed, offset, heads, threshold = 0x0123456789ABCDEF, 2**64 - 3, 3, 150  # offset + b*H + h wraps
+    bits = random_bits(seed, offset, 1, heads, 2, 40, 72) < threshold
+    for i, j in ((0, 0), (7, 9), (8, 1), (15, 15), (16, 30), (39, 33), (21, 63), (3, 70)):
+        lane = 8 * (i // 8 % 2) + 2 * (j // 8 % 4) + j % 2
         assert bool(call_bits(seed, offset, 1, heads, 2, i, j, threshold) >> lane & 1) == bits[i, j]
+    # one call's 16 elements: rows {i, i + 8} x keys {j, j + 1, j + 8, j + 9, ..., j + 25}, bytes 0 .. 15
+    i, j = 18, 38
+    call = [(i + di, j + dj) for di in (0, 8) for dj in (0, 1, 8, 9, 16, 17, 24, 25)]
+    assert {(a // 16 * 8 + a % 8, b // 32 * 4 + b // 2 % 4) for a, b in call} == {(i // 16 * 8 + i % 8, 4 + 3)}
+    assert sorted(8 * (a // 8 % 2) + 2 * (b // 8 % 4) + b % 2 for a, b in call) == list(range(16))
 
 
 def test_the_forward_threads_bookkeeping_matches_the_rule():
-    """FwdKernel::consume: register r of a consumer thread is row row0 + 8 (r / 2 % 2), key 16 (r / 8) + col0 +
-    8 (r / 4 % 2) + r % 2 of a 128-key block; draw() keeps call g's bits at 8 (g % 4) of keep[g / 4] and
-    the softmax reads register r's at keep_bit(r) -- as the rule says, for every lane of a warpgroup."""
+    """FwdKernel::consume: register r of a consumer thread is row row0 + 8 (r / 2 % 2), key 8 (r / 4) + col0 +
+    r % 2 of a 128-key block; draw() keeps call g's (keys 32g + col0 ..) 16 bits at 16 (g % 2) of keep[g / 2]
+    and the softmax reads register r's at keep_bit(r) -- as the rule says, for every lane of a warpgroup."""
     seed, offset, p, heads = 77, 5, 0.3, 2
     threshold = sm90_dropout.keep_threshold(p)
     mask = keep_mask(seed, offset, p, 1, heads, 64, 256)[0, 1]
     key0 = 128  # the block
-    keep_bit = lambda r: 8 * (r // 8 % 4) + 4 * (r // 2 % 2) + 2 * (r // 4 % 2) + r % 2  # noqa: E731
+    keep_bit = lambda r: 16 * (r // 16 % 2) + 8 * (r // 2 % 2) + 2 * (r // 4 % 4) + r % 2  # noqa: E731
     for tid in range(128):
         lane = tid % 32
         row0, col0 = 16 * (tid // 32) + lane // 4, 2 * (lane % 4)
         keep = [0, 0]
-        for g in range(8):
-            keep[g // 4] |= call_bits(seed, offset, 0, heads, 1, row0, key0 + 16 * g + col0, threshold) << (8 * (g % 4))
+        for g in range(4):
+            keep[g // 2] |= call_bits(seed, offset, 0, heads, 1, row0, key0 + 32 * g + col0, threshold) << (16 * (g % 2))
         for r in range(64):
             row, key = row0 + 8 * (r // 2 % 2), key0 + 8 * (r // 4) + col0 + r % 2
             assert bool(keep[r // 32] >> keep_bit(r) & 1) == mask[row, key], (tid, r)
 
 
-def test_the_backward_threads_bookkeeping_matches_the_rule():
-    """BwdKernel::consume holds S^T: register r is key key_row + 8 (r / 2 % 2) and query 8 (r / 4) + col0 + r % 2
-    of a step; draw() takes the two calls of queries 16g + col0 and + 1, shifts each by key_row % 2 and
-    interleaves their even bits, so register r's bit is r % 32 of keep[r / 32]."""
+@pytest.mark.parametrize("block_m", [128, 64])  # the k64 and k128 instances' query tiles, 128 keys each
+def test_the_backward_threads_bookkeeping_matches_the_rule(block_m):
+    """BwdKernel::consume holds S^T: register r of thread tid (warpgroup wg) is key 64 wg + 16 warp + lane / 4 +
+    8 (r / 2 % 2) and query 8 (r / 4) + col0 + r % 2 of a step.  draw(): each thread of a warpgroup writes
+    words tid % 128, + 128, .. of s.keep[wg], word w holding the bits of the calls of key group w % 8 and query
+    groups 2 (w / 8) and + 1; then each thread reads word 32 (r / 8) + keep_words' offset, shifted by
+    keep_shift, at keep_bit(r) -- exactly as the kernel indexes them, for every lane of both warpgroups."""
     seed, offset, p, heads = 2**63 + 11, 0, 0.5, 4
     threshold = sm90_dropout.keep_threshold(p)
-    mask = keep_mask(seed, offset, p, 2, heads, 192, 256)[1, 3]
-    query0, key0 = 64, 128
-    for tid in range(128):
-        lane = tid % 32
-        key_row, col0 = 16 * (tid // 32) + lane // 4, 2 * (lane % 4)
-        odd = key_row % 2
-        keep = [0, 0]
-        for g in range(8):
-            even = (call_bits(seed, offset, 1, heads, 3, query0 + 16 * g + col0, key0 + key_row, threshold) >> odd) & 0x55
-            odd_q = (call_bits(seed, offset, 1, heads, 3, query0 + 16 * g + col0 + 1, key0 + key_row, threshold) >> odd) & 0x55
-            keep[g // 4] |= (even | (odd_q << 1)) << (8 * (g % 4))
-        for r in range(64):
+    query0, key0 = 2 * block_m, 128  # the step's first query, the CTA's key block
+    mask = keep_mask(seed, offset, p, 2, heads, query0 + block_m, key0 + 128)[1, 3]
+    keep = [[None] * (2 * block_m) for _ in range(2)]  # SharedStorage::keep
+    for tid in range(256):
+        wg = tid // 128
+        for word in range(tid % 128, 2 * block_m, 128):
+            c, q = word % 8, word // 8 * 2
+            query = query0 + 16 * (q // 8) + q % 8
+            key = key0 + 64 * wg + 32 * (c // 4) + 2 * (c % 4)
+            assert keep[wg][word] is None, "each word written once"
+            keep[wg][word] = (call_bits(seed, offset, 1, heads, 3, query, key, threshold)
+                              | call_bits(seed, offset, 1, heads, 3, query + 1, key, threshold) << 16)
+    keep_bit = lambda r: 16 * (r % 2) + 8 * (r // 4 % 2) + 2 * (r // 2 % 2)  # noqa: E731
+    for tid in range(256):
+        wg, warp, lane = tid // 128, tid // 32 % 4, tid % 32
+        key_row, col0 = 64 * wg + 16 * warp + lane // 4, 2 * (lane % 4)
+        keep_words = 8 * (lane % 4) + 4 * (warp // 2) + lane // 8
+        keep_shift = 4 * (warp % 2) + (lane // 4) % 2
+        for r in range(block_m // 2):
+            word = keep[wg][keep_words + 32 * (r // 8)] >> keep_shift
             key, query = key0 + key_row + 8 * (r // 2 % 2), query0 + 8 * (r // 4) + col0 + r % 2
-            assert bool(keep[r // 32] >> (r % 32) & 1) == mask[query, key], (tid, r)
+            assert bool(word >> keep_bit(r) & 1) == mask[query, key], (tid, r)
+    for warp in range(4):  # a warp's reads of a word group: 16 distinct words on 16 distinct banks
+        words = {8 * (lane % 4) + 4 * (warp // 2) + lane // 8 for lane in range(32)}
+        assert len(words) == len({w % 32 for w in words}) == 16
 
 
 def test_keep_fraction_threshold_and_fields():
-    assert sm90_dropout.keep_threshold(0.1) == 58982 and sm90_dropout.keep_threshold(1e-9) == 65536
+    assert sm90_dropout.keep_threshold(0.1) == 230 and sm90_dropout.keep_threshold(1e-9) == 256
+    assert sm90_dropout.keep_threshold(0.001) == 256, "p below 1/512 keeps every element: the threshold is 9 bits"
+    assert keep_mask(3, 0, 0.001, 1, 2, 40, 70).all() and not keep_mask(3, 0, 0.999, 1, 2, 40, 70).any()
     mask = keep_mask(3, 0, 0.2, 2, 2, 100, 300)
-    assert abs(mask.mean() - 0.8) < 0.01
+    assert abs(mask.mean() - 205 / 256) < 0.01
     assert not np.array_equal(mask, keep_mask(3, 1, 0.2, 2, 2, 100, 300)), "another offset, another mask"
     p = fake_call(dropout_p=0.25, seed=2**64 - 1).p
-    assert sm90_dropout.fields(p) == {"dropout_seed": 2**64 - 1, "dropout_offset": 0, "dropout_keep": 49152,
+    assert sm90_dropout.fields(p) == {"dropout_seed": 2**64 - 1, "dropout_offset": 0, "dropout_keep": 192,
                                       "dropout_scale": 1 / 0.75}
     assert sm90_dropout.fields(fake_call().p) == {}
 

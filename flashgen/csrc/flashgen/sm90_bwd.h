@@ -43,10 +43,10 @@
 // in 128 / kBlockM steps (SparseWalk; producer and consumers walk the same lists).  A partial
 // block's element mask comes with the step's Q and dO: its rows of the mask's partial_bits, into
 // the stage's bits buffer, and zeroes P^T (so dS^T too) where a bit is 0 (consume()).
-// kDropout instances redraw the forward's keep mask (flashgen/dropout.h) for each step while its
-// S^T and dP^T GEMMs run: dV += (P^T o mask) dO (scaled by 1 / (1 - p) at its store) and
-// dS^T = P^T o (dP^T o mask / (1 - p) - delta), where delta = rowsum(dO * O) already holds
-// because O is the dropped output.
+// kDropout instances redraw the forward's keep mask (flashgen/dropout.h) for each step, each Philox
+// call once per warpgroup, under the previous step's dQ GEMM: dV += (P^T o mask) dO (scaled by
+// 1 / (1 - p) at its store) and dS^T = P^T o (dP^T o mask / (1 - p) - delta), where
+// delta = rowsum(dO * O) already holds because O is the dropped output.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
@@ -221,8 +221,9 @@ struct BwdKernel {
   // the split head dim adds its parts with atomics instead.
   static constexpr bool kDqTile = !kSplitCols;
   // Named barriers: 0 all consumers, 1 + w warpgroup w's dQ part, kBiasBarrier + w its bias and
-  // dbias tiles (consume()).
+  // dbias tiles, kKeepBarrier + w its keep bits (consume()).
   static constexpr int kBiasBarrier = 1 + kWarpGroups;
+  static constexpr int kKeepBarrier = kBiasBarrier + kWarpGroups;
 
   using AtomK = std::conditional_t<kSwizzleBytes == 128, cute::GMMA::Layout_K_SW128_Atom<Element>,
                                    cute::GMMA::Layout_K_SW64_Atom<Element>>;
@@ -276,10 +277,10 @@ struct BwdKernel {
     alignas(16) uint32_t bits[kStages][kBlockM * 4];
   };
   struct NoSparse {};
-  // kDropout: each consumer thread's keep bits of the next step (consume(): draw), word w of thread t
-  // at keep[w][t].  In registers across the step's GEMMs they spilled ~160 bytes at head dim 64.
+  // kDropout: the next step's keep bits, each warpgroup's Philox calls' 16 bits, two calls a word
+  // (consume(): draw).  In registers across the step's GEMMs they spilled ~160 bytes at head dim 64.
   struct KeepBits {
-    uint32_t keep[kBlockM / 64][kConsumerThreads];
+    uint32_t keep[kWarpGroups][2 * kBlockM];
   };
   struct NoKeep {};
   struct SharedStorage : std::conditional_t<kBias, BiasBarriers, NoBias>,
@@ -513,27 +514,38 @@ struct BwdKernel {
       warpgroup_gemm_issue<true>(mma_sdp, tPrV, tPrDo(_, _, _, stage), tPrDp);
     };
 
-    // kDropout: step t's keep bits, register r's at bit r % 32 of word r / 32 (in shared memory: KeepBits),
-    // drawn (draw()) under step t - 1's dQ GEMM, when only the dQ, dK and dV accumulators hold registers
-    // (drawn under the step's own S^T and dP^T GEMMs, beside their accumulators, they spilled at head dim 64).  Register r is query 16g + col0 + 8a + y of the step, key key_row +
-    // 8b (r = 8g + 4a + 2b + y): lane 4a + 2b + key_row % 2 of the Philox call of query 16g + col0 + y
-    // (dropout.h), so each group g takes 4 bits from each of two calls (y = 0, 1).
+    // kDropout: step t's keep bits, drawn (draw()) under step t - 1's dQ GEMM, when only the dQ, dK and
+    // dV accumulators hold registers (drawn under the step's own S^T and dP^T GEMMs, beside their
+    // accumulators, they spilled at head dim 64).  A thread holds 4 elements of each of its Philox
+    // calls (dropout.h), the other 12 are in three other threads of the warpgroup, so the warpgroup
+    // draws each of its 8 x kBlockM / 2 calls once -- key group c = (key / 32) * 4 + (key / 2) % 4
+    // of its 64 keys, query group q = (query / 16) * 8 + query % 8 of the step's queries -- and
+    // keeps its 16 bits in shared memory, calls (q, c) and (q + 1, c) (q even) in the low and high
+    // half of word 4q + c of s.keep[wg]; the threads share the words out in turn.
+    // Register r = 8g + 4a + 2b + y is query 16g + 8a + col0 + y and key row_in_tile + 8b: query group
+    // 8g + col0 + y, key group 4 (warp_in_wg / 2) + lane / 8, byte 8a + 2b + keep_shift of its call,
+    // so group g's 8 registers read one word, and register r's bit is keep_bit(r) of it shifted.
+    // The words are written after every thread has read the last step's (named barrier 0, before
+    // the dQ GEMM) and read after all are written (kKeepBarrier + wg); a warp reads 16 distinct
+    // words, on 16 banks.
+    uint32_t const* keep_words = nullptr;
+    int keep_shift = 0;
+    if constexpr (kDropout) {
+      keep_words = s.keep[wg] + 8 * (lane % 4) + 4 * (warp_in_wg / 2) + lane / 8;
+      keep_shift = 4 * (warp_in_wg % 2) + (lane / 4) % 2;
+    }
+    auto keep_bit = [](int r) { return 16 * (r % 2) + 8 * (r / 4 % 2) + 2 * (r / 2 % 2); };
     auto draw = [&](int head, int query0) {
       if constexpr (kDropout) {
         DropoutStream const stream(p, seq.index, head);
-        int const key = key0 + key_row;
-        int const odd_key = key_row % 2;
 #pragma unroll 1  // a word at a time: unrolled, the Philox calls' temporaries spilled (head dim 64)
-        for (int w = 0; w < kBlockM / 64; ++w) {
-          uint32_t word = 0;
-          CUTE_UNROLL
-          for (int g = 4 * w; g < 4 * w + 4; ++g) {
-            uint32_t const even = (stream.keep_bits(query0 + 16 * g + col0, key) >> odd_key) & 0x55u;
-            uint32_t const odd = (stream.keep_bits(query0 + 16 * g + col0 + 1, key) >> odd_key) & 0x55u;
-            word |= (even | (odd << 1)) << (8 * (g % 4));
-          }
-          s.keep[w][tid] = word;
+        for (int word = tid % 128; word < 2 * kBlockM; word += 128) {
+          int const c = word % 8, q = word / 8 * 2;
+          int const query = query0 + 16 * (q / 8) + q % 8;  // the element of the call's byte 0
+          int const key = key0 + 64 * wg + 32 * (c / 4) + 2 * (c % 4);
+          s.keep[wg][word] = stream.keep_bits(query, key) | stream.keep_bits(query + 1, key) << 16;
         }
+        cutlass::arch::NamedBarrier::sync(128, kKeepBarrier + wg);
       }
     };
 
@@ -736,15 +748,15 @@ struct BwdKernel {
         free_dq_part();
         warpgroup_wait<0>();
         warpgroup_fence_operand(tPrDp);
-        uint32_t keep_word = 0;  // kDropout: word r / 32 of this step's keep bits
+        uint32_t keep_word = 0;  // kDropout: registers 8g .. 8g + 7's word of keep bits, shifted (see draw)
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {
           float dp = tPrDp(r);
           if constexpr (kDropout) {  // the kept elements' P^T and dP^T / (1 - p); dV's scale comes at its store
-            if (r % 32 == 0) {
-              keep_word = s.keep[r / 32][tid];
+            if (r % 8 == 0) {
+              keep_word = keep_words[32 * (r / 8)] >> keep_shift;
             }
-            bool const kept = (keep_word >> (r % 32)) & 1u;
+            bool const kept = (keep_word >> keep_bit(r)) & 1u;
             tVrP(r) = static_cast<Element>(kept ? tSrS(r) : 0.f);
             dp = kept ? dp * p.dropout_scale : 0.f;
           } else {

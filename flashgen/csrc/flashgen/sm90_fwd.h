@@ -110,7 +110,7 @@ struct FwdParams {
   int sparse_batch_step;
   int sparse_head_step;
   int sparse_key_blocks;
-  // kDropout (flashgen/dropout.h): the Philox key, the counter offset, the keep threshold (of 65536)
+  // kDropout (flashgen/dropout.h): the Philox key, the counter offset, the keep threshold (of 256)
   // and 1 / (1 - p)
   unsigned long long dropout_seed;
   unsigned long long dropout_offset;
@@ -429,13 +429,14 @@ struct FwdKernel {
     float row_max[2] = {-INFINITY, -INFINITY};
     float row_sum[2] = {0.f, 0.f};
 
-    // kDropout: block t's keep bits, drawn (draw(t)) while its S GEMM runs.  Registers 8g .. 8g + 7
-    // are one Philox call's 8 elements (dropout.h): register r is row row0 + 8x, key 16g + col0 +
-    // 8z + y of the block for r % 8 = y + 2x + 4z, the call's lane 4x + 2z + y, kept at bit
-    // keep_bit(r) of keep[r / 32] (each call's 8 bits as they come, no reordering).
+    // kDropout: block t's keep bits, drawn (draw(t)) while its S GEMM runs.  Registers 16g .. 16g + 15
+    // are one Philox call's 16 elements (dropout.h): register r is row row0 + 8x, key 32g + col0 +
+    // 8z + y of the block for r % 16 = y + 2x + 4z, the call's byte 8x + 2z + y, kept at bit
+    // keep_bit(r) of keep[r / 32] (each call's 16 bits as they come, no reordering).
+    static_assert(!kDropout || kBlockN % 64 == 0, "a Philox call spans 32 keys, a keep word two calls");
     constexpr int kKeepWords = kDropout ? kBlockN / 64 : 1;
     uint32_t keep[kKeepWords];
-    auto keep_bit = [](int r) { return 8 * (r / 8 % 4) + 4 * (r / 2 % 2) + 2 * (r / 4 % 2) + r % 2; };
+    auto keep_bit = [](int r) { return 16 * (r / 16 % 2) + 8 * (r / 2 % 2) + 2 * (r / 4 % 4) + r % 2; };
     auto draw = [&](int t) {
       if constexpr (kDropout) {
         DropoutStream const stream(p, seq.index, head);
@@ -445,8 +446,8 @@ struct FwdKernel {
           keep[w] = 0;
         }
         CUTE_UNROLL
-        for (int g = 0; g < kBlockN / 16; ++g) {
-          keep[g / 4] |= stream.keep_bits(row0, key0 + 16 * g + col0) << (8 * (g % 4));
+        for (int g = 0; g < kBlockN / 32; ++g) {
+          keep[g / 2] |= stream.keep_bits(row0, key0 + 32 * g + col0) << (16 * (g % 2));
         }
       }
     };

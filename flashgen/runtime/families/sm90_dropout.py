@@ -2,16 +2,16 @@
 
 The rule (``flashgen/csrc/flashgen/dropout.h``; tests/philox_reference.py is its NumPy copy):
 element (b, h, i, j) of P -- sequence b (batch index, or packed sequence), query head h, query
-row i and key j within the sequence -- takes 16 bits from Philox-4x32-10 keyed by ``seed``
+row i and key j within the sequence -- takes 8 bits from Philox-4x32-10 keyed by ``seed``
 (low word first) at the counter
 
-    c0 = (j // 16) * 4 + (j // 2) % 4,   c1 = (i // 16) * 8 + i % 8,
+    c0 = (j // 32) * 4 + (j // 2) % 4,   c1 = (i // 16) * 8 + i % 8,
     c2 + 2**32 * c3 = (offset + b * H + h) mod 2**64,
 
-as lane 4 * (i // 8 % 2) + 2 * (j // 8 % 2) + j % 2 of the call's eight 16-bit values (value l:
-the low half of word l // 2 for even l, the high half for odd l).  It is kept iff that value is
-below ``keep_threshold(dropout_p)`` = round((1 - p) * 65536), and kept values are scaled by
-1 / (1 - p).  Nothing in it depends on a tile, so ``sm90_fwd`` (S in 128 x 128 tiles) and
+as byte 8 * (i // 8 % 2) + 2 * (j // 8 % 4) + j % 2 of the call's 16 (byte l: bits 8 * (l % 4) ..
+8 * (l % 4) + 7 of word l // 4).  It is kept iff that byte is below ``keep_threshold(dropout_p)`` =
+round((1 - p) * 256) -- p is quantised to 1/256, as in FlashAttention-2 -- and kept values are
+scaled by 1 / (1 - p).  Nothing in it depends on a tile, so ``sm90_fwd`` (S in 128 x 128 tiles) and
 ``sm90_bwd`` (S^T, other tiles) draw the same mask.  Under a bottom-right causal mask with more
 queries than keys, the first M - N rows see no key and both directions leave them out
 (``validate.rows_without_keys``): i then counts from row M - N.
@@ -39,14 +39,15 @@ from flashgen.runtime.families import forced_families, selector
 from flashgen.runtime.select import Request
 from flashgen.runtime.validate import Call, Problem, rows_without_keys
 
-KEEP_ONE = 65536  # the 16-bit values a call compares: keep iff value < threshold
+KEEP_ONE = 256  # the byte values an element compares: keep iff byte < threshold
 RNG_FIELDS = ("dropout_seed", "dropout_offset")  # the per-call words of a launch plan (plans.py)
 PAIR = ("sm90_fwd", "sm90_bwd")
 MAX_K = 128  # the dropout instances' largest tier (spec rules)
 
 
 def keep_threshold(dropout_p: float) -> int:
-    """The 16-bit threshold: a value is kept iff it is below this (0 .. 65536)."""
+    """The byte threshold: an element is kept iff its byte is below this (0 .. 256; 256 keeps all, so the
+    kernels compare in 32 bits)."""
     return int(round((1.0 - dropout_p) * KEEP_ONE))
 
 
