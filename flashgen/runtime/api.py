@@ -219,8 +219,9 @@ def explain(q, k, v, *, backward=False, attn_bias=None, block_mask=None, dropout
     checked like the call's, and no choice depends on them."""
     block_mask, causal, window = fold_band(block_mask, causal, window)
     options = dict(attn_bias=attn_bias, block_mask=block_mask, causal=causal, scale=scale, dropout_p=dropout_p,
-                   seed=(0 if seed is None else seed) if dropout_p else seed, offset=offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, window=window,
-                   softcap=softcap, score_mod=score_mod, mod_tensors=mod_tensors, registry=registry)
+                   seed=0 if dropout_p and seed is None else seed, offset=offset, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k, window=window, softcap=softcap, score_mod=score_mod,
+                   mod_tensors=mod_tensors, registry=registry)
     call, dense = forward_call(q, k, v, options, attention_forward), None
     if call.block_mask is not None:
         with on_device(cupy_module(), call.p.device):

@@ -122,7 +122,8 @@ def rejection(binary: KernelBinary, req: Request) -> Optional[str]:
         return f"needs {need}-element alignment of pointers, strides and head dims; the call has {req.alignment}"
     served = c.get("staged_max_key_blocks", 0)
     if served and not 0 < req.num_keys <= served * c["block_n"]:
-        keys = f"{req.num_keys}{' or more' if req.num_keys >= KEYS_CAP else ''}" if req.num_keys else "an unknown number"
+        more = " or more" if req.num_keys >= KEYS_CAP else ""
+        keys = f"{req.num_keys}{more}" if req.num_keys else "an unknown number"
         return (f"stores O through shared memory, which pays only for tiles of at most {served} key blocks "
                 f"({served * c['block_n']} keys); the call has {keys}")
     smem = c["shared_memory_bytes"]

@@ -307,7 +307,6 @@ class HopperFamily(OwnKernelFamily):
             built = set()
         return None if mod.name in built else str(score_mods.not_built(mod.name, mod.name in BUILTIN_MODS))
 
-
     def run(self, call: Call):
         if call.p.dropout_p > 0:
             return sm90_dropout.run(call, super().run)

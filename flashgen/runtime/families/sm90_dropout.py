@@ -63,28 +63,39 @@ def padded_dim(n: int) -> int:
     return -(-n // 8) * 8
 
 
-def may_draw(p: Problem) -> bool:
-    """Whether the pair may draw ``p``'s mask, judged from the problem alone (GPU, dtype, head dims,
-    FLASHGEN_FAMILIES): ``refusal`` decides, with the call's bias, block mask and kernels."""
+def _problem_refusal(p: Problem, info: Optional[DeviceInfo] = None, bias_or_mask: bool = False) -> Optional[str]:
+    """What of ``p`` (and FLASHGEN_FAMILIES, the GPU, a bias or block mask) keeps the pair from drawing
+    its mask, before the kernels built are asked (None: nothing)."""
     allowed = forced_families()
-    return ((allowed is None or set(PAIR) <= set(allowed)) and p.dtype in ("f16", "bf16") and p.K == p.Kv
-            and padded_dim(p.K) <= MAX_K and device_info(p.device).cc == 90)
+    if allowed is not None and not set(PAIR) <= set(allowed):
+        return ("dropout needs both sm90_fwd and sm90_bwd (one mask for both directions); "
+                "FLASHGEN_FAMILIES leaves one out")
+    if bias_or_mask or p.softcap:
+        return "dropout without attn_bias, block masks or softcap (the example-41 families draw such masks)"
+    if p.dtype not in ("f16", "bf16"):
+        return f"dropout in float16 or bfloat16; the call is {p.dtype}"
+    if p.K != p.Kv or padded_dim(p.K) > MAX_K:
+        return f"dropout with equal q/v head dims up to {MAX_K}; the call has {p.K} and {p.Kv}"
+    info = info or device_info(p.device)
+    if info.cc != 90:
+        return f"a compute-capability 9.0 GPU (H100, H200); GPU {p.device} is {info.name} (sm_{info.cc})"
+    return None
+
+
+def may_draw(p: Problem) -> bool:
+    """Whether the pair may draw ``p``'s mask, judged from the problem alone (validation, which knows no
+    family yet): ``refusal`` decides, with the call's bias, block mask and the kernels built."""
+    return _problem_refusal(p) is None
 
 
 def refusal(call: Call, info: Optional[DeviceInfo] = None) -> Optional[str]:
     """Why the sm90 pair does not draw this dropout call's mask (None: it does, in both directions);
     ``info``: the call's GPU, if known."""
     p = call.p
-    allowed = forced_families()
-    if allowed is not None and not set(PAIR) <= set(allowed):
-        return "dropout needs both sm90_fwd and sm90_bwd (one mask for both directions); FLASHGEN_FAMILIES leaves one out"
-    if call.bias is not None or call.block_mask is not None or p.softcap:
-        return "dropout without attn_bias, block masks or softcap (the example-41 families draw such masks)"
-    if p.K != p.Kv or padded_dim(p.K) > MAX_K:
-        return f"dropout with equal q/v head dims up to {MAX_K}; the call has {p.K} and {p.Kv}"
+    why = _problem_refusal(p, info, call.bias is not None or call.block_mask is not None)
+    if why is not None:
+        return why
     info = info or device_info(p.device)
-    if info.cc != 90:
-        return f"a compute-capability 9.0 GPU (H100, H200); GPU {p.device} is {info.name} (sm_{info.cc})"
     band = p.mask != 0 or p.window is not None
     for family in PAIR:
         req = Request(family, p.dtype, padded_dim(p.K), padded_dim(p.Kv), 8, True, False, info, band=band,
