@@ -42,8 +42,9 @@ JIT_IMPLS = ("fa4", "flex")  # compile on the first call at a point: Result.comp
 class Point:
     """One shape of the grid.  ``heads`` counts query heads; k and v have ``heads // group``
     (``group`` = 1: multi-head, > 1: grouped-query).  ``mask`` names a block mask the point runs
-    under instead (``bench_masks``; "" for none).  Both come last with defaults, so a point written
-    before they existed (``Point(**old_json_point)``) still loads, as the same shape."""
+    under instead (``bench_masks``; "" for none), ``score_mod`` a score mod its scores take
+    (``bench_mods``; "" for none).  They come last with defaults, so a point written before they
+    existed (``Point(**old_json_point)``) still loads, as the same shape."""
 
     dtype: str
     head_dim: int
@@ -53,6 +54,7 @@ class Point:
     seqlen: int
     group: int = 1
     mask: str = ""
+    score_mod: str = ""
 
     @property
     def kv_heads(self) -> int:
@@ -80,15 +82,16 @@ class Result:
 
 
 def default_grid(dtypes=("f16", "bf16"), head_dims=(64, 128), hidden=2048, tokens=16384,
-                 seqlens=(512, 1024, 2048, 4096, 8192, 16384), groups=(1,), masks=()) -> List[Point]:
+                 seqlens=(512, 1024, 2048, 4096, 8192, 16384), groups=(1,), masks=(), score_mods=()) -> List[Point]:
     """Every combination, with ``hidden // head_dim`` query heads and ``tokens // seqlen`` batches.
     A group that does not divide a head dim's head count is left out for that head dim only
     (hidden 2048: group 32 fits head dim 64's 32 heads, not 128's 16), so a mixed grid still runs
     what it can; the CLI refuses a group that fits no head dim at all.  With ``masks``, each
-    mask replaces the causal and full points (a mask carries its own causality)."""
-    return [Point(d, hd, causal, max(1, tokens // s), hidden // hd, s, g, mask)
-            for d in dtypes for hd in head_dims for causal, mask in _mask_kinds(masks)
-            for g in groups if (hidden // hd) % g == 0 for s in seqlens]
+    mask replaces the causal and full points (a mask carries its own causality); with
+    ``score_mods``, each mod's causal and full points replace the plain ones."""
+    return [Point(d, hd, causal, max(1, tokens // s), hidden // hd, s, g, mask, mod)
+            for d in dtypes for hd in head_dims for mod in (score_mods or ("",))
+            for causal, mask in _mask_kinds(masks) for g in groups if (hidden // hd) % g == 0 for s in seqlens]
 
 
 def _mask_kinds(masks) -> List[tuple]:
@@ -231,6 +234,10 @@ def bench_point(p: Point, impls: List[str], torch, repeats: int = 30, all_instan
         from flashgen import bench_masks
 
         entries = bench_masks.entries(p, impls, sets, t_sets, torch)
+    elif p.score_mod:
+        from flashgen import bench_mods
+
+        entries = bench_mods.entries(p, impls, sets, t_sets, torch)
     else:
         entries = _unmasked_entries(p, impls, sets, t_sets, torch)
     not_set_up = {id(e) for e in entries if e.error}  # e.g. an import: not about this point's shape
@@ -244,9 +251,10 @@ def bench_point(p: Point, impls: List[str], torch, repeats: int = 30, all_instan
                       compile_s=e.first_call_s if e.impl in JIT_IMPLS else None)
                for e in entries]
     del sets, t_sets
-    if all_instances and (p.group > 1 or p.mask):  # tune.measure_choices builds unmasked multi-head inputs
+    if all_instances and (p.group > 1 or p.mask or p.score_mod):  # tune.measure_choices: plain multi-head inputs
         why = ("instances not timed at GQA points: flashgen tune measures multi-head shapes only" if p.group > 1
-               else "instances not timed at block-mask points: flashgen tune measures unmasked shapes only")
+               else "instances not timed at block-mask points: flashgen tune measures unmasked shapes only"
+               if p.mask else "instances not timed at score-mod points: flashgen tune measures plain calls only")
         results += [Result("flashgen[*]", direction, p, None, None, why) for direction in ("fwd", "bwd")]
     elif all_instances:  # every tile (and split policy) the runtime could pick here, through a one-entry table
         from flashgen import tune
@@ -369,21 +377,28 @@ def _fa4_entries(p: Point, sets, torch) -> List[Timed]:
 _flex = None
 
 
-def flex_entries(p: Point, t_sets, torch, mask=None) -> List[Timed]:
+def flex_entries(p: Point, t_sets, torch, mask=None, score_mod=None) -> List[Timed]:
     """torch.compile'd flex_attention: Triton kernels generated for the shape and mask, compiled
     once per shape (during warm-up); backward through autograd like SDPA.  Grouped-query points
     pass ``enable_gqa`` (flex refuses k/v with fewer heads without it).  ``mask``: flex's block
-    mask of a masked point (bench_masks); else a causal one at a causal point, none otherwise."""
+    mask of a masked point (bench_masks); else a causal one at a causal point, none otherwise.
+    ``score_mod``: flex's score mod of a score-mod point (bench_mods)."""
     global _flex
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if _flex is None:
+        # a compile per shape, mask and score mod: past dynamo's default limit (8) flex_attention would
+        # fall back to its unfused eager form and time that instead
+        config = torch._dynamo.config
+        for limit in ("cache_size_limit", "recompile_limit"):
+            if hasattr(config, limit):
+                setattr(config, limit, max(getattr(config, limit), 256))
         _flex = torch.compile(flex_attention, dynamic=False)
     if mask is None and p.causal:
         mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, p.seqlen, p.seqlen, device="cuda")
-    gqa = {"enable_gqa": True} if p.group > 1 else {}
-    return [Timed("flex", "fwd", lambda i: _flex(*t_sets[i % 3][:3], block_mask=mask, **gqa)),
-            Timed("flex", "bwd", autograd_backward(lambda s: _flex(*s[:3], block_mask=mask, **gqa), t_sets,
+    extra = dict({"enable_gqa": True} if p.group > 1 else {}, **({"score_mod": score_mod} if score_mod else {}))
+    return [Timed("flex", "fwd", lambda i: _flex(*t_sets[i % 3][:3], block_mask=mask, **extra)),
+            Timed("flex", "bwd", autograd_backward(lambda s: _flex(*s[:3], block_mask=mask, **extra), t_sets,
                                                     torch))]
 
 

@@ -11,8 +11,9 @@ def _ratio(got: dict, a: str, b: str) -> str:
 
 
 def _masking(point) -> str:
-    """The table's causal cell: yes / no, or the block mask the point runs under."""
-    return point.mask or ("yes" if point.causal else "no")
+    """The table's causal cell: yes / no, or the block mask the point runs under; a score mod after it."""
+    masking = point.mask or ("yes" if point.causal else "no")
+    return f"{masking}+{point.score_mod}" if getattr(point, "score_mod", "") else masking
 
 
 def bench_table(grid, results, impls, all_instances: bool) -> str:

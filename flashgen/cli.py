@@ -383,6 +383,10 @@ def tune(dtypes, head_dims, seqlens, tokens, hidden, repeats, out_path) -> None:
                    "8 equal documents per sequence; window1024, causal over the last 1024 keys; document8-causal, "
                    "the documents, causal within each (flashgen: the document mask and causal=top_left).  flashgen "
                    "gets a flashgen.block_mask of it, flex the same mask; TFLOP/s count only the scores it shows.")
+@click.option("--score-mod", "score_mods", multiple=True, type=click.Choice(["alibi"]),
+              help="Time with a score mod instead (repeatable; its causal and full points replace the plain ones): "
+                   "alibi, score - slope[h] * |q_idx - kv_idx|.  flashgen runs its compiled-in ALiBi instances, "
+                   "flex the same expression as its score_mod; the other peers take none.")
 @click.option("--all-instances", is_flag=True, help="Also time every flashgen kernel tile (and backward key-split "
               "policy) that can serve each point, as flashgen[<tile>] (multi-head points only).")
 @click.option("--repeats", type=int, default=30, show_default=True,
@@ -392,14 +396,17 @@ def tune(dtypes, head_dims, seqlens, tokens, hidden, repeats, out_path) -> None:
                    "back to back as a training loop issues them, so host work hides behind the GPU's.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def bench(dtypes, head_dims, seqlens, tokens, hidden, groups, masks, impls, all_instances, repeats, timing, json_path,
-          plot_path) -> None:
+def bench(dtypes, head_dims, seqlens, tokens, hidden, groups, masks, score_mods, impls, all_instances, repeats, timing,
+          json_path, plot_path) -> None:
     """Forward and backward TFLOP/s of flashgen (directly and through its PyTorch adapter), FlashAttention-4 and
     torch's SDPA backends, side by side."""
     from flashgen import bench as b, bench_host as host
     from flashgen.bench_table import bench_notes, bench_table
 
-    grid = b.default_grid(dtypes, head_dims, hidden, tokens, seqlens, groups, masks)
+    if masks and score_mods:  # flashgen's score-mod instances take no block mask (runtime/score_mods.py)
+        raise click.BadParameter("a score mod with a block mask is not benched: pass one of the two",
+                                 param_hint="--score-mod")
+    grid = b.default_grid(dtypes, head_dims, hidden, tokens, seqlens, groups, masks, score_mods)
     unused = sorted(set(groups) - {p.group for p in grid})  # checked before torch: a typo fails fast anywhere
     if unused:
         heads = ", ".join(f"{hidden // hd} (head dim {hd})" for hd in head_dims)
@@ -420,7 +427,7 @@ def bench(dtypes, head_dims, seqlens, tokens, hidden, groups, masks, impls, all_
                             + (f" (first call {r.compile_s:.1f} s)" if r.compile_s is not None else "")
                             for r in rows if r.tflops)
         click.echo(f"[{n}/{len(grid)}] {point.dtype} d{point.head_dim} {'causal ' if point.causal else ''}"
-                   f"{point.mask + ' ' if point.mask else ''}"
+                   f"{point.mask + ' ' if point.mask else ''}{point.score_mod + ' ' if point.score_mod else ''}"
                    f"B{point.batch} H{point.heads_label} S{point.seqlen}: {summary}", err=True)
     click.echo(bench_table(grid, results, impls, all_instances))
     for line in bench_notes(results):

@@ -478,9 +478,9 @@ def test_point_json_round_trip_with_and_without_group():
     result = bench.Result("flashgen", "fwd", GQA, 1.5, 300.0)
     written = json.loads(json.dumps(result.as_dict()))
     assert written["point"] == {"dtype": "f16", "head_dim": 8, "causal": False, "batch": 2, "heads": 8,
-                                "seqlen": 16, "group": 4, "mask": ""}
+                                "seqlen": 16, "group": 4, "mask": "", "score_mod": ""}
     assert bench.Point(**written["point"]) == GQA
-    old = {k: v for k, v in asdict(POINT).items() if k not in ("group", "mask")}  # a file from before --group
+    old = {k: v for k, v in asdict(POINT).items() if k not in ("group", "mask", "score_mod")}  # from before --group
     assert bench.Point(**json.loads(json.dumps(old))) == POINT and POINT.group == 1
     assert bench.Point(**old) != bench.Point(**dict(old, group=3))
 

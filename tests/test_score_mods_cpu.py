@@ -257,3 +257,19 @@ def test_names_that_are_no_built_score_mod_say_what_to_do():
     options = dict(score_mod=None, mod_tensors={"slope": 1}, registry=reg)
     with pytest.raises(ValueError, match="mod_tensors without score_mod"):
         runtime_mods.bind(options, None, None, None)
+
+
+def test_a_planned_call_passes_captured_tensors_by_sorted_name_and_the_plan_points_each_at_its_own():
+    """api's plan signature takes the tensors by name in sorted order; the plan's pointer words follow
+    the same order into the declaration's mod_ptr slots, whatever order the declaration has."""
+    from flashgen.runtime import api
+
+    z, a = FakeArray((3,), np.float32), FakeArray((3,), np.float32)
+    mod = ScoreMod("score * z[h] + a[h]", tensors={"z": "f32[H]", "a": "f32[H]"}, grad="z[h]")
+    bound = runtime_mods.BoundScoreMod("zed", mod.digest(), mod, ("z", "a"), (z, a))
+    assert bound.plan_pointers() == ("mod_ptr_1", "mod_ptr_0")
+    assert api._mod_arrays("zed", {"z": z, "a": a}) == ((a, z), ("a", "z"))
+    assert api._mod_arrays("zed", None) == api._mod_arrays("zed", {}) == api._mod_arrays(None, None) == ((), ())
+    # what validation refuses gets an array no signature takes, so the call goes there
+    assert api._mod_arrays(None, {"z": z}) == ((None,), ())
+    assert api._mod_arrays("zed", [z]) == ((None,), ())

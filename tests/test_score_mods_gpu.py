@@ -121,6 +121,29 @@ def test_an_alibi_call_runs_the_alibi_instance_and_refuses_what_it_cannot_take()
 
 
 @needs_alibi
+def test_repeated_alibi_calls_replay_a_plan_that_reads_each_calls_tensors():
+    """From the second call of a signature on, the forward replays the first's launch plan: each call's
+    slopes (new values at a new address) and inputs must reach the kernels, forward and backward."""
+    from flashgen.runtime import plans
+
+    B, H, M, K = 2, 4, 300, 64
+    r = np.random.default_rng(5)
+    for step in range(3):
+        q, k, v, do = (randn(r, (B, M, H, K), "f16") for _ in range(4))
+        slope = alibi_slopes(H) * (step + 1)
+        call = dict(causal="top_left", score_mod="alibi", mod_tensors={"slope": slope})
+        with poisoned_allocations():
+            out, lse = flashgen.attention_forward(q, k, v, **call)
+            replayed = plans.served()
+            dq, dk, dv = flashgen.attention_backward(do, q, k, v, out, lse, **call)
+        assert (replayed is not None) == (step > 0)
+        ro, rl, grads = modded_reference(q, k, v, do, BUILTIN_MODS["alibi"], {"slope": slope}, causal="top_left")
+        assert rel_err(out, ro) < FWD_TOL["f16"] and lse_err(lse, rl) < FWD_TOL["f16"]
+        for g, ref in zip((dq, dk, dv), grads):
+            assert rel_err(g, ref, zero_scale=np.sqrt(K)) < BWD_TOL["f16"]
+
+
+@needs_alibi
 def test_alibi_through_flashgen_torch_matches_the_cupy_path():
     """The same kernels on the same inputs (dq in a fixed order): the same bits."""
     torch = pytest.importorskip("torch")

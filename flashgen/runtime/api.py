@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
-from typing import Optional
+from typing import Mapping, Optional
 
 import numpy as np
 
@@ -58,21 +58,25 @@ def attention_forward(q, k, v, *, attn_bias=None, block_mask=None, causal=None, 
     ("alibi", or one a mods file declared) or its ``flashgen.mods.ScoreMod``; each score becomes
     mod(scale * q.k, b, h, q_idx, kv_idx) before the mask and the softmax.  ``mod_tensors``: the
     tensors it captures, by name (checked against the declaration: dtype, shape, device, contiguous;
-    they get no gradient).  Not with attn_bias, block_mask, softcap, dropout or cu_seqlens.  Such
-    calls take no launch plan (each validates and selects anew: runtime/score_mods.py); a mod that is
-    not built is an UnsupportedError naming the command that builds it.
+    they get no gradient).  Not with attn_bias, block_mask, softcap, dropout or cu_seqlens.  A mod
+    named by a string takes launch plans (its tensors' pointers are per-call words; a ``ScoreMod``
+    object validates and selects anew); a mod that is not built is an UnsupportedError naming the
+    command that builds it.
     """
     block_mask, causal, window = fold_band(block_mask, causal, window)
     cupy = cupy_module()
     registry = registry or default_registry()
     memory, key = memory_for(q, cupy), None
-    if memory is not None and cu_seqlens_q is None and cu_seqlens_k is None and score_mod is None:
+    if memory is not None and cu_seqlens_q is None and cu_seqlens_k is None:
         # a block mask's arrays end the signature (a sparse plan points at them), its block size joins
-        # the options; one that is not a BlockMask (validation says why) or lacks bits gets no plan
+        # the options; one that is not a BlockMask (validation says why) or lacks bits gets no plan;
+        # so do a score mod's captured tensors (the mod and their names join the options)
         sparse = () if block_mask is None else _mask_arrays(memory, block_mask, "kernel_arrays")
-        arrays = ((q, k, v) if attn_bias is None else (q, k, v, attn_bias)) + sparse
+        captured, names = _mod_arrays(score_mod, mod_tensors)
+        arrays = ((q, k, v) if attn_bias is None else (q, k, v, attn_bias)) + sparse + captured
         key, plan = plans.find(memory.signature, "fwd", arrays, (causal, scale, dropout_p, window, softcap, registry,
-                                                                   getattr(block_mask, "block", None)))
+                                                                   getattr(block_mask, "block", None), score_mod,
+                                                                   names))
         if plan is not None:
             if dropout_p or seed is not None or offset:
                 check_rng(dropout_p, seed, offset)
@@ -139,14 +143,16 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
     cupy = cupy_module()
     registry = registry or default_registry()
     memory, key = memory_for(q, cupy), None
-    if (memory is not None and not bias_requires_grad and cu_seqlens_q is None and cu_seqlens_k is None
-            and score_mod is None):
-        # as in the forward: a block mask's (transposed) arrays end the signature, its block size joins the options
+    if memory is not None and not bias_requires_grad and cu_seqlens_q is None and cu_seqlens_k is None:
+        # as in the forward: a block mask's (transposed) arrays end the signature, its block size joins the
+        # options, and so do a score mod's captured tensors
         sparse = () if block_mask is None else _mask_arrays(memory, block_mask, "backward_arrays")
-        arrays = (grad_out, q, k, v, out, lse) + (() if attn_bias is None else (attn_bias,)) + sparse
+        captured, names = _mod_arrays(score_mod, mod_tensors)
+        arrays = (grad_out, q, k, v, out, lse) + (() if attn_bias is None else (attn_bias,)) + sparse + captured
         key, plan = plans.find(memory.signature, "bwd", arrays, (causal, scale, dropout_p, window, softcap,
                                                                    deterministic, registry,
-                                                                   getattr(block_mask, "block", None)))
+                                                                   getattr(block_mask, "block", None), score_mod,
+                                                                   names))
         if plan is not None:
             if dropout_p or seed is not None or offset:
                 check_rng(dropout_p, seed, offset)
@@ -201,6 +207,19 @@ def _mask_arrays(memory, block_mask, which: str) -> tuple:
     if not isinstance(block_mask, BlockMask):
         return (None,)
     return memory.mask_arrays(block_mask, which)
+
+
+def _mod_arrays(score_mod, mod_tensors) -> tuple:
+    """(arrays, names): a score mod's captured tensors for the plan's signature, by name in sorted order
+    (the order ``BoundScoreMod.plan_pointers`` gives their pointers), and the names; ``(None,)``, which
+    no signature takes, for ``mod_tensors`` that is not a dict or comes without a mod (validation says
+    why)."""
+    if mod_tensors is None or (isinstance(mod_tensors, Mapping) and not mod_tensors):
+        return (), ()
+    if score_mod is None or not isinstance(mod_tensors, Mapping):  # validation refuses these
+        return (None,), ()
+    names = tuple(sorted(mod_tensors, key=str))
+    return tuple(mod_tensors[t] for t in names), names
 
 
 def _adopt(memory, outputs):

@@ -9,7 +9,10 @@ same declaration whatever their name.  Selection takes only instances whose reco
 that of the declaration asked for (``select.rejection``), so a kernel built from an edited mods
 file is refused rather than run.
 
-Score-mod calls take no launch plans (api.py): each validates and selects anew.
+A score-mod call takes a launch plan like any other (api.py): its captured tensors, by name in
+sorted order, end the plan's arrays, and their pointers the plan's per-call words
+(``BoundScoreMod.plan_pointers``); their shapes, strides and dtypes are in the plan's key, so
+a call that replays one has tensors this module would have accepted.
 """
 from __future__ import annotations
 
@@ -25,11 +28,12 @@ from flashgen.spec import score_mods
 @dataclass(frozen=True)
 class BoundScoreMod:
     """A call's score mod: its name in the manifests, the digest instances must carry, and the
-    captured tensors as CuPy views, in the declaration's order."""
+    captured tensors (their names and CuPy views), in the declaration's order."""
 
     name: str
     digest: str
     mod: ScoreMod
+    names: Tuple[str, ...]
     arrays: Tuple[object, ...]
 
     def fields(self) -> dict:
@@ -39,6 +43,11 @@ class BoundScoreMod:
             out[f"mod_ptr_{i}"] = x.data.ptr
             out.update((f"mod_stride_{i}_{d}", s) for d, s in enumerate(elem_strides(x)))
         return out
+
+    def plan_pointers(self) -> Tuple[str, ...]:
+        """The Params fields of the captured tensors' pointers in the order a planned call passes the
+        tensors (api.py: by name, sorted), not the declaration's."""
+        return tuple(f"mod_ptr_{self.names.index(t)}" for t in sorted(self.names))
 
 
 def _contiguous(x) -> bool:
@@ -132,8 +141,8 @@ def bind(options: Mapping, p, q, k) -> Optional[BoundScoreMod]:
                                    f"captured tensors are not computed; pass it detached ({t}.detach())")
     sizes = dict(B=p.B, H=p.H, Hk=k.shape[2], M=q.shape[1], N=k.shape[1])
     given = mod.bind(tensors, sizes, name)
-    arrays = []
-    for t in mod.specs(name):
+    names, arrays = tuple(mod.specs(name)), []
+    for t in names:
         x = as_array(given[t], f"mod_tensors[{t!r}]")
         if x.device.id != p.device:
             raise ValueError(f"score mod {name!r}: mod_tensors[{t!r}] is on GPU {x.device.id}, q is on GPU {p.device}")
@@ -141,4 +150,4 @@ def bind(options: Mapping, p, q, k) -> Optional[BoundScoreMod]:
             raise ValueError(f"score mod {name!r}: mod_tensors[{t!r}] must be contiguous (the kernels read it as "
                              f"declared); pass a contiguous copy")
         arrays.append(x)
-    return BoundScoreMod(name, mod.digest(name), mod, tuple(arrays))
+    return BoundScoreMod(name, mod.digest(name), mod, names, tuple(arrays))

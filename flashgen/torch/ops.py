@@ -197,7 +197,7 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_bias, options, block_mask, mods):
-        # not packed, no score mod (its calls take no plans)
+        # not packed, no block mask or score mod (the shortcut key has no place for their arrays)
         plannable = block_mask is None and mods is None and options[0] is None and options[1] is None
         key = _shortcut_key(q, k, v, attn_bias, options) if plannable else None
         plan = None if key is None else plans.lookup(key)
@@ -205,8 +205,9 @@ class EagerAttention(torch.autograd.Function):
             out, lse = _replayed_forward(plan, q, k, v, attn_bias, options)
         else:
             out, lse = _forward(q, k, v, attn_bias, *options[:-1], block_mask=block_mask, mods=mods)
-            # the forward's launch plan when it replayed one (a block mask's backward plan ends with its lists)
-            plan = plans.served() if block_mask is None else None
+            # the forward's launch plan when it replayed one; none with a block mask or a score mod, whose
+            # backward plans end with arrays the follower replay does not pass (api.py's own plans serve them)
+            plan = plans.served() if block_mask is None and mods is None else None
             if plan is not None and key is not None:
                 plans.remember(key, plan)
         ctx.plan = plan

@@ -24,7 +24,7 @@ from flashgen.runtime.families.sm90_common import (SPARSE_POINTERS, HopperFamily
                                                    check_compiled_bias, check_compiled_dropout,
                                                    check_compiled_score_mod, check_compiled_sparse, dbias_fields,
                                                    encode_bias_map, encode_maps, mod_fields, sparse_refusal,
-                                                   zero_unpacked_rows)
+                                                   trailing_pointers, zero_unpacked_rows)
 from flashgen.runtime.launch import fill, handle, launch, on_device, packed_offsets, params_buffer
 from flashgen.runtime.memory import CupyMemory
 from flashgen.runtime.limits import check_int32
@@ -145,22 +145,22 @@ class ThreeKernelBackward:
         zero_unpacked_rows(p, dq, dk, dv)
         if extra:  # never planned (api.py plans no call that asks for dbias): a replay returns dq, dk, dv
             return (dq, dk, dv) + extra
-        # a bias's map follows the family's own (replay: the arrays in order); a block mask's pointers
-        # follow POINTERS (its arrays end the replayed ones: the plan's ``trailing``)
+        # a bias's map follows the family's own (replay: the arrays in order); a block mask's pointers, or a
+        # score mod's tensors', follow POINTERS (their arrays end the replayed ones: the plan's ``trailing``)
         if plan_key is not None:
             entry = lambda name: handle(call.registry, binary, p.device, name)  # noqa: E731
             maps = self.MAPS + (() if call.bias is None else ("bias_map",))
-            sparse = () if call.block_mask is None else SPARSE_POINTERS
+            trailing = trailing_pointers(call)
             plans.remember(plan_key, plans.LaunchPlan.from_params(
-                entry(""), p.device, grid, block, kc["shared_memory_bytes"], params, self.POINTERS + sparse,
-                p.dropout_p > 0, {"layout": tuple(offsets), "trailing": len(sparse)}, tensor_maps=maps,
+                entry(""), p.device, grid, block, kc["shared_memory_bytes"], params, self.POINTERS + trailing,
+                p.dropout_p > 0, {"layout": tuple(offsets), "trailing": len(trailing)}, tensor_maps=maps,
                 family=self.name, before=[(entry("_prep"), aux_grid, aux_block)],
                 after=[(entry("_convert"), aux_grid, aux_block)], rng_fields=sm90_dropout.RNG_FIELDS))
         return dq, dk, dv
 
     def replay(self, plan, memory, arrays, seed, offset, stream):
-        lead = len(arrays) - plan.sizes.get("trailing", 0)  # a block mask's arrays end ``arrays``
-        (grad_out, q, k, v, out, lse, *bias), sparse = arrays[:lead], arrays[lead:]
+        lead = len(arrays) - plan.sizes.get("trailing", 0)  # a block mask's or a mod's arrays end ``arrays``
+        (grad_out, q, k, v, out, lse, *bias), trailing = arrays[:lead], arrays[lead:]
         ptr = memory.ptr
         given = self.replay_pointers(ptr, q, k, v, out, grad_out, lse)
         if bias:  # its tensor map's address right after the family's own maps'
@@ -168,7 +168,7 @@ class ThreeKernelBackward:
         with on_device(cupy_module(), plan.device):
             handle_ = memory.stream(stream, plan.device)
             dq, dk, dv, carved, workspace = buffers(memory, plan.sizes["layout"], q, k, v, handle_)
-            plan.launch(given + carved + tuple(map(ptr, sparse)), seed, offset, handle_)
+            plan.launch(given + carved + tuple(map(ptr, trailing)), seed, offset, handle_)
             del workspace  # after the launch: the allocator reuses it in stream order
         return dq, dk, dv
 

@@ -160,6 +160,14 @@ def mod_fields(call: Call) -> dict:
     return {} if call.score_mod is None else call.score_mod.fields()
 
 
+def trailing_pointers(call: Call) -> Tuple[str, ...]:
+    """The Params pointer fields a plan takes from the arrays that end a call's signature (api.py):
+    its block mask's, or its score mod's captured tensors' (a call has at most one of the two)."""
+    if call.block_mask is not None:
+        return SPARSE_POINTERS
+    return () if call.score_mod is None else call.score_mod.plan_pointers()
+
+
 def check_compiled_sparse(binary: KernelBinary, call: Call) -> None:
     """A sparse instance reads the mask's lists (without them it would fault) and a plain one would
     ignore the mask; selection keeps them apart (``Request.block_sparse``), this stops a launch that

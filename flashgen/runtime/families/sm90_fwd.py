@@ -4,7 +4,8 @@ A call with a ``block_mask`` runs here, sparse, when a ``sparse`` instance reads
 (selection matches their size with the kernel's tile, from the cubin's constants) and the call has
 nothing such an instance lacks (``block_mask_refusal``); else the mask goes dense (block_fallback).
 Such a call leaves a launch plan like any other: the mask's arrays end its signature (api.py) and their
-pointers follow out's and lse's (SPARSE_POINTERS), so a replay reads the call's own mask.
+pointers follow out's and lse's (SPARSE_POINTERS), so a replay reads the call's own mask; a score
+mod's captured tensors do the same (``trailing_pointers``).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from flashgen.runtime.families.sm90_common import (SPARSE_POINTERS, HopperFamily
                                                    check_compiled_bias, check_compiled_dropout,
                                                    check_compiled_score_mod, check_compiled_sparse, encode_bias_map,
                                                    encode_maps, mod_fields, replay_forward, sparse_refusal,
-                                                   zero_unpacked_rows)
+                                                   trailing_pointers, zero_unpacked_rows)
 from flashgen.runtime.launch import fill, handle, launch, params_buffer
 from flashgen.runtime.limits import check_int32, lse_rows
 from flashgen.runtime.registry import KernelBinary
@@ -102,12 +103,14 @@ class Sm90FwdRuntime(HopperFamily):
         block = (kc["threads_per_block"], 1, 1)
         launch(call.registry, binary, p.device, grid, block, params, call.stream)
         zero_unpacked_rows(p, out)
-        if call.plan_key is not None:  # a bias's map follows q's, k's and v's (replay: the arrays in order)
-            sparse = () if call.block_mask is None else SPARSE_POINTERS
+        # a bias's map follows q's, k's and v's (replay: the arrays in order); a block mask's or a score
+        # mod's arrays end the call's, their pointers the plan's (``trailing``)
+        if call.plan_key is not None:
+            trailing = trailing_pointers(call)
             plans.remember(call.plan_key, plans.LaunchPlan.from_params(
                 handle(call.registry, binary, p.device), p.device, grid, block, kc["shared_memory_bytes"], params,
-                POINTERS + sparse, p.dropout_p > 0,
-                {"out": out.shape, "lse": lse.shape, "M": p.M, "trailing": len(sparse)},
+                POINTERS + trailing, p.dropout_p > 0,
+                {"out": out.shape, "lse": lse.shape, "M": p.M, "trailing": len(trailing)},
                 tensor_maps=MAPS + (() if call.bias is None else ("bias_map",)), family=self.name,
                 rng_fields=sm90_dropout.RNG_FIELDS))
         return out, visible_lse(lse, p.M)
