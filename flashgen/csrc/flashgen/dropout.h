@@ -53,6 +53,9 @@ struct DropoutStream {
   uint32_t k0, k1;
   uint32_t c2, c3;
   uint32_t keep;  // 0 .. 256: a byte is kept iff below it
+  // keep as two parts for keep_bytes, in every byte: its bit 7 (0x80 where keep >= 128), and the
+  // rest, keep - 128 * bit 7 (0 .. 128: 256 gives 128, above every 7-bit value)
+  uint32_t keep_high, keep_low;
 
   template <class Params>
   __device__ DropoutStream(Params const& p, int sequence, int head) {
@@ -62,22 +65,52 @@ struct DropoutStream {
     c2 = uint32_t(stream);
     c3 = uint32_t(stream >> 32);
     keep = p.dropout_keep;
+    keep_high = keep >= 128 ? 0x80808080u : 0u;
+    keep_low = (keep - (keep >= 128 ? 128u : 0u)) * 0x01010101u;
+  }
+
+  // The four bytes of a Philox word compared with keep at once: bit 7 of each byte of the result is 1
+  // iff that byte is below keep (the other bits are not defined).  d = (w | 0x80) - low per byte
+  // never borrows from the next byte, and its bit 7 says whether the byte's low 7 bits reach low;
+  // below keep is then: bit 7 clear where keep's is set, or equal bits 7 and low 7 bits below low.
+  __device__ __forceinline__ uint32_t keep_bytes(uint32_t w) const {
+    uint32_t const d = (w | 0x80808080u) - keep_low;
+    return (~w & keep_high) | (~(w ^ keep_high) & ~d);
+  }
+
+  // keep_bytes of the four words of the call that covers element (i, j): word l / 4 holds byte l.
+  __device__ __forceinline__ uint4 keep_words(int i, int j) const {
+    uint4 const r = philox4x32_10(counter(i, j), k0, k1);
+    return make_uint4(keep_bytes(r.x), keep_bytes(r.y), keep_bytes(r.z), keep_bytes(r.w));
+  }
+
+  __device__ __forceinline__ uint4 counter(int i, int j) const {
+    uint32_t const c0 = uint32_t(j >> 5) * 4 + ((j >> 1) & 3);
+    uint32_t const c1 = uint32_t(i >> 4) * 8 + (i & 7);
+    return make_uint4(c0, c1, c2, c3);
   }
 
   // The keep bits of the call that covers element (i, j) (any of its 16): bit l for byte l.
   __device__ __forceinline__ uint32_t keep_bits(int i, int j) const {
-    uint32_t const c0 = uint32_t(j >> 5) * 4 + ((j >> 1) & 3);
-    uint32_t const c1 = uint32_t(i >> 4) * 8 + (i & 7);
-    uint4 const r = philox4x32_10(make_uint4(c0, c1, c2, c3), k0, k1);
-    uint32_t const words[4] = {r.x, r.y, r.z, r.w};
-    uint32_t bits = 0;
-#pragma unroll
-    for (int l = 0; l < 16; ++l) {
-      uint32_t const value = (words[l / 4] >> (8 * (l % 4))) & 0xffu;
-      bits |= uint32_t(value < keep) << l;
-    }
-    return bits;
+    uint4 const w = keep_words(i, j);
+    return keep_nibble(w.x) | keep_nibble(w.y) << 4 | keep_nibble(w.z) << 8 | keep_nibble(w.w) << 12;
+  }
+
+  // Bits 7, 15, 23 and 31 of keep_bytes' word as bits 0 .. 3: times 2^0 + 2^7 + 2^14 + 2^21 they land
+  // on bits 28 .. 31, and no two of the sixteen shifted copies share a bit below 32 (no carries).
+  static __device__ __forceinline__ uint32_t keep_nibble(uint32_t bytes) {
+    return ((bytes & 0x80808080u) * 0x00204081u) >> 28;
   }
 };
+
+// A mask of two adjacent 16-bit values from keep_bytes' word: bytes 2h and 2h + 1 (h = 0 or 1) each
+// replicate their bit 7 over 16 bits, so that `pair & mask` keeps or zeroes each half (prmt's sign
+// mode: a selector nibble with bit 3 set copies the sign of the byte it names).
+__device__ __forceinline__ uint32_t keep_pair_mask(uint32_t keep_word, int h) {
+  uint32_t mask;
+  uint32_t const selector = h ? 0xBBAAu : 0x9988u;
+  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(mask) : "r"(keep_word), "r"(selector));
+  return mask;
+}
 
 }  // namespace flashgen

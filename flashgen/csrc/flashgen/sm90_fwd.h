@@ -429,25 +429,26 @@ struct FwdKernel {
     float row_max[2] = {-INFINITY, -INFINITY};
     float row_sum[2] = {0.f, 0.f};
 
-    // kDropout: block t's keep bits, drawn (draw(t)) while its S GEMM runs.  Registers 16g .. 16g + 15
+    // kDropout: block t's keep bytes, drawn (draw(t)) while its S GEMM runs.  Registers 16g .. 16g + 15
     // are one Philox call's 16 elements (dropout.h): register r is row row0 + 8x, key 32g + col0 +
-    // 8z + y of the block for r % 16 = y + 2x + 4z, the call's byte 8x + 2z + y, kept at bit
-    // keep_bit(r) of keep[r / 32] (each call's 16 bits as they come, no reordering).
-    static_assert(!kDropout || kBlockN % 64 == 0, "a Philox call spans 32 keys, a keep word two calls");
-    constexpr int kKeepWords = kDropout ? kBlockN / 64 : 1;
+    // 8z + y of the block for r % 16 = y + 2x + 4z, the call's byte 8x + 2z + y, in byte 2 (z % 2) + y
+    // of keep[4g + 2x + z / 2] (keep_bytes: bit 7 set where kept).  A pair of P values (y = 0, 1) is
+    // one 32-bit register after to_p's conversion and the two bytes next to each other: one prmt and
+    // one and per pair (keep_pair_mask).
+    static_assert(!kDropout || kBlockN % 32 == 0, "a Philox call spans 32 keys");
+    constexpr int kKeepWords = kDropout ? kBlockN / 8 : 1;
     uint32_t keep[kKeepWords];
-    auto keep_bit = [](int r) { return 16 * (r / 16 % 2) + 8 * (r / 2 % 2) + 2 * (r / 4 % 4) + r % 2; };
     auto draw = [&](int t) {
       if constexpr (kDropout) {
         DropoutStream const stream(p, seq.index, head);
         int const key0 = (blocks.begin + t) * kBlockN;
         CUTE_UNROLL
-        for (int w = 0; w < kKeepWords; ++w) {
-          keep[w] = 0;
-        }
-        CUTE_UNROLL
         for (int g = 0; g < kBlockN / 32; ++g) {
-          keep[g / 2] |= stream.keep_bits(row0, key0 + 32 * g + col0) << (16 * (g % 2));
+          uint4 const w = stream.keep_words(row0, key0 + 32 * g + col0);
+          keep[4 * g] = w.x;
+          keep[4 * g + 1] = w.y;
+          keep[4 * g + 2] = w.z;
+          keep[4 * g + 3] = w.w;
         }
       }
     };
@@ -587,15 +588,20 @@ struct FwdKernel {
         int const h = (r / 2) % 2;
         tSrS(r) = exp2_approx(fmaf(tSrS(r), exp_scale, -scaled_max[h]));
         row_sum[h] += tSrS(r);
-        if constexpr (kDropout) {  // after the sum: the softmax is of the whole row
-          tSrS(r) = (keep[r / 32] >> keep_bit(r)) & 1u ? tSrS(r) : 0.f;
-        }
       }
     };
     auto to_p = [&]() {
       CUTE_UNROLL
       for (int r = 0; r < size(tSrS); ++r) {
         tOrP(r) = static_cast<Element>(tSrS(r));
+      }
+      if constexpr (kDropout) {  // after the sum (softmax): it is of the whole row
+        Tensor pairs = recast<uint32_t>(tOrP);
+        CUTE_UNROLL
+        for (int i = 0; i < size(pairs); ++i) {
+          int const r = 2 * i;
+          pairs(i) &= keep_pair_mask(keep[4 * (r / 16) + 2 * (r / 2 % 2) + r / 8 % 2], r / 4 % 2);
+        }
       }
     };
 
