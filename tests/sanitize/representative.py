@@ -84,7 +84,7 @@ for dtype in ("f16", "bf16"):
     call(dtype, 2, 129, 201, 2, 128, window=(50, 10), softcap=5.0, bias="M")   # one bias row per head
     call(dtype, 2, 77, 130, 2, 96, deterministic=True, bias="BH")
     call(dtype, 1, 130, 200, 2, 64, softcap=3.0, bias="H")                     # backward on the 128 tier
-    # the dropout instances (sm90_dropout.py): partial tiles, grouped-query k/v, both tiers (96 on 128),
+    # the dropout instances (runtime/dropout.py): partial tiles, grouped-query k/v, both tiers (96 on 128),
     # a window, rows without keys (the backward leaves them out as the forward does), a head dim the
     # runtime pads to 8, the deterministic order
     call(dtype, 1, 300, 259, 4, 64, heads_kv=2, causal="bottom_right", dropout_p=0.2, seed=3)
