@@ -113,8 +113,8 @@ class Sm80Bwd(KernelSpec):
              lambda k: k.warps == 4 and shared_bytes(k.max_k, 32, 64) <= SM86_SHARED),
         Rule("4-warp CTAs take the larger query step within 99 KB: 32 (64 queries need 129 KB at head dim 192)",
              lambda k: k.warps == 4 and k.block_m != query_step(k.max_k, 32, 4, SM86_SHARED)),
-        Rule("dropout on tiers 64 and 128, the forward's twins: past 128 dK, dV and the dQ tile fill the 255 "
-             "registers (kTightRegisters) and the Philox rounds would spill; such calls stay on example 41",
+        Rule("dropout on tiers 64 and 128, the forward's twins (as the sm90 pair): each instance is a build job, "
+             "and Philox beside tiers 192/256's tight registers is unmeasured",
              lambda k: k.dropout and k.max_k > 128),
     )
 

@@ -102,8 +102,8 @@ class Sm80Fwd(KernelSpec):
              lambda k: k.stages != ring_slots(k.max_k, k.block_m, k.block_n)),
         Rule("the tile within 80 KB: two CTAs on an A100 or H100 SM, one within sm86/sm89's 99 KB",
              lambda k: not fits_budget(k.max_k, k.block_m, k.block_n, k.stages)),
-        Rule("dropout on tiers 64 and 128, as the sm90 pair and the backward's twins (past 128 the backward's "
-             "accumulators leave the Philox rounds no registers); such calls stay on example 41",
+        Rule("dropout on tiers 64 and 128, as the sm90 pair and the backward's twins: each instance is a job of "
+             "the default build's budget; such calls stay on example 41",
              lambda k: k.dropout and k.max_k > 128),
     )
 
