@@ -267,14 +267,14 @@ def recover_keep_mask(q, k, p, seed, offset=0, v=None, causal=None):
     """Run the forward with V = identity: out[b, i, h, j] = P_ij * keep_ij / (1 - p).
 
     V gets N columns padded to a multiple of 8 (zeros), so any N has a kernel: example 41's
-    (head dims differ).  Where the call with the values ``v`` runs on the sm90 pair, which draws
-    another mask, it is that pair's rule instead (tests/philox_reference.py), whose rows start after
-    those a bottom-right ``causal`` mask leaves without keys."""
+    (head dims differ).  Where the call with the values ``v`` runs on one of flashgen's pairs (sm90 or
+    sm80), which draw another mask, it is their rule instead (tests/philox_reference.py), whose rows
+    start after those a bottom-right ``causal`` mask leaves without keys."""
     B, M, H, _ = q.shape
     N = k.shape[1]
     if v is not None:
         rows = flashgen.explain(q, k, v, dropout_p=p, seed=seed, offset=offset)
-        if any(name.startswith("sm90_fwd") and verdict == "selected" for name, _, verdict in rows):
+        if any(name.startswith(("sm90_fwd", "sm80_fwd")) and verdict == "selected" for name, _, verdict in rows):
             from philox_reference import keep_mask
             skipped = M - N if causal == "bottom_right" and M > N else 0
             return cupy.asarray(keep_mask(seed, offset, p, B, H, M, N, skipped))

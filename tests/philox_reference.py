@@ -1,11 +1,11 @@
-"""A NumPy copy of the sm90 dropout rule (flashgen/csrc/flashgen/dropout.h, runtime/families/sm90_dropout.py):
+"""A NumPy copy of the sm90 dropout rule (flashgen/csrc/flashgen/dropout.h, runtime/dropout.py):
 Philox-4x32-10 and the element -> (counter, lane) mapping, for the CPU tests (known answers) and
 the GPU tests (the float64 reference's keep mask)."""
 from __future__ import annotations
 
 import numpy as np
 
-from flashgen.runtime.families.sm90_dropout import keep_threshold
+from flashgen.runtime.dropout import keep_threshold
 
 M0, M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
 W0, W1 = np.uint32(0x9E3779B9), np.uint32(0xBB67AE85)
@@ -45,7 +45,7 @@ def keep_mask(seed: int, offset: int, dropout_p: float, sequences: int, heads: i
               keys: int, skipped: int = 0) -> np.ndarray:
     """bool [sequences, heads, rows, keys]: which elements of P the kernels keep.  ``skipped``: the
     first rows, which see no key (bottom-right causal, M > N) and which the runtime leaves out, so that
-    the rule numbers the others from 0 (sm90_dropout.py); they are False here."""
+    the rule numbers the others from 0 (runtime/dropout.py); they are False here."""
     threshold = keep_threshold(dropout_p)
     kept = np.stack([np.stack([random_bits(seed, offset, b, heads, h, rows - skipped, keys) < threshold
                                for h in range(heads)]) for b in range(sequences)])

@@ -682,18 +682,19 @@ def test_dropout_offset_limits(B, H, M, N, ok, monkeypatch):
     common(q, k, k)  # without dropout the same shapes are fine
 
 
-def test_dropout_offsets_past_example_41s_are_left_to_the_sm90_pair(monkeypatch):
-    """Where the sm90 pair may draw the mask (its stream has no such limits), validation lets a call past
-    example 41's offsets through, and the example-41 families refuse it themselves with the same reason."""
-    from flashgen.runtime.families import mem_eff_fwd, sm90_dropout
+def test_dropout_offsets_past_example_41s_are_left_to_flashgens_pairs(monkeypatch):
+    """Where one of flashgen's pairs may draw the mask (its stream has no such limits), validation lets a call
+    past example 41's offsets through, and the example-41 families refuse it themselves with the same reason."""
+    from flashgen.runtime import dropout
+    from flashgen.runtime.families import mem_eff_fwd
     q, k = fake_broadcast((2, 8192, 32, 8)), fake_broadcast((2, 8192, 32, 8))
-    monkeypatch.setattr(sm90_dropout, "may_draw", lambda p: True)
+    monkeypatch.setattr(dropout, "may_draw", lambda p: True)
     c = common(q, k, k, dropout_p=0.1, seed=1)
     assert limits.dropout_offsets_refusal(c).startswith("dropout_batch_head_rng_offset: ")
-    monkeypatch.setattr(sm90_dropout, "refusal", lambda call: "no sm90 dropout kernel (a bias, say)")
+    monkeypatch.setattr(dropout, "drawing_pair", lambda call: (None, "no dropout kernel (a bias, say)"))
     call = SimpleNamespace(p=c, bias=None, block_mask=None)
     assert mem_eff_fwd.unfit_example41(call) == limits.dropout_offsets_refusal(c)
-    monkeypatch.setattr(sm90_dropout, "may_draw", lambda p: False)
+    monkeypatch.setattr(dropout, "may_draw", lambda p: False)
     with pytest.raises(ValueError, match=r"^dropout_batch_head_rng_offset: "):
         common(q, k, k, dropout_p=0.1, seed=1)
 

@@ -265,8 +265,8 @@ def test_lse_with_a_row_stride():
 
 @needs_sm80
 def test_what_it_refuses_another_family_serves(monkeypatch):
-    """Bias, dropout, float32, different q/v head dims, 4-element alignment and head dims over 256
-    are refused with the reason.  With every family allowed, a later one in the dispatch order
+    """Bias, dropout with softcap (dropout alone: test_sm80_dropout_gpu.py), float32, different q/v head
+    dims, 4-element alignment and head dims over 256 are refused with the reason.  With every family allowed, a later one in the dispatch order
     (sm90_bwd where built and it fits, else example 41) serves the cases without bias or dropout,
     to the float64 reference.  q, k and v are drawn apart: with q = k (a wide head dim) the softmax
     peaks on the diagonal, and the rounding of O to f16 alone (delta = rowsum(dO * O)) puts even
@@ -278,7 +278,7 @@ def test_what_it_refuses_another_family_serves(monkeypatch):
     odd = tuple(randn(rng, (1, 130, 2, 68), "f16")[..., :60] for _ in range(3))
     wide = tuple(randn(rng, (1, 130, 2, 264), "f16") for _ in range(3))
     cases = (((q, k, v), {"attn_bias": bias}, "no attn_bias"),
-             ((q, k, v), {"dropout_p": 0.1, "seed": 1}, "no dropout"),
+             ((q, k, v), {"dropout_p": 0.1, "seed": 1, "softcap": 2.0}, "dropout without attn_bias, block masks or softcap"),
              (tuple(randn(rng, (1, 130, 2, 64), "f32") for _ in range(3)), {}, "float16 or bfloat16 only"),
              ((q, k, randn(rng, (1, 130, 2, 32), "f16")), {}, "equal q/v head dims only"),
              (odd, {}, "needs 8-element alignment"),

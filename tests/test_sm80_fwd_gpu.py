@@ -235,15 +235,17 @@ def test_planned_repeat_uses_the_new_inputs():
 
 @needs_sm80
 def test_what_it_refuses_goes_to_example41(monkeypatch):
-    """Bias, dropout, float32, different q/v head dims, 4-element alignment and head dims over 256
-    are refused with the reason, and (all families allowed) example 41 serves them."""
+    """Bias, dropout with softcap (dropout alone: test_sm80_dropout_gpu.py), float32, different q/v head
+    dims, 4-element alignment and head dims over 256 are refused with the reason, and (all families
+    allowed) example 41 serves them."""
     rng = np.random.default_rng(5)
     q, k, v = (randn(rng, (1, 130, 2, 64), "f16") for _ in range(3))
     bias = randn(rng, (1, 2, 130, 130), "f16")
     odd = randn(rng, (1, 130, 2, 68), "f16")[..., :60]  # row stride 136 elements: 8-aligned, head dim 60 is not
     wide = randn(rng, (1, 130, 2, 264), "f16")
     for arrays, options, why in (((q, k, v), {"attn_bias": bias}, "no attn_bias"),
-                                 ((q, k, v), {"dropout_p": 0.1, "seed": 1}, "no dropout"),
+                                 ((q, k, v), {"dropout_p": 0.1, "seed": 1, "softcap": 2.0},
+                                  "dropout without attn_bias, block masks or softcap"),
                                  ((q, k, randn(rng, (1, 130, 2, 32), "f16")), {}, "equal q/v head dims only"),
                                  ((odd, odd, odd), {}, "needs 8-element alignment"),
                                  ((wide, wide, wide), {}, "kMaxK 256 < head dim 264")):

@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from flashgen.runtime import families, plans
-from flashgen.runtime.families import mem_eff_fwd, sm80_fwd, sm90_common, sm90_dropout, sm90_fwd
+from flashgen.runtime import dropout, families, plans
+from flashgen.runtime.families import mem_eff_fwd, sm80_fwd, sm90_common, sm90_fwd
 from flashgen.runtime.registry import Registry
 from flashgen.runtime.select import Request, rejection
 from flashgen.spec.sm90_bwd import Sm90Bwd
@@ -69,7 +69,7 @@ def test_the_forward_threads_bookkeeping_matches_the_rule():
     r % 2 of a 128-key block; draw() keeps call g's (keys 32g + col0 ..) 16 bits at 16 (g % 2) of keep[g / 2]
     and the softmax reads register r's at keep_bit(r) -- as the rule says, for every lane of a warpgroup."""
     seed, offset, p, heads = 77, 5, 0.3, 2
-    threshold = sm90_dropout.keep_threshold(p)
+    threshold = dropout.keep_threshold(p)
     mask = keep_mask(seed, offset, p, 1, heads, 64, 256)[0, 1]
     key0 = 128  # the block
     keep_bit = lambda r: 16 * (r // 16 % 2) + 8 * (r // 2 % 2) + 2 * (r // 4 % 4) + r % 2  # noqa: E731
@@ -92,7 +92,7 @@ def test_the_backward_threads_bookkeeping_matches_the_rule(block_m):
     groups 2 (w / 8) and + 1; then each thread reads word 32 (r / 8) + keep_words' offset, shifted by
     keep_shift, at keep_bit(r) -- exactly as the kernel indexes them, for every lane of both warpgroups."""
     seed, offset, p, heads = 2**63 + 11, 0, 0.5, 4
-    threshold = sm90_dropout.keep_threshold(p)
+    threshold = dropout.keep_threshold(p)
     query0, key0 = 2 * block_m, 128  # the step's first query, the CTA's key block
     mask = keep_mask(seed, offset, p, 2, heads, query0 + block_m, key0 + 128)[1, 3]
     keep = [[None] * (2 * block_m) for _ in range(2)]  # SharedStorage::keep
@@ -121,16 +121,16 @@ def test_the_backward_threads_bookkeeping_matches_the_rule(block_m):
 
 
 def test_keep_fraction_threshold_and_fields():
-    assert sm90_dropout.keep_threshold(0.1) == 230 and sm90_dropout.keep_threshold(1e-9) == 256
-    assert sm90_dropout.keep_threshold(0.001) == 256, "p below 1/512 keeps every element: the threshold is 9 bits"
+    assert dropout.keep_threshold(0.1) == 230 and dropout.keep_threshold(1e-9) == 256
+    assert dropout.keep_threshold(0.001) == 256, "p below 1/512 keeps every element: the threshold is 9 bits"
     assert keep_mask(3, 0, 0.001, 1, 2, 40, 70).all() and not keep_mask(3, 0, 0.999, 1, 2, 40, 70).any()
     mask = keep_mask(3, 0, 0.2, 2, 2, 100, 300)
     assert abs(mask.mean() - 205 / 256) < 0.01
     assert not np.array_equal(mask, keep_mask(3, 1, 0.2, 2, 2, 100, 300)), "another offset, another mask"
     p = fake_call(dropout_p=0.25, seed=2**64 - 1).p
-    assert sm90_dropout.fields(p) == {"dropout_seed": 2**64 - 1, "dropout_offset": 0, "dropout_keep": 192,
+    assert dropout.fields(p) == {"dropout_seed": 2**64 - 1, "dropout_offset": 0, "dropout_keep": 192,
                                       "dropout_scale": 1 / 0.75}
-    assert sm90_dropout.fields(fake_call().p) == {}
+    assert dropout.fields(fake_call().p) == {}
 
 
 def test_dropout_instances_are_eight_per_direction_each_with_a_plain_twin():
@@ -191,7 +191,7 @@ def tile_constants(spec):
 def hopper(tmp_path, monkeypatch):
     """A registry of f16 sm90 kernels (both directions' dropout instances) and an H100."""
     monkeypatch.setattr(sm90_common, "device_info", lambda index: H100)
-    monkeypatch.setattr(sm90_dropout, "device_info", lambda index: H100)
+    monkeypatch.setattr(dropout, "device_info", lambda index: H100)
     monkeypatch.delenv(plans.FAMILIES_VARIABLE, raising=False)
 
     def registry(kernels):
@@ -209,20 +209,20 @@ def dropout_call(direction, registry, **options):
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 def test_a_dropout_call_runs_on_the_sm90_pair_in_both_directions_or_neither(direction, hopper, monkeypatch):
     """The sm90 families take a dropout call only where both directions' dropout kernels are built, and
-    then example 41 refuses it (its masks differ); the Ampere families refuse dropout as before."""
+    then example 41 and the Ampere families refuse it (test_sm80_dropout_cpu.py: when that pair draws)."""
     both = [k for cls in (Sm90Fwd, Sm90Bwd) for k in cls.default_set() if k.dtype == "f16"]
     own, example41 = families.serving(direction)[0], families.serving(direction)[-1]
     call = dropout_call(direction, hopper(both))
     assert own.unfit(call) is None and own.refusal(call) is None
-    assert example41.unfit(call) == "the sm90 pair draws this dropout call's mask, in both directions (sm90_dropout.py)"
+    assert example41.unfit(call) == "the sm90 pair draws this dropout call's mask, in both directions (runtime/dropout.py)"
     forward_only = dropout_call(direction, hopper([k for k in both if k.FAMILY == "sm90_fwd"]))
-    assert own.unfit(forward_only).startswith("no sm90_bwd dropout kernel for f16, head dim 64, band=False")
+    assert own.unfit(forward_only).startswith("sm90 pair: no sm90_bwd dropout kernel for f16, head dim 64, band=False")
     assert example41.unfit(forward_only) is None, "example 41 draws both directions' mask"
     assert "without attn_bias, block masks or softcap" in own.unfit(dropout_call(direction, hopper(both), softcap=2.0))
     assert own.unfit(dropout_call(direction, hopper(both), window=(4, 4))) is None, "band instances take windows"
-    assert sm80_fwd.RUNTIME.unfit(call) == "no dropout (the example-41 families draw it)"
+    assert sm80_fwd.RUNTIME.unfit(call) == example41.unfit(call)
     monkeypatch.setenv(plans.FAMILIES_VARIABLE, f"sm90_{direction},mem_eff_fwd,mem_eff_bwd")
-    assert own.unfit(call).startswith("dropout needs both sm90_fwd and sm90_bwd")
+    assert own.unfit(call).startswith("sm90 pair: dropout needs both sm90_fwd and sm90_bwd")
     assert mem_eff_fwd.unfit_example41(call) is None
 
 
@@ -231,7 +231,7 @@ def test_a_dropout_plan_writes_each_calls_seed_and_offset():
     launches = []
     plan = plans.LaunchPlan.from_params(1, 0, (1, 1, 1), (384, 1, 1), 0, params, sm90_fwd.POINTERS, True, {},
                                         launcher=lambda *a: launches.append(bytes(plan.buffer)),
-                                        rng_fields=sm90_dropout.RNG_FIELDS)
+                                        rng_fields=dropout.RNG_FIELDS)
     for seed, offset in ((2**64 - 1, 3), (5, 2**40)):
         plan.launch((0x1000, 0x2000), seed, offset, 0)
         record = np.frombuffer(launches[-1], dtype=Sm90Fwd.params_dtype())[0]

@@ -116,18 +116,18 @@ def check_kernel_limits(c: Problem, q, k, v):
     lse_dim = lse_rows(c.M)
     check_offset("logsumexp_ptr", "the lse offsets batch * heads * lse_dim (largest + 1)", c.batches * c.H,
                   lse_dim, _SPLIT_BATCH, _UINT32_MAX + 1)
-    if c.dropout_p > 0 and not _sm90_may_draw(c):
+    if c.dropout_p > 0 and not _flashgen_may_draw(c):
         why = dropout_offsets_refusal(c)
         if why:
             raise ValueError(why)
 
 
-def _sm90_may_draw(c: Problem) -> bool:
-    """Whether flashgen's Hopper pair may draw this call's dropout mask (its offsets have no such
+def _flashgen_may_draw(c: Problem) -> bool:
+    """Whether one of flashgen's pairs may draw this call's dropout mask (its offsets have no such
     limits); the example-41 families then refuse the calls past theirs (``unfit_example41``)."""
-    from flashgen.runtime.families import sm90_dropout  # runtime/families imports this module
+    from flashgen.runtime import dropout  # runtime/families, which it imports, imports this module
     try:
-        return sm90_dropout.may_draw(c)
+        return dropout.may_draw(c)
     except Exception:  # no GPU or no CUDA to ask: judge by example 41's limits, as before
         return False
 

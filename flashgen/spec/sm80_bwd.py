@@ -1,6 +1,6 @@
 """``sm80_bwd``: flashgen's own Ampere-class backward (``flashgen/csrc/flashgen/sm80_bwd.h``).
 
-Template: ``flashgen::sm80::BwdKernel<Element, kHeadDim, kBlockM, kBlockN, kWarps>`` -- eight
+Template: ``flashgen::sm80::BwdKernel<Element, kHeadDim, kBlockM, kBlockN, kWarps, kDropout>`` -- eight
 warps (four in 32-key CTAs) with mma.sync, ldmatrix and cp.async.  One CTA per ``block_n`` keys
 of one (sequence, k/v head) keeps K and V in shared memory and walks every query head of the k/v
 head's group and every query block of ``block_m`` rows it meets, Q, dO, lse, delta and dS
@@ -24,12 +24,17 @@ below the tier reads zeros past its own.  Masks, soft-capping, grouped-query k/v
 packed batches are run-time options through the same fields as ``sm80_fwd``.  The code is
 Ampere instructions only: built for plain targets from sm80 on (a plain sm90 build lets an
 H100/H200 run it), not for sm90a, where ``sm90_bwd`` serves every call this one could.
+
+A ``dropout`` instance redraws the mask of ``sm80_fwd``'s dropout twin -- the rule of
+``flashgen/csrc/flashgen/dropout.h``, so ``sm90_fwd``'s too -- from the same ``dropout_*`` fields at
+the end of ``Params``: dV = (P o mask)^T dO / (1 - p) and dS = P o (dP o mask / (1 - p) - delta).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashgen.spec.core import DTYPES, Constant, Field, KernelSpec, Rule, normalize_target, target_cc
+from flashgen.spec.core import DTYPES, Constant, Field, KernelSpec, Rule, cpp_bool, normalize_target, target_cc
+from flashgen.spec.sm90_tile import DROPOUT_FIELDS
 
 KB = 1024
 SM86_SHARED = 99 * KB   # what an sm86/sm89 block may opt into
@@ -65,6 +70,7 @@ class Sm80Bwd(KernelSpec):
     block_m: int  # query rows per step
     block_n: int  # keys per CTA: 16 per warp of each query half (32 in a 128-key CTA)
     warps: int    # 8; 4 for 32-key CTAs, sm86/sm89's tile past head dim 128
+    dropout: bool  # the forward's Philox dropout mask, redrawn (BwdKernel::kDropout)
 
     FAMILY = "sm80_bwd"
     DIRECTION = "bwd"
@@ -78,6 +84,7 @@ class Sm80Bwd(KernelSpec):
         "block_m": (32, 64, 128),
         "block_n": (32, 64, 128),
         "warps": (4, 8),
+        "dropout": (False, True),
     }
     TUNED_AXES = ("block_m", "block_n", "warps")
     # Per head-dim tier one tile for the shared memory of an A100 or Hopper block, and one within
@@ -106,6 +113,9 @@ class Sm80Bwd(KernelSpec):
              lambda k: k.warps == 4 and shared_bytes(k.max_k, 32, 64) <= SM86_SHARED),
         Rule("4-warp CTAs take the larger query step within 99 KB: 32 (64 queries need 129 KB at head dim 192)",
              lambda k: k.warps == 4 and k.block_m != query_step(k.max_k, 32, 4, SM86_SHARED)),
+        Rule("dropout on tiers 64 and 128, the forward's twins (as the sm90 pair): each instance is a build job, "
+             "and Philox beside tiers 192/256's tight registers is unmeasured",
+             lambda k: k.dropout and k.max_k > 128),
     )
 
     def runs_on(self, target: str) -> bool:
@@ -116,18 +126,19 @@ class Sm80Bwd(KernelSpec):
     @property
     def name(self) -> str:
         warps = "" if self.warps == 8 else f"_w{self.warps}"  # (the 8-warp names predate the axis)
-        return "_".join([self.FAMILY, self.dtype, f"k{self.max_k}", f"q{self.block_m}x{self.block_n}{warps}",
-                         self.arch])
+        return "_".join([self.FAMILY, self.dtype, f"k{self.max_k}", f"q{self.block_m}x{self.block_n}{warps}"]
+                        + ["dropout"] * self.dropout + [self.arch])
 
     @property
     def priority(self) -> tuple:
         # the smallest head-dim tier that fits, then the larger tile: a GPU whose blocks cannot
         # opt into its shared memory (sm86/sm89) skips it with the reason and takes the next
-        return (tuple(DTYPES).index(self.dtype), self.max_k, -self.block_m * self.block_n, -self.warps)
+        return (tuple(DTYPES).index(self.dtype), self.dropout, self.max_k, -self.block_m * self.block_n, -self.warps)
 
     @property
     def cpp_type(self) -> str:
-        return f"{self.KERNEL}<{DTYPES[self.dtype]}, {self.max_k}, {self.block_m}, {self.block_n}, {self.warps}>"
+        return (f"{self.KERNEL}<{DTYPES[self.dtype]}, {self.max_k}, {self.block_m}, {self.block_n}, {self.warps}, "
+                f"{cpp_bool(self.dropout)}>")
 
     # `flashgen::sm80::BwdParams`
     ABI = (
@@ -183,6 +194,7 @@ class Sm80Bwd(KernelSpec):
         Field("scale_log2", "f32"),
         Field("softcap_in", "f32"),
         Field("softcap_out", "f32"),
+        *DROPOUT_FIELDS,
     )
 
     CONSTANTS = (

@@ -1,6 +1,6 @@
 """``sm80_fwd``: flashgen's own Ampere-class forward (``flashgen/csrc/flashgen/sm80_fwd.h``).
 
-Template: ``flashgen::sm80::FwdKernel<Element, kHeadDim, kBlockM, kBlockN, kStages>`` --
+Template: ``flashgen::sm80::FwdKernel<Element, kHeadDim, kBlockM, kBlockN, kStages, kDropout>`` --
 four warps with mma.sync, ldmatrix and cp.async: each warp owns kBlockM / 4 query rows,
 and K and V tiles of kBlockN keys stream through a ring of ``kStages`` single-tile
 shared-memory slots.  Launch: block (threads_per_block, 1, 1), grid
@@ -17,12 +17,20 @@ batches are run-time options through the same ``Params`` fields as ``sm90_fwd``
 (``band_lo``/``band_hi``/``band_from_end``, ``softcap_in``/``softcap_out``,
 ``head_group``, ``seqstart_q/k``), and the lse is written like the example-41 forward's:
 [B or S, H, rows padded to 32], +inf in the padding, natural log of the scaled scores.
+
+A ``dropout`` instance drops elements of P after the softmax (the lse and the normalisation are of
+the whole P) and scales O by ``dropout_scale`` = 1 / (1 - p), keeping exactly the elements
+``sm90_fwd``'s dropout instances keep: the rule of ``flashgen/csrc/flashgen/dropout.h``
+(``runtime/dropout.py``), through the same ``dropout_*`` fields at the end of ``Params``.  Each has
+a backward twin in ``sm80_bwd`` (same dtype and tier).  Compiled in: the plain instances carry no
+Philox code.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashgen.spec.core import DTYPES, Constant, Field, KernelSpec, Rule, normalize_target, target_cc
+from flashgen.spec.core import DTYPES, Constant, Field, KernelSpec, Rule, cpp_bool, normalize_target, target_cc
+from flashgen.spec.sm90_tile import DROPOUT_FIELDS
 
 KB = 1024
 # Shared memory a CTA may use so that two fit an A100 SM (164 KB) or an H100 SM (228 KB)
@@ -57,6 +65,7 @@ class Sm80Fwd(KernelSpec):
     block_m: int  # query rows per CTA: 32 per warp (two 16-row MMA tiles), or 16 past head dim 128
     block_n: int  # keys per K/V tile
     stages: int   # ring slots, each one K or one V tile
+    dropout: bool  # Philox dropout of P compiled in (FwdKernel::kDropout)
 
     FAMILY = "sm80_fwd"
     DIRECTION = "fwd"
@@ -70,6 +79,7 @@ class Sm80Fwd(KernelSpec):
         "block_m": (64, 128),
         "block_n": (32, 64, 128),
         "stages": (2, 3, 4),
+        "dropout": (False, True),
     }
     TUNED_AXES = ("block_m", "block_n", "stages")
     # One tile per head-dim tier keeps the family's share of the default sm80 build small on two
@@ -92,6 +102,9 @@ class Sm80Fwd(KernelSpec):
              lambda k: k.stages != ring_slots(k.max_k, k.block_m, k.block_n)),
         Rule("the tile within 80 KB: two CTAs on an A100 or H100 SM, one within sm86/sm89's 99 KB",
              lambda k: not fits_budget(k.max_k, k.block_m, k.block_n, k.stages)),
+        Rule("dropout on tiers 64 and 128, as the sm90 pair and the backward's twins: each instance is a job of "
+             "the default build's budget; such calls stay on example 41",
+             lambda k: k.dropout and k.max_k > 128),
     )
 
     def runs_on(self, target: str) -> bool:
@@ -102,16 +115,17 @@ class Sm80Fwd(KernelSpec):
     @property
     def name(self) -> str:
         return "_".join([self.FAMILY, self.dtype, f"k{self.max_k}", f"q{self.block_m}x{self.block_n}",
-                         f"s{self.stages}", self.arch])
+                         f"s{self.stages}"] + ["dropout"] * self.dropout + [self.arch])
 
     @property
     def priority(self) -> tuple:
         # the smallest head-dim tier that fits, then the larger tile (tuning tables pick per bucket)
-        return (tuple(DTYPES).index(self.dtype), self.max_k, -self.block_m, -self.block_n, -self.stages)
+        return (tuple(DTYPES).index(self.dtype), self.dropout, self.max_k, -self.block_m, -self.block_n, -self.stages)
 
     @property
     def cpp_type(self) -> str:
-        return f"{self.KERNEL}<{DTYPES[self.dtype]}, {self.max_k}, {self.block_m}, {self.block_n}, {self.stages}>"
+        return (f"{self.KERNEL}<{DTYPES[self.dtype]}, {self.max_k}, {self.block_m}, {self.block_n}, {self.stages}, "
+                f"{cpp_bool(self.dropout)}>")
 
     # `flashgen::sm80::FwdParams`
     ABI = (
@@ -149,6 +163,7 @@ class Sm80Fwd(KernelSpec):
         Field("scale_log2", "f32"),
         Field("softcap_in", "f32"),
         Field("softcap_out", "f32"),
+        *DROPOUT_FIELDS,
     )
 
     CONSTANTS = (

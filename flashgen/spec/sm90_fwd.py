@@ -51,7 +51,7 @@ slowed the main loop by 2-4% at 4k-16k keys even where it was not taken.
 A ``dropout`` instance drops elements of P after the softmax (the lse and the normalisation are of
 the whole P) and scales O by ``dropout_scale`` = 1 / (1 - p): element (sequence, head, row, key) is
 kept when its 8 Philox-4x32-10 bits, drawn from ``dropout_seed`` and ``dropout_offset`` by the rule
-in ``flashgen/csrc/flashgen/dropout.h`` (``runtime/families/sm90_dropout.py``), are below
+in ``flashgen/csrc/flashgen/dropout.h`` (``runtime/dropout.py``), are below
 ``dropout_keep`` (of 256).  ``sm90_bwd``'s dropout instances redraw the same mask; each dropout instance here
 has a backward twin (same dtype, tier and band).  Compiled in, like the bias.
 """

@@ -18,8 +18,9 @@ one-line reproducer printed for a failure reruns exactly that problem.  The
 space: dtype, batch, heads, M, N (1 to 1000), head dims (multiples of 4 up to
 512, K != Kv), layouts (contiguous, heads-major, padded slices, element offsets
 that leave only 4-element alignment), causal kinds, bias (full or broadcast over any of B, H, M),
-dropout (checked through the mask recovered with an identity V, or on the sm90 pair through the
-NumPy copy of its rule, tests/philox_reference.py), varlen
+dropout (checked through the mask recovered with an identity V, or, where one of flashgen's pairs
+draws it -- sm90, or sm80 when built or forced with ``--families`` -- through the NumPy copy of
+their rule, tests/philox_reference.py), varlen
 batches with empty sequences, the softmax scale (of either sign), and on flashgen's own
 kernels' path (sm90, sm80) sliding windows and soft-capping, and on the sm90 path bias (the
 sm90 bias instances), and block masks (documents, causal + window, random blocks with empty
@@ -85,7 +86,7 @@ def draw(seed: int, case: int) -> dict:
         p.update(dropout=float(r.uniform(0.05, 0.6)), N=int(r.integers(1, 129)), causal=None, scale=None,
                  seed=int(r.integers(2**40)))
         p["Kv"] = p["K"] = min(p["K"], 256)
-        if r.random() < 0.5:  # what the sm90 dropout instances take on a 9.0 GPU (recover_keep_mask: their rule)
+        if r.random() < 0.5:  # what the sm90 / sm80 dropout instances take (recover_keep_mask: their rule)
             p.update(dtype=pick(["f16", "bf16"]), K=int(pick([64, 96, 128, 8 * int(r.integers(1, 17))])))
             p["Kv"] = p["K"]
     p["deterministic"] = bool(r.random() < 0.3)  # drawn last: earlier draws stay what they were
@@ -228,7 +229,7 @@ def run_case(seed: int, case: int) -> dict:
     keep = None
     if p["dropout"]:
         opts.update(dropout_p=p["dropout"], seed=p["seed"])
-        keep = recover_keep_mask(q, k, p["dropout"], p["seed"], v=v, causal=p["causal"])  # sm90's rule where it draws
+        keep = recover_keep_mask(q, k, p["dropout"], p["seed"], v=v, causal=p["causal"])  # the rule where a pair draws
     with poisoned_allocations():
         out, lse = flashgen.attention_forward(q, k, v, **opts)
         if FORWARD_ONLY:

@@ -84,7 +84,7 @@ for dtype in ("f16", "bf16"):
     call(dtype, 2, 129, 201, 2, 128, window=(50, 10), softcap=5.0, bias="M")   # one bias row per head
     call(dtype, 2, 77, 130, 2, 96, deterministic=True, bias="BH")
     call(dtype, 1, 130, 200, 2, 64, softcap=3.0, bias="H")                     # backward on the 128 tier
-    # the dropout instances (sm90_dropout.py): partial tiles, grouped-query k/v, both tiers (96 on 128),
+    # the dropout instances (runtime/dropout.py): partial tiles, grouped-query k/v, both tiers (96 on 128),
     # a window, rows without keys (the backward leaves them out as the forward does), a head dim the
     # runtime pads to 8, the deterministic order
     call(dtype, 1, 300, 259, 4, 64, heads_kv=2, causal="bottom_right", dropout_p=0.2, seed=3)
@@ -146,8 +146,10 @@ cupy.cuda.runtime.deviceSynchronize()
 # dim below its tier, grouped-query k/v, both causal kinds, rows without keys, windows with soft-capping,
 # deterministic dQ, the 192 and 256 tiers (a head dim padded to each; 32-column swizzle atoms at 192),
 # a packed batch whose last sequence is short (each array its own allocation still), the launch plans'
-# replay, and every built backward kernel directly (dispatch picks one tile per tier; the 99 KB ones --
-# 64 keys at 128, 4 warps and one dS^T buffer at 256 -- serve sm86/sm89 only)
+# replay, the dropout instances (runtime/dropout.py: partial tiles, grouped-query k/v, both tiers, 96 on
+# 128, a window, rows without keys, a head dim the runtime pads to 8), and every built backward kernel
+# directly (dispatch picks one tile per tier; the 99 KB ones -- 64 keys at 128, 4 warps and one dS^T
+# buffer at 256 -- serve sm86/sm89 only), a dropout one with dropout
 try:
     from flashgen.runtime.device import device_info
     from flashgen.runtime.registry import default_registry
@@ -169,7 +171,12 @@ if sm80_backwards:
                                            (1, 300, 700, 4, 2, 64, {"window": (100, 20), "softcap": 10.0}),
                                            (1, 400, 100, 2, 2, 128, {"window": (0, 5)}),
                                            (1, 150, 200, 4, 2, 256, {"causal": "bottom_right", "deterministic": True}),
-                                           (2, 130, 77, 2, 1, 176, {"window": (30, 20), "softcap": 5.0})):
+                                           (2, 130, 77, 2, 1, 176, {"window": (30, 20), "softcap": 5.0}),
+                                           (1, 300, 259, 4, 2, 64, {"causal": "bottom_right", "dropout_p": 0.2,
+                                                                    "seed": 3}),
+                                           (2, 129, 201, 2, 2, 96, {"window": (50, 10), "dropout_p": 0.5, "seed": 4,
+                                                                    "deterministic": True}),
+                                           (1, 77, 130, 2, 2, 44, {"causal": "top_left", "dropout_p": 0.1, "seed": 5})):
             call(dtype, B, M, N, H, K, heads_kv=Hk, **options)  # full path, then the plans
     cu_q, cu_k = np.array([0, 300, 300, 301, 560], np.int32), np.array([0, 400, 410, 420, 1000], np.int32)
     q, do = randn(r, (1, 570, 4, 128), "bf16"), randn(r, (1, 570, 4, 128), "bf16")
@@ -181,7 +188,9 @@ if sm80_backwards:
     for binary in sm80_backwards:
         q, do = (randn(r, (2, 150, 4, binary.spec.max_k - 8), binary.spec.dtype) for _ in range(2))
         k, v = (randn(r, (2, 200, 2, binary.spec.max_k - 8), binary.spec.dtype) for _ in range(2))
-        for options in ({"causal": "top_left", "deterministic": True}, {"window": (30, 40), "softcap": 4.0}):
+        dropout = {"dropout_p": 0.3, "seed": 6} if binary.spec.dropout else {}  # (no softcap beside it)
+        for options in ({"causal": "top_left", "deterministic": True, **dropout},
+                        {"window": (30, 40), **(dropout or {"softcap": 4.0})}):
             forward = {key: value for key, value in options.items() if key != "deterministic"}
             out, lse = flashgen.attention_forward(q, k, v, **forward)
             sm80_bwd.RUNTIME.launch(validate.backward_call(do, q, k, v, out, lse, dict(options),

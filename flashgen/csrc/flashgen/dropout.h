@@ -1,7 +1,7 @@
 // Dropout in flashgen's own kernels: Philox-4x32-10 and the one rule that maps an element of P
 // to its random byte, so that the forward and the backward, whatever their tiles, keep the same
 // elements.  The runtime's side (threshold, scale, the (seed, offset) a call passes) is in
-// flashgen/runtime/families/sm90_dropout.py; tests/philox_reference.py is a NumPy copy of this rule,
+// flashgen/runtime/dropout.py; tests/philox_reference.py is a NumPy copy of this rule,
 // checked against Random123's known answers.
 //
 // Element (b, h, i, j) -- sequence b (the batch index, or the packed sequence), query head h,

@@ -43,6 +43,14 @@
 // zero-filled by cp.async and never stored.  Keys past num_keys and outside the band get P = 0;
 // queries past num_queries have lse_log2 = +inf (prep), so P = 0 there too.  dK and dV of a
 // key block that no query sees are written as zeros.
+//
+// kDropout instances redraw the forward's keep mask (flashgen/dropout.h) for each step: dV +=
+// (P^T o mask) dO (scaled by 1 / (1 - p) at its store) and dS^T = P^T o (dP^T o mask / (1 - p) -
+// delta), where delta = rowsum(dO * O) already holds because O is the dropped output.  A thread
+// holds 4 elements of each Philox call it meets (S^T has keys as rows), the lane 4 apart another
+// 4 and a warp of the neighbouring 16 keys the other 8; each of the two lanes draws one of the two
+// calls they share and they swap them by a shuffle (draw()), so a call is drawn twice per CTA
+// where the forward draws it once, and no shared memory or barrier is added.
 #pragma once
 
 #include <cuda/atomic>
@@ -57,6 +65,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "flashgen/attention_common.h"
+#include "flashgen/dropout.h"
 #include "flashgen/sm80_common.h"
 
 namespace flashgen {
@@ -118,12 +127,17 @@ struct BwdParams {
   float scale_log2;           // scale * log2(e)
   float softcap_in;           // scale / softcap (0: no soft-capping; see FwdParams)
   float softcap_out;          // softcap / scale
+  // kDropout: the forward's (FwdParams): Philox key, counter offset, keep threshold, 1 / (1 - p)
+  unsigned long long dropout_seed;
+  unsigned long long dropout_offset;
+  uint32_t dropout_keep;
+  float dropout_scale;
 };
 
 // Whether a tile of `cols` columns is whole swizzle atoms of `atom` columns, or lies within one.
 constexpr bool whole_atoms(int cols, int atom) { return cols % atom == 0 || atom % cols == 0; }
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, bool kDropout_>
 struct BwdKernel {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -133,6 +147,7 @@ struct BwdKernel {
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kMinBlocksPerSm = 1;  // dK and dV in registers: over 128 of them a thread
   static constexpr int kAuxThreads = 128;    // prep and convert
+  static constexpr bool kDropout = kDropout_;  // compiled in: the Philox rounds exist only in these instances
 
   // S^T, dP^T, dK, dV: kKeysPerWarp keys per warp (16-key MMA tiles w % kKeyWarps, + kKeyWarps),
   // kWarps / 2 key warps, each query block split between the two warps of the same keys.  Per warp and
@@ -186,6 +201,7 @@ struct BwdKernel {
                 "whole key tiles, two query chunks: 8 warps take 64 or 128 keys, 4 warps 32");
   static_assert(kQueryChunk % 16 == 0 && kBlockM % 32 == 0, "a query chunk is whole 16-query MMA steps");
   static_assert(kBlockM % (kDqRowWarps * 16) == 0 && kDqCols % 16 == 0, "dQ tiles whole 16 x 16 ldmatrix tiles");
+  static_assert(!kDropout || kBlockN % 32 == 0, "a Philox call spans 32 keys, 16 of each of two warps");
 
   // Q, dO, K and V: 8 x kAtomCols-element atoms, 16-byte chunks XOR-ed by the row (by row / 2 in
   // 64-byte rows), so the 8 rows one ldmatrix (plain or transposed) reads fall in 8 different bank
@@ -431,6 +447,7 @@ struct BwdKernel {
     Tensor dP = make_tensor(tSrDp.data(), rows_cols_layout(tSrDp.layout()));
 
     bool const softcap = p.softcap_in != 0.f;
+    float const dropout_scale = kDropout ? p.dropout_scale : 1.f;  // (a constant 1 that folds away otherwise)
     cp_async_wait<1>();  // step 0 (and K, V) landed; step 1 may still be in flight
     __syncthreads();
     for (int t = 0; t < total; ++t) {
@@ -447,6 +464,7 @@ struct BwdKernel {
       // each accumulator element's (key, query) within (block, chunk): where the mask applies
       Tensor tScS = rows_cols(mma.get_thread_slice(fresh_tid())
                                   .partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kQueryChunk>>{})));
+      Keep const keep = draw(p, seq, at.head, tScS, key0, query0);  // (kDropout; unused otherwise)
       clear(tSrS);
       gemm_ss_or_fine<kTightRegisters>(mma, tSrS, copy_a, tSsK, tSrK, tSrK_view, copy_b,
                                        load_q.partition_S(chunk_rows(s.qdo[buf][0], part)), tSrQ, tSrQ_view);
@@ -471,8 +489,9 @@ struct BwdKernel {
           for (int r = 0; r < size<0>(S); ++r) {
             float const th = tanh_approx(S(r, c) * p.softcap_in);
             float const prob = exp2_approx(fmaf(th * p.softcap_out, p.scale_log2, -row_lse));
-            S(r, c) = prob;
-            dP(r, c) = prob * (dP(r, c) - row_delta) * (1.f - th * th);
+            bool const dropped = !kept(keep, r, c);
+            S(r, c) = dropped ? 0.f : prob;
+            dP(r, c) = prob * ((dropped ? 0.f : dP(r, c) * dropout_scale) - row_delta) * (1.f - th * th);
           }
         }
       } else {
@@ -494,7 +513,9 @@ struct BwdKernel {
           float const row_delta = delta[get<1>(tScS(0, c))];
           CUTE_UNROLL
           for (int r = 0; r < size<0>(S); ++r) {
-            dP(r, c) = S(r, c) * (dP(r, c) - row_delta);
+            bool const dropped = !kept(keep, r, c);
+            dP(r, c) = S(r, c) * ((dropped ? 0.f : dP(r, c) * dropout_scale) - row_delta);
+            S(r, c) = dropped ? 0.f : S(r, c);
           }
         }
       }
@@ -570,6 +591,54 @@ struct BwdKernel {
       advance(ahead);
       add_dq(p, s, s.ds[ds_buf], seq, at.head, at.m_block, n_block);
       advance(at);
+    }
+  }
+
+  // kDropout: the keep bits of this thread's elements of S^T (tScS: their (key, query) within the key
+  // block from key0 and the query chunk from query0), for kept(); nothing otherwise.  Register (r, c)
+  // of the accumulator view is key kbase(r / 2) + 8 (r % 2) and query qbase(c / 4) + 8 (c / 2 % 2) +
+  // c % 2, where qbase(c / 4), the thread's query in its 16-query MMA tile, is even and below 8, and
+  // lane l ^ 4 holds the same queries and key kbase ^ 1 (tests/test_sm80_dropout_cpu.py checks this
+  // against CuTe's layout for every thread).  So the elements of (r / 2, c / 4) with query offset y
+  // = c % 2 are 4 bytes of the Philox call of key kbase and query qbase + y -- bytes 8 (c / 2 % 2) +
+  // 2 (r % 2) + shift, shift = 4 (kbase / 16 % 2) + kbase % 2 (dropout.h) -- and lane l ^ 4 needs the
+  // same two calls: the lane of even kbase draws the call of y = 0, the other that of y = 1, and
+  // each takes the other's by a shuffle.  Word (r / 2, c / 4) holds call y in bits 16 y .., shifted
+  // right by shift: kept() tests bit 16 (c % 2) + 8 (c / 2 % 2) + 2 (r % 2).
+  static constexpr int kKeepWords = kDropout ? kKeysPerWarp / 16 * (kQueryChunk / 16) : 1;
+  using Keep = cute::array<uint32_t, kKeepWords>;
+  template <class TensorC>
+  static __device__ Keep draw(BwdParams const& p, Sequence const& seq, int head, TensorC const& tScS, int key0,
+                              int query0) {
+    using namespace cute;
+    constexpr int kQueryTiles = kQueryChunk / 16;
+    static_assert(decltype(size<0>(tScS))::value == 2 * (kKeysPerWarp / 16) &&
+                  decltype(size<1>(tScS))::value == 4 * kQueryTiles, "two keys a 16-key tile, four queries a 16");
+    Keep keep;
+    if constexpr (kDropout) {
+      DropoutStream const stream(p, seq.index, head);
+      CUTE_UNROLL
+      for (int m = 0; m < kKeysPerWarp / 16; ++m) {
+        int const key = get<0>(tScS(2 * m, 0));
+        int const y = key % 2;  // this lane's call of the two
+        int const shift = 4 * (key / 16 % 2) + key % 2;
+        CUTE_UNROLL
+        for (int g = 0; g < kQueryTiles; ++g) {
+          uint32_t const mine = stream.keep_bits(query0 + get<1>(tScS(0, 4 * g)) + y, key0 + key);
+          uint32_t const theirs = __shfl_xor_sync(0xffffffffu, mine, 4);
+          keep[m * kQueryTiles + g] = (y ? theirs | mine << 16 : mine | theirs << 16) >> shift;
+        }
+      }
+    }
+    return keep;
+  }
+
+  // Whether element (r, c) of the accumulator view is kept (draw()'s words; always, without kDropout).
+  static __device__ __forceinline__ bool kept(Keep const& keep, int r, int c) {
+    if constexpr (kDropout) {
+      return (keep[r / 2 * (kQueryChunk / 16) + c / 4] >> (16 * (c % 2) + 8 * (c / 2 % 2) + 2 * (r % 2))) & 1u;
+    } else {
+      return true;
     }
   }
 
@@ -717,7 +786,7 @@ struct BwdKernel {
       }
     };
     store(acc_dk, p.dk_ptr, p.scale);
-    store(acc_dv, p.dv_ptr, 1.f);
+    store(acc_dv, p.dv_ptr, kDropout ? p.dropout_scale : 1.f);  // dV of the kept P, scaled by 1 / (1 - p)
   }
 
   // grid (ceil(M / kBlockM), heads, batch or sequences), kAuxThreads threads

@@ -31,6 +31,13 @@
 // tier, a multiple of 8), are zero-filled by cp.async and never stored; rows that see no
 // key get output 0 and lse -inf.  Packed (varlen) batches run one grid z-slice per
 // sequence (attention_common.h: Sequence).
+//
+// kDropout instances drop elements of P after the softmax by flashgen's rule (dropout.h, the one
+// sm90_fwd.h and both backwards draw by): the row sums, so the normalisation and the lse, are of
+// the whole P, P V sees the kept elements only, and the epilogue scales O by 1 / (1 - p).  A
+// warp's 16 x 32 block of S is one Philox call per thread: lane l holds rows l / 4 (+ 8) and keys
+// 2 (l % 4) (+ 1, + 8, ..., + 25), the 16 elements of the call whose first element is its first
+// (see drop()), so no call is drawn twice and no bit leaves its thread.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -43,6 +50,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "flashgen/attention_common.h"
+#include "flashgen/dropout.h"
 #include "flashgen/sm80_common.h"
 
 namespace flashgen {
@@ -85,9 +93,15 @@ struct FwdParams {
   float scale_log2;        // softmax scale * log2(e)
   float softcap_in;        // scale / softcap (0: no soft-capping): scores become
   float softcap_out;       //   softcap_out * tanh(softcap_in * q.k), softcap_out = softcap / scale
+  // kDropout (flashgen/dropout.h), as sm90's FwdParams ends: the Philox key, the counter offset, the
+  // keep threshold (of 256) and 1 / (1 - p)
+  unsigned long long dropout_seed;
+  unsigned long long dropout_offset;
+  uint32_t dropout_keep;
+  float dropout_scale;
 };
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kDropout_>
 struct FwdKernel {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -98,11 +112,13 @@ struct FwdKernel {
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kMinBlocksPerSm = 1;  // occupancy follows from shared memory; registers stay uncapped
   static constexpr float kMaxSlack = 8.f;    // log2 units a row max may rise before O is rescaled (see mainloop)
+  static constexpr bool kDropout = kDropout_;  // compiled in: the Philox rounds exist only in these instances
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
   static_assert(kBlockM == 16 * kWarps || kBlockM == 32 * kWarps, "one or two 16-row MMA tiles per warp");
   static_assert(kBlockN % 16 == 0 && kHeadDim % 64 == 0, "ldmatrix x4 covers 16 x 16; swizzle atoms are 64 wide");
   static_assert(kStages >= 2, "the ring holds at least the K and the V tile of one block");
+  static_assert(!kDropout || kBlockN % 32 == 0, "a Philox call spans 32 keys");
 
   // Shared memory: 8 x 64-element atoms (128-byte rows) with the 16-byte chunks of each row
   // XOR-ed by the row index, so the 8 rows an ldmatrix (or the 8 chunks a row's cp.asyncs)
@@ -241,6 +257,7 @@ struct FwdKernel {
     float const multiplier = softcap ? p.softcap_out * p.scale_log2 : p.scale_log2;
     bool const fold = multiplier > 0.f;
     float const exponent_scale = fold ? multiplier : 1.f;  // what the exponent's FMA multiplies the scores by
+    auto const stream = dropout_stream(p, seq, head);
 
     for (int i = 0; i < num_blocks; ++i) {
       int const n_block = blocks.end - 1 - i;
@@ -327,6 +344,9 @@ struct FwdKernel {
         }
         row_sum[r] = sum;
       }
+      if constexpr (kDropout) {  // after the sums: the softmax is of the whole row
+        drop(stream, S, tScS, row0, key0);
+      }
       Tensor rP = convert<Element>(tSrS);
       Tensor tOrP = make_tensor(rP.data(), accumulator_as_a(rP.layout()));
 
@@ -337,6 +357,41 @@ struct FwdKernel {
 
       // O += P V
       gemm_rs(mma, tOrO, tOrP, copy_bt, load_bt.partition_S(tile_vt((2 * i + 1) % kStages)), tOrVt, tOrVt_view);
+    }
+  }
+
+  // kDropout: the stream of (sequence, head); a plain instance reads none of the dropout fields.
+  struct NoDropout {};
+  static __device__ auto dropout_stream(FwdParams const& p, Sequence const& seq, int head) {
+    if constexpr (kDropout) {
+      return DropoutStream(p, seq.index, head);
+    } else {
+      return NoDropout{};
+    }
+  }
+
+  // Zero the dropped elements of P (S, this thread's rows x keys of the key block from key0; tScS
+  // their coordinates in the tile).  Register (r, c) of the accumulator view is row base(r / 2) +
+  // 8 (r % 2) and key base(c / 8) + 8 (c / 2 % 4) + c % 2, where base(r / 2) is the thread's row in
+  // its 16-row MMA tile, below 8, and base(c / 8) the thread's key 2 (lane % 4) in its 32-key group
+  // (tests/test_sm80_dropout_cpu.py checks this against CuTe's layout for every thread): the 16
+  // registers of (r / 2, c / 8) are one Philox call of the rule, register (r, c) its byte
+  // 8 (r % 2) + 2 (c / 2 % 4) + c % 2.
+  template <class TensorS, class TensorC>
+  static __device__ void drop(DropoutStream const& stream, TensorS& S, TensorC const& tScS, int row0, int key0) {
+    using namespace cute;
+    CUTE_UNROLL
+    for (int m = 0; m < size<0>(S) / 2; ++m) {
+      int const row = row0 + get<0>(tScS(2 * m, 0));
+      CUTE_UNROLL
+      for (int g = 0; g < size<1>(S) / 8; ++g) {
+        uint32_t const bits = stream.keep_bits(row, key0 + get<1>(tScS(0, 8 * g)));
+        CUTE_UNROLL
+        for (int e = 0; e < 16; ++e) {
+          int const r = 2 * m + e / 8, c = 8 * g + e % 8;
+          S(r, c) = (bits >> (8 * (e / 8) + e % 8)) & 1u ? S(r, c) : 0.f;
+        }
+      }
     }
   }
 
@@ -357,7 +412,8 @@ struct FwdKernel {
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float const sum = quad_sum(row_sum[r]);
-      float const inv = sum > 0.f ? 1.f / sum : 0.f;  // no visible key: output 0
+      // no visible key: output 0; kDropout: O of the kept P, scaled by 1 / (1 - p)
+      float const inv = sum > 0.f ? (kDropout ? p.dropout_scale : 1.f) / sum : 0.f;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(O); ++c) {
         O(r, c) *= inv;

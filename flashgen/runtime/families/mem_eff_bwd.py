@@ -71,7 +71,7 @@ def lse_needs_copy(p, lse, block_i: int) -> bool:
 
 def without_rows(call: Call, skip: int):
     """The backward of the last M - skip queries (as api.py's forward ran them: rows_without_keys);
-    dq (and dbias) zero for the first ``skip``.  The sm90 pair's dropout calls come here too: their
+    dq (and dbias) zero for the first ``skip``.  Flashgen's pairs' dropout calls come here too: their
     mask numbers rows as the forward's call did."""
     cupy, p = cupy_module(), call.p
     part_lse = call.lse[:, :, skip:p.M]  # launch copies it if this view breaks LSE_ALIGNMENT

@@ -12,10 +12,10 @@ from typing import Optional
 
 import numpy as np
 
-from flashgen.runtime import limits, plans
+from flashgen.runtime import dropout, limits, plans
 from flashgen.runtime.arrays import alignment, cupy_module, elem_strides
 from flashgen.runtime.device import device_info
-from flashgen.runtime.families import RuntimeFamily, planned_forward_outputs, selector, sm90_dropout, tuned, visible_lse
+from flashgen.runtime.families import RuntimeFamily, planned_forward_outputs, selector, tuned, visible_lse
 from flashgen.runtime.launch import fill, handle, launch, on_device, params_buffer
 from flashgen.runtime.limits import check_int32, lse_rows
 from flashgen.runtime.registry import KernelBinary
@@ -28,14 +28,15 @@ POINTERS = ("query_ptr", "key_ptr", "value_ptr", "output_ptr", "output_accum_ptr
 
 def unfit_example41(call: Call) -> Optional[str]:
     """What neither example-41 family has (both directions refuse the same calls), and the dropout
-    calls whose mask the sm90 pair draws: both directions must draw it alike (sm90_dropout.py)."""
+    calls whose mask one of flashgen's pairs draws: both directions must draw it alike (runtime/dropout.py)."""
     if call.p.window is not None or call.p.softcap:
         return ("no sliding window or soft-capping (flashgen's own kernels only, f16/bf16 with equal head dims: "
                 "sm90_fwd/sm90_bwd on a 9.0 GPU, the sm80_fwd forward from 8.0 on)")
     if call.p.dropout_p > 0:
-        if sm90_dropout.refusal(call) is None:
-            return "the sm90 pair draws this dropout call's mask, in both directions (sm90_dropout.py)"
-        return limits.dropout_offsets_refusal(call.p)  # validation let it through for the sm90 pair
+        pair, _ = dropout.drawing_pair(call)
+        if pair is not None:
+            return f"the {pair.name} pair draws this dropout call's mask, in both directions (runtime/dropout.py)"
+        return limits.dropout_offsets_refusal(call.p)  # validation let it through for flashgen's pairs
     return None
 
 

@@ -4,13 +4,16 @@ Three kernels (prep, main, convert) over one allocation, launched and replayed a
 (``ThreeKernelBackward``: the kernels share its workspace layout), so a training step costs
 one pool call per backward; only q, k and v go by pointer here, not by tensor map.  What the
 family takes and refuses is what flashgen's Ampere-class families share (``AmpereFamily``),
-with ``out`` and ``grad_out`` read at the inputs' 8-element alignment too.
+with ``out`` and ``grad_out`` read at the inputs' 8-element alignment too; its ``dropout``
+instances redraw the mask of ``sm80_fwd``'s (or ``sm90_fwd``'s: one rule, ``runtime/dropout.py``).
 """
 from __future__ import annotations
 
+from flashgen.runtime import dropout
 from flashgen.runtime.arrays import elem_strides
 from flashgen.runtime.families.sm90_bwd import ThreeKernelBackward
-from flashgen.runtime.families.sm90_common import AmpereFamily
+from flashgen.runtime.families.sm90_common import AmpereFamily, check_compiled_dropout
+from flashgen.runtime.registry import KernelBinary
 from flashgen.runtime.validate import Call
 from flashgen.spec.sm80_bwd import Sm80Bwd
 
@@ -23,14 +26,17 @@ class Sm80BwdRuntime(ThreeKernelBackward, AmpereFamily):
     spec = Sm80Bwd
     POINTERS = POINTERS
 
+    def check_launch(self, call: Call, binary: KernelBinary) -> None:
+        check_compiled_dropout(binary, call)
+
     def own_fields(self, call: Call):
-        """q, k and v by pointer and strides (sm90_bwd's Params has tensor maps of them)."""
+        """q, k and v by pointer and strides (sm90_bwd's Params has tensor maps of them), and dropout's."""
         q, k, v = call.q, call.k, call.v
         qs, ks, vs = elem_strides(q), elem_strides(k), elem_strides(v)
         return (dict(q_stride_m=qs[1], q_stride_h=qs[2], k_stride_m=ks[1], k_stride_h=ks[2], v_stride_m=vs[1],
                      v_stride_h=vs[2]),
                 dict(q_ptr=q.data.ptr, k_ptr=k.data.ptr, v_ptr=v.data.ptr, q_stride_b=qs[0], k_stride_b=ks[0],
-                     v_stride_b=vs[0]))
+                     v_stride_b=vs[0], **dropout.fields(call.p)))
 
     def replay_pointers(self, ptr, q, k, v, out, grad_out, lse) -> tuple:
         return ptr(q), ptr(k), ptr(v), ptr(out), ptr(grad_out), ptr(lse)

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from typing import Tuple
 
-from flashgen.runtime import plans
+from flashgen.runtime import dropout, plans
 from flashgen.runtime.arrays import cupy_module, elem_strides
-from flashgen.runtime.families import sm90_dropout
 from flashgen.runtime.families.sm90_common import (SPARSE_POINTERS, HopperFamily, band_fields, bias_fields,
                                                    check_compiled_bias, check_compiled_dropout,
                                                    check_compiled_score_mod, check_compiled_sparse, dbias_fields,
@@ -155,7 +154,7 @@ class ThreeKernelBackward:
                 entry(""), p.device, grid, block, kc["shared_memory_bytes"], params, self.POINTERS + trailing,
                 p.dropout_p > 0, {"layout": tuple(offsets), "trailing": len(trailing)}, tensor_maps=maps,
                 family=self.name, before=[(entry("_prep"), aux_grid, aux_block)],
-                after=[(entry("_convert"), aux_grid, aux_block)], rng_fields=sm90_dropout.RNG_FIELDS))
+                after=[(entry("_convert"), aux_grid, aux_block)], rng_fields=dropout.RNG_FIELDS))
         return dq, dk, dv
 
     def replay(self, plan, memory, arrays, seed, offset, stream):
@@ -199,7 +198,7 @@ class Sm90BwdRuntime(ThreeKernelBackward, HopperFamily):
             raise ValueError(f"{binary.name} adds dQ in no fixed order: deterministic=True is not for it")
 
     def own_fields(self, call: Call):
-        return {}, {**bias_fields(call.bias), **sparse_fields(call.block_mask), **sm90_dropout.fields(call.p),
+        return {}, {**bias_fields(call.bias), **sparse_fields(call.block_mask), **dropout.fields(call.p),
                     **mod_fields(call)}
 
     def own_outputs(self, call: Call):

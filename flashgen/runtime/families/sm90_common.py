@@ -8,9 +8,9 @@ refuse and how they request and refuse; ``HopperFamily`` adds the 9.0 GPU and TM
 same run-time options (band mask, soft-capping, packed batches) through the
 same ``Params`` fields, and read q, k, v (and grad_out) through TMA tensor maps.
 An attention bias is compiled in (``bias`` instances, head dims up to 128): a call
-with one is served by those, one without by the others.  So is dropout (``dropout``
-instances, ``sm90_dropout.py``: a dropout call runs on the sm90 pair in both directions or
-in neither).  A call reaches them when
+with one is served by those, one without by the others.  So is dropout, in both pairs
+(``dropout`` instances, ``runtime/dropout.py``: a dropout call runs on one pair in both
+directions, or on example 41 in both).  A call reaches them when
 it needs nothing only example 41 has; otherwise they refuse it with the reason,
 and the next family is asked.
 """
@@ -23,10 +23,10 @@ import numpy as np
 
 from flashgen.errors import UnsupportedError
 from flashgen.mods import BUILTIN_MODS
-from flashgen.runtime import score_mods, tensormap
+from flashgen.runtime import dropout, score_mods, tensormap
 from flashgen.runtime.arrays import alignment, cupy_module, elem_strides
 from flashgen.runtime.device import device_info
-from flashgen.runtime.families import RuntimeFamily, planned_forward_outputs, selector, sm90_dropout, visible_lse
+from flashgen.runtime.families import RuntimeFamily, planned_forward_outputs, selector, visible_lse
 from flashgen.runtime.launch import on_device
 from flashgen.runtime.registry import KernelBinary
 from flashgen.runtime.select import KEYS_CAP, Request, mask_block
@@ -211,7 +211,9 @@ class OwnKernelFamily(RuntimeFamily):
     # an attention bias compiled into some of the family's kernels (a ``bias`` spec axis, which
     # selection matches both ways); a family without one refuses bias calls
     compiled_bias = False
-    # dropout compiled into some kernels (a ``dropout`` axis, matched both ways); a family without refuses it
+    # dropout compiled into some kernels (a ``dropout`` axis, matched both ways); a family without refuses it.
+    # A family with it takes a dropout call only when its pair draws the mask (``dropout.refusal``), whatever
+    # its inputs (``run`` conforms them)
     compiled_dropout = False
 
     def aligned_arrays(self, call: Call) -> Sequence[Tuple[str, object]]:
@@ -248,13 +250,13 @@ class OwnKernelFamily(RuntimeFamily):
 
     def request(self, call: Call) -> Request:
         p = call.p
-        dropout = p.dropout_p > 0
-        if dropout:  # such calls run on inputs conformed to the kernels (sm90_dropout.run)
+        drops = p.dropout_p > 0
+        if drops:  # such calls run on inputs conformed to the kernels (dropout.run)
             aligned = 8
         else:
             aligned = alignment([x for _, x in self.aligned_arrays(call)], (p.K, p.Kv))
         mod = call.score_mod
-        return Request(self.name, p.dtype, p.K, p.Kv, aligned, dropout, call.bias is not None,
+        return Request(self.name, p.dtype, p.K, p.Kv, aligned, drops, call.bias is not None,
                        device_info(p.device), band=p.mask != 0 or p.window is not None, softcap=p.softcap > 0,
                        compiled_bias=self.compiled_bias,
                        block_sparse=None if call.block_mask is None else call.block_mask.block,
@@ -276,11 +278,20 @@ class OwnKernelFamily(RuntimeFamily):
             return str(e)
         return "none of its kernels accepts the call: " + "; ".join(verdicts)
 
+    def dropout_refusal(self, call: Call, info) -> Optional[str]:
+        """A dropout call is this family's iff its pair draws the mask (``dropout.refusal``)."""
+        return dropout.refusal(call, self.name, info)
+
+    def run(self, call: Call):
+        if call.p.dropout_p > 0:
+            return dropout.run(call, super().run)
+        return super().run(call)
+
 
 class HopperFamily(OwnKernelFamily):
     """A family of flashgen's sm90a kernels: a 9.0 GPU, and inputs TMA can read (every one of
     ``aligned_arrays``: those read through a tensor map, or at its alignment).  A dropout call is
-    the pair's if ``sm90_dropout.refusal`` says so, whatever its inputs (``run`` conforms them)."""
+    the pair's if ``dropout.refusal`` says so, whatever its inputs (``run`` conforms them)."""
 
     compiled_bias = True
     compiled_dropout = True
@@ -293,7 +304,7 @@ class HopperFamily(OwnKernelFamily):
         if info.cc != 90:
             return f"a compute-capability 9.0 GPU (H100, H200); GPU {call.p.device} is {info.name} (sm_{info.cc})"
         if call.p.dropout_p > 0:
-            return sm90_dropout.refusal(call, info)
+            return self.dropout_refusal(call, info)
         for name, x in self.aligned_arrays(call):
             why = tensormap.bmhk_problem(x)
             if why:
@@ -315,15 +326,13 @@ class HopperFamily(OwnKernelFamily):
             built = set()
         return None if mod.name in built else str(score_mods.not_built(mod.name, mod.name in BUILTIN_MODS))
 
-    def run(self, call: Call):
-        if call.p.dropout_p > 0:
-            return sm90_dropout.run(call, super().run)
-        return super().run(call)
-
 
 class AmpereFamily(OwnKernelFamily):
     """A family of flashgen's mma.sync kernels (sm80_fwd, sm80_bwd): any GPU of compute
-    capability 8.0 or newer; on a 9.0 GPU the sm90 families come first in the dispatch order."""
+    capability 8.0 or newer; on a 9.0 GPU the sm90 families come first in the dispatch order (and
+    their pair before this one for dropout: ``dropout.PAIRS``)."""
+
+    compiled_dropout = True
 
     def unfit(self, call: Call) -> Optional[str]:
         why = super().unfit(call)
@@ -332,6 +341,8 @@ class AmpereFamily(OwnKernelFamily):
         info = device_info(call.p.device)
         if info.cc < AMPERE_CC:
             return f"a GPU of compute capability 8.0 or newer; GPU {call.p.device} is {info.name} (sm_{info.cc})"
+        if call.p.dropout_p > 0:
+            return self.dropout_refusal(call, info)
         return None
 
 

@@ -14,10 +14,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from flashgen.runtime import plans
+from flashgen.runtime import dropout, plans
 from flashgen.runtime.arrays import cupy_module
 from flashgen.runtime.device import device_info
-from flashgen.runtime.families import sm90_dropout, visible_lse
+from flashgen.runtime.families import visible_lse
 from flashgen.runtime.families.sm90_common import (SPARSE_POINTERS, HopperFamily, band_fields, bias_fields,
                                                    check_compiled_bias, check_compiled_dropout,
                                                    check_compiled_score_mod, check_compiled_sparse, encode_bias_map,
@@ -93,7 +93,7 @@ class Sm90FwdRuntime(HopperFamily):
              out_stride_m=p.H * p.Kv, out_stride_h=p.Kv, lse_stride_b=p.H * rows, lse_stride_h=rows,
              lse_rows=rows, num_queries=p.M, num_keys=p.N, num_heads=p.H, num_sequences=p.batches, head_dim=p.K,
              head_group=p.H // k.shape[2], **band_fields(p), **bias_fields(call.bias),
-             **sparse_fields(call.block_mask), **sm90_dropout.fields(p), **mod_fields(call))
+             **sparse_fields(call.block_mask), **dropout.fields(p), **mod_fields(call))
         encode_maps(params, MAPS, (q, k, v), (kc["block_m"], kc["block_n"], kc["block_n"]), p, kc)
         encode_bias_map(params, call.bias, p)
         tiles = -(-p.M // kc["block_m"]) * p.H * p.batches
@@ -112,7 +112,7 @@ class Sm90FwdRuntime(HopperFamily):
                 POINTERS + trailing, p.dropout_p > 0,
                 {"out": out.shape, "lse": lse.shape, "M": p.M, "trailing": len(trailing)},
                 tensor_maps=MAPS + (() if call.bias is None else ("bias_map",)), family=self.name,
-                rng_fields=sm90_dropout.RNG_FIELDS))
+                rng_fields=dropout.RNG_FIELDS))
         return out, visible_lse(lse, p.M)
 
     def replay(self, plan, memory, arrays, seed, offset, stream):
