@@ -12,7 +12,7 @@
 template <class Params>
 struct FlashgenAbiCheck_sm80_bwd {
   static_assert(std::is_standard_layout<Params>::value, "flashgen ABI: Params is no longer standard-layout");
-  static_assert(sizeof(Params) == 296, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm80_bwd.py");
+  static_assert(sizeof(Params) == 344, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm80_bwd.py");
   static_assert(offsetof(Params, q_ptr) == 0 && sizeof(((Params*)nullptr)->q_ptr) == 8,
                 "flashgen ABI: Params::q_ptr moved or changed size; update flashgen/spec/sm80_bwd.py");
   static_assert(offsetof(Params, k_ptr) == 8 && sizeof(((Params*)nullptr)->k_ptr) == 8,
@@ -117,4 +117,16 @@ struct FlashgenAbiCheck_sm80_bwd {
                 "flashgen ABI: Params::softcap_in moved or changed size; update flashgen/spec/sm80_bwd.py");
   static_assert(offsetof(Params, softcap_out) == 292 && sizeof(((Params*)nullptr)->softcap_out) == 4,
                 "flashgen ABI: Params::softcap_out moved or changed size; update flashgen/spec/sm80_bwd.py");
+  static_assert(offsetof(Params, dbias_ptr) == 296 && sizeof(((Params*)nullptr)->dbias_ptr) == 8,
+                "flashgen ABI: Params::dbias_ptr moved or changed size; update flashgen/spec/sm80_bwd.py");
+  static_assert(offsetof(Params, dbias_row_stride) == 304 && sizeof(((Params*)nullptr)->dbias_row_stride) == 8,
+                "flashgen ABI: Params::dbias_row_stride moved or changed size; update flashgen/spec/sm80_bwd.py");
+  static_assert(offsetof(Params, bias_ptr) == 312 && sizeof(((Params*)nullptr)->bias_ptr) == 8,
+                "flashgen ABI: Params::bias_ptr moved or changed size; update flashgen/spec/sm80_bwd.py");
+  static_assert(offsetof(Params, bias_stride_b) == 320 && sizeof(((Params*)nullptr)->bias_stride_b) == 8,
+                "flashgen ABI: Params::bias_stride_b moved or changed size; update flashgen/spec/sm80_bwd.py");
+  static_assert(offsetof(Params, bias_stride_h) == 328 && sizeof(((Params*)nullptr)->bias_stride_h) == 8,
+                "flashgen ABI: Params::bias_stride_h moved or changed size; update flashgen/spec/sm80_bwd.py");
+  static_assert(offsetof(Params, bias_stride_m) == 336 && sizeof(((Params*)nullptr)->bias_stride_m) == 4,
+                "flashgen ABI: Params::bias_stride_m moved or changed size; update flashgen/spec/sm80_bwd.py");
 };

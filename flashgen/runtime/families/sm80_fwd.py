@@ -30,7 +30,6 @@ BIAS_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "bias_ptr", "out_ptr", "lse_ptr")
 
 class Sm80FwdRuntime(AmpereFamily):
     spec = Sm80Fwd
-    compiled_bias = True
 
     def launch(self, call: Call, binary: KernelBinary):
         """(out, lse) of the forward on ``binary`` (on the call's device, api.py makes it current)."""

@@ -328,6 +328,8 @@ class AmpereFamily(OwnKernelFamily):
     """A family of flashgen's mma.sync kernels (sm80_fwd, sm80_bwd): any GPU of compute
     capability 8.0 or newer; on a 9.0 GPU the sm90 families come first in the dispatch order."""
 
+    compiled_bias = True
+
     def unfit(self, call: Call) -> Optional[str]:
         why = super().unfit(call)
         if why is not None:
