@@ -146,8 +146,10 @@ cupy.cuda.runtime.deviceSynchronize()
 # dim below its tier, grouped-query k/v, both causal kinds, rows without keys, windows with soft-capping,
 # deterministic dQ, the 192 and 256 tiers (a head dim padded to each; 32-column swizzle atoms at 192),
 # a packed batch whose last sequence is short (each array its own allocation still), the launch plans'
-# replay, and every built backward kernel directly (dispatch picks one tile per tier; the 99 KB ones --
-# 64 keys at 128, 4 warps and one dS^T buffer at 256 -- serve sm86/sm89 only)
+# replay, the bias instances (odd key counts: bias chunks and dbias pairs past the last key, rows past M,
+# grouped-query dbias per query head, each broadcast form, a window, soft-capping without dbias), and
+# every built backward kernel directly (dispatch picks one tile per tier; the 99 KB ones -- 64 keys at
+# 128, 4 warps and one dS^T buffer at 256 -- serve sm86/sm89 only; a bias kernel gets a bias)
 try:
     from flashgen.runtime.device import device_info
     from flashgen.runtime.registry import default_registry
@@ -171,6 +173,15 @@ if sm80_backwards:
                                            (1, 150, 200, 4, 2, 256, {"causal": "bottom_right", "deterministic": True}),
                                            (2, 130, 77, 2, 1, 176, {"window": (30, 20), "softcap": 5.0})):
             call(dtype, B, M, N, H, K, heads_kv=Hk, **options)  # full path, then the plans
+        call(dtype, 1, 300, 259, 4, 64, heads_kv=2, causal="bottom_right", bias=True)
+        call(dtype, 2, 129, 201, 2, 128, window=(50, 10), bias="M")
+        call(dtype, 2, 77, 130, 2, 96, deterministic=True, bias="BH")
+        call(dtype, 1, 130, 200, 2, 40, causal="top_left", bias="H")
+        q, k, v, do = (randn(r, shape, dtype) for shape in ((1, 130, 2, 64), (1, 200, 2, 64), (1, 200, 2, 64),
+                                                            (1, 130, 2, 64)))
+        soft = dict(attn_bias=make_bias(r, dtype, 1, 2, 130, 200, "B"), softcap=3.0)  # dbias is refused with it
+        out, lse = flashgen.attention_forward(q, k, v, **soft)
+        flashgen.attention_backward(do, q, k, v, out, lse, **soft)
     cu_q, cu_k = np.array([0, 300, 300, 301, 560], np.int32), np.array([0, 400, 410, 420, 1000], np.int32)
     q, do = randn(r, (1, 570, 4, 128), "bf16"), randn(r, (1, 570, 4, 128), "bf16")
     kv = randn(r, (1, 1000, 2, 128), "bf16")
@@ -181,8 +192,11 @@ if sm80_backwards:
     for binary in sm80_backwards:
         q, do = (randn(r, (2, 150, 4, binary.spec.max_k - 8), binary.spec.dtype) for _ in range(2))
         k, v = (randn(r, (2, 200, 2, binary.spec.max_k - 8), binary.spec.dtype) for _ in range(2))
-        for options in ({"causal": "top_left", "deterministic": True}, {"window": (30, 40), "softcap": 4.0}):
-            forward = {key: value for key, value in options.items() if key != "deterministic"}
+        bias = make_bias(r, binary.spec.dtype, 2, 4, 150, 200, "H") if binary.spec.bias else None
+        for options in ({"causal": "top_left", "deterministic": True, "bias_requires_grad": bias is not None},
+                        {"window": (30, 40), "softcap": 4.0}):
+            options["attn_bias"] = bias
+            forward = {key: value for key, value in options.items() if key not in ("deterministic", "bias_requires_grad")}
             out, lse = flashgen.attention_forward(q, k, v, **forward)
             sm80_bwd.RUNTIME.launch(validate.backward_call(do, q, k, v, out, lse, dict(options),
                                                            flashgen.attention_backward), binary)
