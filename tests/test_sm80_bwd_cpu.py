@@ -45,7 +45,7 @@ def test_dispatch_order_puts_it_after_the_hopper_backward_and_before_example41(m
 
 
 def test_default_set_has_per_tier_a_tile_within_sm86s_shared_memory():
-    kernels = [k for k in Sm80Bwd.default_set() if not k.dropout]  # (their dropout twins: test_sm80_dropout_cpu.py)
+    kernels = [k for k in Sm80Bwd.default_set() if not k.dropout and not k.bias]  # (twins: test_sm80_dropout_cpu.py, test_sm80_bias_cpu)
     assert [k.name for k in kernels if k.dtype == "f16"] == [
         "sm80_bwd_f16_k64_q64x128_sm80", "sm80_bwd_f16_k128_q64x128_sm80", "sm80_bwd_f16_k128_q32x64_sm80",
         "sm80_bwd_f16_k192_q64x64_sm80", "sm80_bwd_f16_k192_q32x32_w4_sm80",
@@ -66,8 +66,8 @@ def test_default_set_has_per_tier_a_tile_within_sm86s_shared_memory():
     # 4 warps at head dim 256: one dS^T buffer (100.5 KB); two would be 102912 B, past sm86/sm89's 101376
     assert shared_bytes(256, 32, 32, 4) == 102912 - 2 * 32 * 32 == 100864 <= SM86_OPTIN
     assert shared_bytes(192, 32, 32, 8) == shared_bytes(192, 32, 32, 4), "two dS^T buffers where they fit"
-    assert kernels[0].cpp_type == "flashgen::sm80::BwdKernel<cutlass::half_t, 64, 64, 128, 8, false>"
-    assert kernels[4].cpp_type == "flashgen::sm80::BwdKernel<cutlass::half_t, 192, 32, 32, 4, false>"
+    assert kernels[0].cpp_type == "flashgen::sm80::BwdKernel<cutlass::half_t, 64, 64, 128, 8, false, false>"
+    assert kernels[4].cpp_type == "flashgen::sm80::BwdKernel<cutlass::half_t, 192, 32, 32, 4, false, false>"
 
 
 def test_every_pruned_candidate_names_its_rule():
@@ -108,8 +108,10 @@ def test_params_mirror_the_c_struct():
     assert dtype.fields["q_stride_b"][1] == 15 * 8  # after fifteen pointers
     assert dtype.fields["q_stride_m"][1] == 22 * 8  # after seven int64 batch strides
     assert dtype.fields["scale"][1] == 22 * 8 + 26 * 4  # after 26 int32 fields
-    assert dtype.fields["dropout_seed"][1] == 296  # after softcap_out (292), 8-aligned
-    assert dtype.itemsize == 320
+    assert dtype.fields["dbias_ptr"][1] == 296  # appended: after softcap_out, the last of the plain fields
+    assert dtype.fields["bias_ptr"][1] == 312 and dtype.fields["bias_stride_m"][1] == 336
+    assert dtype.fields["dropout_seed"][1] == 344  # after bias_stride_m (336), 8-aligned
+    assert dtype.itemsize == 368
 
 
 # === selection on faked devices ==================================================================
@@ -117,7 +119,7 @@ def test_params_mirror_the_c_struct():
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory):
     d = tmp_path_factory.mktemp("sm80_bwd_kernels")
-    kernels = Sm80Bwd.default_set()
+    kernels = [k for k in Sm80Bwd.default_set() if not k.bias]
     write_build(d, [(k, {t: constants(k) for t in ("sm80", "sm90")}) for k in kernels])
     return Registry([d])
 
@@ -191,8 +193,8 @@ def test_refuses_what_only_example41_has_with_the_reason(monkeypatch):
     monkeypatch.setattr(sm90_common, "device_info", lambda index: RTX3090)
     runtime = sm80_bwd.RUNTIME
     assert runtime.unfit(backward_of(window=(4, 4), softcap=3.0)) is None
-    for call, why in ((backward_of(bias=FakeArray((2, 3, 5, 7))), "no attn_bias"),
-                      (backward_of(dropout_p=0.1, seed=1, softcap=3.0), "dropout without attn_bias, block masks or softcap"),
+    assert runtime.unfit(backward_of(bias=FakeArray((2, 3, 5, 8)))) is None  # bias instances: test_sm80_bias_cpu
+    for call, why in ((backward_of(dropout_p=0.1, seed=1, softcap=3.0), "dropout without attn_bias, block masks or softcap"),
                       (backward_of(arrays=qkv(dtype="float32")), "float32"),
                       (backward_of(arrays=qkv(K=64, Kv=32)), "equal q/v head dims only; the call has 64 and 32")):
         assert why in runtime.unfit(call)

@@ -25,7 +25,7 @@ from flashgen.spec.sm80_bwd import Sm80Bwd  # noqa: E402
 
 pytestmark = gpu_marks()[1]
 FORCED = "sm80_fwd,sm80_bwd"
-KERNELS = ampere_kernels(Sm80Bwd.FAMILY)
+KERNELS = [b for b in ampere_kernels(Sm80Bwd.FAMILY) if not b.spec.bias and not b.spec.dropout]  # twins: test_sm80_{bias,dropout}_gpu
 needs_sm80 = pytest.mark.skipif(not KERNELS or not ampere_kernels("sm80_fwd"),
                                 reason="needs a GPU of compute capability 8.0+ and the sm80_fwd and sm80_bwd kernels "
                                        "(flashgen build --arch sm80, or --arch sm90 on Hopper)")
@@ -265,8 +265,9 @@ def test_lse_with_a_row_stride():
 
 @needs_sm80
 def test_what_it_refuses_another_family_serves(monkeypatch):
-    """Bias, dropout with softcap (dropout alone: test_sm80_dropout_gpu.py), float32, different q/v head
-    dims, 4-element alignment and head dims over 256 are refused with the reason.  With every family allowed, a later one in the dispatch order
+    """Bias past the bias tiers, dropout with softcap (dropout alone: test_sm80_dropout_gpu.py), float32,
+    different q/v head dims, 4-element alignment and head dims over 256 are refused with the reason.  With
+    every family allowed, a later one in the dispatch order
     (sm90_bwd where built and it fits, else example 41) serves the cases without bias or dropout,
     to the float64 reference.  q, k and v are drawn apart: with q = k (a wide head dim) the softmax
     peaks on the diagonal, and the rounding of O to f16 alone (delta = rowsum(dO * O)) puts even
@@ -277,7 +278,8 @@ def test_what_it_refuses_another_family_serves(monkeypatch):
     # head dim 60 and head stride 68: 4-element aligned (rows of 136 elements are 8-aligned)
     odd = tuple(randn(rng, (1, 130, 2, 68), "f16")[..., :60] for _ in range(3))
     wide = tuple(randn(rng, (1, 130, 2, 264), "f16") for _ in range(3))
-    cases = (((q, k, v), {"attn_bias": bias}, "no attn_bias"),
+    past_bias_tiers = tuple(randn(rng, (1, 130, 2, 192), "f16") for _ in range(3))  # no bias instance at 192
+    cases = ((past_bias_tiers, {"attn_bias": bias}, "built without bias"),
              ((q, k, v), {"dropout_p": 0.1, "seed": 1, "softcap": 2.0}, "dropout without attn_bias, block masks or softcap"),
              (tuple(randn(rng, (1, 130, 2, 64), "f32") for _ in range(3)), {}, "float16 or bfloat16 only"),
              ((q, k, randn(rng, (1, 130, 2, 32), "f16")), {}, "equal q/v head dims only"),

@@ -29,8 +29,9 @@ def block_cupy(monkeypatch):
 
 
 def shared_bytes(k: Sm80Fwd) -> int:
-    """FwdKernel::kSharedBytes: the Q tile and the ring of K/V tiles (a real build reads it back)."""
-    return 2 * k.max_k * (k.block_m + k.stages * k.block_n)
+    """FwdKernel::kSharedBytes: the Q tile, the ring of K/V tiles and a bias instance's ceil(stages / 2)
+    bias tiles (a real build reads it back)."""
+    return 2 * k.max_k * (k.block_m + k.stages * k.block_n) + k.bias * 2 * k.block_m * k.block_n * ((k.stages + 1) // 2)
 
 
 def constants(k: Sm80Fwd, smem=None) -> dict:
@@ -47,7 +48,7 @@ def test_dispatch_order_puts_it_between_the_hopper_and_the_example41_forward():
 
 
 def test_default_set_has_one_tile_per_tier_that_fits_sm86():
-    kernels = [k for k in Sm80Fwd.default_set() if not k.dropout]  # (their dropout twins: test_sm80_dropout_cpu.py)
+    kernels = [k for k in Sm80Fwd.default_set() if not k.dropout and not k.bias]  # (twins: test_sm80_dropout_cpu.py, test_sm80_bias_cpu)
     for dtype in ("f16", "bf16"):
         assert sorted(k.max_k for k in kernels if k.dtype == dtype) == [64, 128, 192, 256]
     for k in kernels:
@@ -57,7 +58,7 @@ def test_default_set_has_one_tile_per_tier_that_fits_sm86():
     assert [k.name for k in kernels if k.dtype == "f16"] == [
         "sm80_fwd_f16_k64_q128x64_s4_sm80", "sm80_fwd_f16_k128_q128x64_s3_sm80", "sm80_fwd_f16_k192_q64x64_s2_sm80",
         "sm80_fwd_f16_k256_q64x32_s3_sm80"]
-    assert kernels[0].cpp_type == "flashgen::sm80::FwdKernel<cutlass::half_t, 64, 128, 64, 4, false>"
+    assert kernels[0].cpp_type == "flashgen::sm80::FwdKernel<cutlass::half_t, 64, 128, 64, 4, false, false>"
     # past head dim 128: 64 query rows (16 a warp); 72 KB at 192 (64 keys, 2 slots), 80 KB at 256 (32 keys, 3)
     assert [shared_bytes(k) for k in kernels[2:4]] == [73728, 81920]
 
@@ -102,19 +103,21 @@ def test_params_mirror_the_c_struct():
     dtype = Sm80Fwd.params_dtype()
     assert dtype.fields["q_stride_b"][1] == 56  # after seven pointers
     assert dtype.fields["q_stride_m"][1] == 88  # after four int64 batch strides
-    assert dtype.fields["dropout_seed"][1] == 184  # after softcap_out (180), 8-aligned
-    assert dtype.itemsize == 208
+    assert dtype.fields["bias_ptr"][1] == 184  # appended: after softcap_out, the last of the plain fields
+    assert dtype.fields["bias_stride_m"][1] == 208
+    assert dtype.fields["dropout_seed"][1] == 216  # after bias_stride_m (208), 8-aligned
+    assert dtype.itemsize == 240
 
 
 # === selection on faked devices ==================================================================
 
-BIG = Sm80Fwd("sm80", "f16", 128, 128, 128, 3, False)  # a tile only an A100 or H100 fits: 128 KB
+BIG = Sm80Fwd("sm80", "f16", 128, 128, 128, 3, False, False)  # a tile only an A100 or H100 fits: 128 KB
 
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory):
     d = tmp_path_factory.mktemp("sm80_kernels")
-    kernels = Sm80Fwd.default_set() + [BIG]
+    kernels = [k for k in Sm80Fwd.default_set() if not k.bias] + [BIG]
     write_build(d, [(k, {t: constants(k) for t in ("sm80", "sm90")}) for k in kernels])
     return Registry([d])
 
@@ -125,7 +128,7 @@ def request(device, head_dim=128, alignment=8, dtype="f16"):
 
 def test_sm86_skips_tiles_above_its_shared_memory_with_the_reason(registry):
     sel = Selector(registry)
-    assert shared_bytes(BIG) == 131072 and BIG.priority < Sm80Fwd("sm80", "f16", 128, 128, 64, 3, False).priority
+    assert shared_bytes(BIG) == 131072 and BIG.priority < Sm80Fwd("sm80", "f16", 128, 128, 64, 3, False, False).priority
     for device in (RTX3090, RTX4090):
         verdicts = {name: why for name, _, why in sel.explain(request(device))}
         assert verdicts[BIG.name] == f"needs 131072 B of shared memory; {device.name} allows {SM86_OPTIN} B per block"
@@ -172,8 +175,8 @@ def test_refuses_what_only_example41_has_with_the_reason(monkeypatch, registry):
     monkeypatch.setattr(sm90_common, "device_info", lambda index: RTX3090)
     runtime = sm80_fwd.RUNTIME
     assert runtime.unfit(call_of(window=(4, 4), softcap=3.0)) is None
-    for call, why in ((call_of(bias=FakeArray((2, 3, 5, 7))), "no attn_bias"),
-                      (call_of(dropout_p=0.1, seed=1, softcap=3.0), "dropout without attn_bias, block masks or softcap"),
+    assert runtime.unfit(call_of(bias=FakeArray((2, 3, 5, 8)))) is None  # bias instances: test_sm80_bias_cpu
+    for call, why in ((call_of(dropout_p=0.1, seed=1, softcap=3.0), "dropout without attn_bias, block masks or softcap"),
                       (call_of(arrays=qkv(dtype=np.float32)), "float32"),
                       (call_of(arrays=qkv(K=64, Kv=32)), "equal q/v head dims only; the call has 64 and 32")):
         assert why in runtime.unfit(call)

@@ -24,7 +24,7 @@ from flashgen.runtime.families import sm80_fwd  # noqa: E402
 from flashgen.spec.sm80_fwd import Sm80Fwd  # noqa: E402
 
 pytestmark = gpu_marks()[1]
-KERNELS = ampere_kernels(Sm80Fwd.FAMILY)
+KERNELS = [b for b in ampere_kernels(Sm80Fwd.FAMILY) if not b.spec.bias and not b.spec.dropout]  # twins: test_sm80_{bias,dropout}_gpu
 needs_sm80 = pytest.mark.skipif(not KERNELS, reason="needs a GPU of compute capability 8.0+ and sm80_fwd kernels "
                                                     "(flashgen build --arch sm80, or --arch sm90 on Hopper)")
 
@@ -235,15 +235,16 @@ def test_planned_repeat_uses_the_new_inputs():
 
 @needs_sm80
 def test_what_it_refuses_goes_to_example41(monkeypatch):
-    """Bias, dropout with softcap (dropout alone: test_sm80_dropout_gpu.py), float32, different q/v head
-    dims, 4-element alignment and head dims over 256 are refused with the reason, and (all families
-    allowed) example 41 serves them."""
+    """Bias past the bias tiers, dropout with softcap (dropout alone: test_sm80_dropout_gpu.py), float32,
+    different q/v head dims, 4-element alignment and head dims over 256 are refused with the reason, and
+    (all families allowed) example 41 serves them."""
     rng = np.random.default_rng(5)
     q, k, v = (randn(rng, (1, 130, 2, 64), "f16") for _ in range(3))
     bias = randn(rng, (1, 2, 130, 130), "f16")
     odd = randn(rng, (1, 130, 2, 68), "f16")[..., :60]  # row stride 136 elements: 8-aligned, head dim 60 is not
     wide = randn(rng, (1, 130, 2, 264), "f16")
-    for arrays, options, why in (((q, k, v), {"attn_bias": bias}, "no attn_bias"),
+    past_bias_tiers = tuple(randn(rng, (1, 130, 2, 192), "f16") for _ in range(3))  # no bias instance at 192
+    for arrays, options, why in ((past_bias_tiers, {"attn_bias": bias}, "built without bias"),
                                  ((q, k, v), {"dropout_p": 0.1, "seed": 1, "softcap": 2.0},
                                   "dropout without attn_bias, block masks or softcap"),
                                  ((q, k, randn(rng, (1, 130, 2, 32), "f16")), {}, "equal q/v head dims only"),

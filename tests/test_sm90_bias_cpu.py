@@ -120,22 +120,3 @@ def test_dbias_is_described_by_its_row_pitch():
     dbias = FakeArray((B, H, M, N), strides=(H * M * 8, M * 8, 8, 1), ptr=0x7F2A00001000)
     assert sm90_common.dbias_fields(dbias) == {"dbias_ptr": 0x7F2A00001000, "dbias_row_stride": 8}
     assert sm90_common.dbias_fields(None) == {}
-
-
-def test_sm80_bwd_shares_the_backward_launch_but_not_its_bias_hooks():
-    """sm80_bwd launches through sm90_bwd's ThreeKernelBackward; the bias lives in sm90_bwd's hooks
-    alone.  sm80_bwd's spec has no bias axis, so its launch guard, extra outputs and Params fields
-    stay bias-free, and a bias call never reaches it (AmpereFamily refuses it for example 41)."""
-    from flashgen.runtime.families import sm80_bwd
-    from flashgen.spec.sm80_bwd import Sm80Bwd
-
-    ampere, hopper = sm80_bwd.RUNTIME, sm90_bwd.RUNTIME
-    assert isinstance(ampere, sm90_bwd.ThreeKernelBackward) and not hasattr(Sm80Bwd.default_set()[0], "bias")
-    call = fake_call("bwd", bias_requires_grad=True)
-    ampere.check_launch(call, binary(Sm80Bwd.default_set()[0]))  # no bias axis read: nothing raised
-    assert ampere.own_outputs(call) == ((), {})
-    assert not any("bias" in name for fields in ampere.own_fields(call) for name in fields)
-    assert ampere.unfit(fake_call("bwd", bias=FakeArray((2, 3, 5, 7)))).startswith("no attn_bias")
-    # sm90_bwd's hooks: dbias only where it is wanted, the bias's steps only with a bias
-    assert hopper.own_outputs(fake_call("bwd", bias_requires_grad=False)) == ((), {})
-    assert hopper.own_fields(fake_call("bwd")) == ({}, {})

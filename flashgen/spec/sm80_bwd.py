@@ -1,6 +1,6 @@
 """``sm80_bwd``: flashgen's own Ampere-class backward (``flashgen/csrc/flashgen/sm80_bwd.h``).
 
-Template: ``flashgen::sm80::BwdKernel<Element, kHeadDim, kBlockM, kBlockN, kWarps, kDropout>`` -- eight
+Template: ``flashgen::sm80::BwdKernel<Element, kHeadDim, kBlockM, kBlockN, kWarps, kBias, kDropout>`` -- eight
 warps (four in 32-key CTAs) with mma.sync, ldmatrix and cp.async.  One CTA per ``block_n`` keys
 of one (sequence, k/v head) keeps K and V in shared memory and walks every query head of the k/v
 head's group and every query block of ``block_m`` rows it meets, Q, dO, lse, delta and dS
@@ -24,6 +24,14 @@ below the tier reads zeros past its own.  Masks, soft-capping, grouped-query k/v
 packed batches are run-time options through the same fields as ``sm80_fwd``.  The code is
 Ampere instructions only: built for plain targets from sm80 on (a plain sm90 build lets an
 H100/H200 run it), not for sm90a, where ``sm90_bwd`` serves every call this one could.
+
+A ``bias`` instance reads the bias as ``sm80_fwd``'s do (``bias_ptr``, ``bias_stride_b/h/m``) and,
+where ``dbias_ptr`` is not null, writes dS (the gradient of the biased score, in the input dtype)
+into dbias [B, H, M, N] (rows of ``dbias_row_stride`` elements, packed otherwise) at every (query,
+key) its CTAs visit, as ``sm90_bwd``'s do; the rest is the caller's.  No dbias with soft-capping
+(the runtime refuses it: the buffer dbias leaves from holds dS times tanh's slope).  A step's bias
+tile lands in the dS^T buffer the step writes later, so a bias instance has its plain twin's tile
+and shared memory (it needs the two dS^T buffers).  No packed batches.
 
 A ``dropout`` instance redraws the mask of ``sm80_fwd``'s dropout twin -- the rule of
 ``flashgen/csrc/flashgen/dropout.h``, so ``sm90_fwd``'s too -- from the same ``dropout_*`` fields at
@@ -70,6 +78,7 @@ class Sm80Bwd(KernelSpec):
     block_m: int  # query rows per step
     block_n: int  # keys per CTA: 16 per warp of each query half (32 in a 128-key CTA)
     warps: int    # 8; 4 for 32-key CTAs, sm86/sm89's tile past head dim 128
+    bias: bool    # an additive attention bias, and dbias, compiled in (BwdKernel::kBias)
     dropout: bool  # the forward's Philox dropout mask, redrawn (BwdKernel::kDropout)
 
     FAMILY = "sm80_bwd"
@@ -77,6 +86,7 @@ class Sm80Bwd(KernelSpec):
     TEMPLATE = "sm80_bwd.cu.j2"
     HEADER = "flashgen/sm80_bwd.h"
     KERNEL = "flashgen::sm80::BwdKernel"
+    FLAGS = ("bias", "dropout")  # boolean axes: named in the instance name when set, template parameters in this order
     AXES = {
         "arch": ("sm80",),
         "dtype": ("f16", "bf16"),
@@ -84,6 +94,7 @@ class Sm80Bwd(KernelSpec):
         "block_m": (32, 64, 128),
         "block_n": (32, 64, 128),
         "warps": (4, 8),
+        "bias": (False, True),
         "dropout": (False, True),
     }
     TUNED_AXES = ("block_m", "block_n", "warps")
@@ -113,9 +124,14 @@ class Sm80Bwd(KernelSpec):
              lambda k: k.warps == 4 and shared_bytes(k.max_k, 32, 64) <= SM86_SHARED),
         Rule("4-warp CTAs take the larger query step within 99 KB: 32 (64 queries need 129 KB at head dim 192)",
              lambda k: k.warps == 4 and k.block_m != query_step(k.max_k, 32, 4, SM86_SHARED)),
+        Rule("bias on tiers 64 and 128 only, as sm80_fwd's (each instance is a build job of the sm80 set's 6-minute "
+             "budget); larger head dims with a bias stay on example 41",
+             lambda k: k.bias and k.max_k > 128),
         Rule("dropout on tiers 64 and 128, the forward's twins (as the sm90 pair): each instance is a build job, "
              "and Philox beside tiers 192/256's tight registers is unmeasured",
              lambda k: k.dropout and k.max_k > 128),
+        Rule("bias and dropout not built together, as in sm80_fwd: such calls stay on example 41",
+             lambda k: k.bias and k.dropout),
     )
 
     def runs_on(self, target: str) -> bool:
@@ -126,19 +142,21 @@ class Sm80Bwd(KernelSpec):
     @property
     def name(self) -> str:
         warps = "" if self.warps == 8 else f"_w{self.warps}"  # (the 8-warp names predate the axis)
-        return "_".join([self.FAMILY, self.dtype, f"k{self.max_k}", f"q{self.block_m}x{self.block_n}{warps}"]
-                        + ["dropout"] * self.dropout + [self.arch])
+        flags = [flag for flag in self.FLAGS if getattr(self, flag)]
+        return "_".join([self.FAMILY, self.dtype, f"k{self.max_k}", f"q{self.block_m}x{self.block_n}{warps}",
+                         *flags, self.arch])
 
     @property
     def priority(self) -> tuple:
         # the smallest head-dim tier that fits, then the larger tile: a GPU whose blocks cannot
         # opt into its shared memory (sm86/sm89) skips it with the reason and takes the next
-        return (tuple(DTYPES).index(self.dtype), self.dropout, self.max_k, -self.block_m * self.block_n, -self.warps)
+        return (tuple(DTYPES).index(self.dtype), self.bias, self.dropout, self.max_k, -self.block_m * self.block_n,
+                -self.warps)
 
     @property
     def cpp_type(self) -> str:
-        return (f"{self.KERNEL}<{DTYPES[self.dtype]}, {self.max_k}, {self.block_m}, {self.block_n}, {self.warps}, "
-                f"{cpp_bool(self.dropout)}>")
+        flags = "".join(f", {cpp_bool(getattr(self, flag))}" for flag in self.FLAGS)
+        return f"{self.KERNEL}<{DTYPES[self.dtype]}, {self.max_k}, {self.block_m}, {self.block_n}, {self.warps}{flags}>"
 
     # `flashgen::sm80::BwdParams`
     ABI = (
@@ -194,6 +212,12 @@ class Sm80Bwd(KernelSpec):
         Field("scale_log2", "f32"),
         Field("softcap_in", "f32"),
         Field("softcap_out", "f32"),
+        Field("dbias_ptr", "ptr"),
+        Field("dbias_row_stride", "i64"),
+        Field("bias_ptr", "ptr"),
+        Field("bias_stride_b", "i64"),
+        Field("bias_stride_h", "i64"),
+        Field("bias_stride_m", "i32"),
         *DROPOUT_FIELDS,
     )
 

@@ -12,7 +12,7 @@
 template <class Params>
 struct FlashgenAbiCheck_sm80_bwd {
   static_assert(std::is_standard_layout<Params>::value, "flashgen ABI: Params is no longer standard-layout");
-  static_assert(sizeof(Params) == 320, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm80_bwd.py");
+  static_assert(sizeof(Params) == 368, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm80_bwd.py");
   static_assert(offsetof(Params, q_ptr) == 0 && sizeof(((Params*)nullptr)->q_ptr) == 8,
                 "flashgen ABI: Params::q_ptr moved or changed size; update flashgen/spec/sm80_bwd.py");
   static_assert(offsetof(Params, k_ptr) == 8 && sizeof(((Params*)nullptr)->k_ptr) == 8,
@@ -117,12 +117,24 @@ struct FlashgenAbiCheck_sm80_bwd {
                 "flashgen ABI: Params::softcap_in moved or changed size; update flashgen/spec/sm80_bwd.py");
   static_assert(offsetof(Params, softcap_out) == 292 && sizeof(((Params*)nullptr)->softcap_out) == 4,
                 "flashgen ABI: Params::softcap_out moved or changed size; update flashgen/spec/sm80_bwd.py");
-  static_assert(offsetof(Params, dropout_seed) == 296 && sizeof(((Params*)nullptr)->dropout_seed) == 8,
+  static_assert(offsetof(Params, dbias_ptr) == 296 && sizeof(((Params*)nullptr)->dbias_ptr) == 8,
+                "flashgen ABI: Params::dbias_ptr moved or changed size; update flashgen/spec/sm80_bwd.py");
+  static_assert(offsetof(Params, dbias_row_stride) == 304 && sizeof(((Params*)nullptr)->dbias_row_stride) == 8,
+                "flashgen ABI: Params::dbias_row_stride moved or changed size; update flashgen/spec/sm80_bwd.py");
+  static_assert(offsetof(Params, bias_ptr) == 312 && sizeof(((Params*)nullptr)->bias_ptr) == 8,
+                "flashgen ABI: Params::bias_ptr moved or changed size; update flashgen/spec/sm80_bwd.py");
+  static_assert(offsetof(Params, bias_stride_b) == 320 && sizeof(((Params*)nullptr)->bias_stride_b) == 8,
+                "flashgen ABI: Params::bias_stride_b moved or changed size; update flashgen/spec/sm80_bwd.py");
+  static_assert(offsetof(Params, bias_stride_h) == 328 && sizeof(((Params*)nullptr)->bias_stride_h) == 8,
+                "flashgen ABI: Params::bias_stride_h moved or changed size; update flashgen/spec/sm80_bwd.py");
+  static_assert(offsetof(Params, bias_stride_m) == 336 && sizeof(((Params*)nullptr)->bias_stride_m) == 4,
+                "flashgen ABI: Params::bias_stride_m moved or changed size; update flashgen/spec/sm80_bwd.py");
+  static_assert(offsetof(Params, dropout_seed) == 344 && sizeof(((Params*)nullptr)->dropout_seed) == 8,
                 "flashgen ABI: Params::dropout_seed moved or changed size; update flashgen/spec/sm80_bwd.py");
-  static_assert(offsetof(Params, dropout_offset) == 304 && sizeof(((Params*)nullptr)->dropout_offset) == 8,
+  static_assert(offsetof(Params, dropout_offset) == 352 && sizeof(((Params*)nullptr)->dropout_offset) == 8,
                 "flashgen ABI: Params::dropout_offset moved or changed size; update flashgen/spec/sm80_bwd.py");
-  static_assert(offsetof(Params, dropout_keep) == 312 && sizeof(((Params*)nullptr)->dropout_keep) == 4,
+  static_assert(offsetof(Params, dropout_keep) == 360 && sizeof(((Params*)nullptr)->dropout_keep) == 4,
                 "flashgen ABI: Params::dropout_keep moved or changed size; update flashgen/spec/sm80_bwd.py");
-  static_assert(offsetof(Params, dropout_scale) == 316 && sizeof(((Params*)nullptr)->dropout_scale) == 4,
+  static_assert(offsetof(Params, dropout_scale) == 364 && sizeof(((Params*)nullptr)->dropout_scale) == 4,
                 "flashgen ABI: Params::dropout_scale moved or changed size; update flashgen/spec/sm80_bwd.py");
 };

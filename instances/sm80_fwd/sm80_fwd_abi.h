@@ -12,7 +12,7 @@
 template <class Params>
 struct FlashgenAbiCheck_sm80_fwd {
   static_assert(std::is_standard_layout<Params>::value, "flashgen ABI: Params is no longer standard-layout");
-  static_assert(sizeof(Params) == 208, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm80_fwd.py");
+  static_assert(sizeof(Params) == 240, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm80_fwd.py");
   static_assert(offsetof(Params, q_ptr) == 0 && sizeof(((Params*)nullptr)->q_ptr) == 8,
                 "flashgen ABI: Params::q_ptr moved or changed size; update flashgen/spec/sm80_fwd.py");
   static_assert(offsetof(Params, k_ptr) == 8 && sizeof(((Params*)nullptr)->k_ptr) == 8,
@@ -81,12 +81,20 @@ struct FlashgenAbiCheck_sm80_fwd {
                 "flashgen ABI: Params::softcap_in moved or changed size; update flashgen/spec/sm80_fwd.py");
   static_assert(offsetof(Params, softcap_out) == 176 && sizeof(((Params*)nullptr)->softcap_out) == 4,
                 "flashgen ABI: Params::softcap_out moved or changed size; update flashgen/spec/sm80_fwd.py");
-  static_assert(offsetof(Params, dropout_seed) == 184 && sizeof(((Params*)nullptr)->dropout_seed) == 8,
+  static_assert(offsetof(Params, bias_ptr) == 184 && sizeof(((Params*)nullptr)->bias_ptr) == 8,
+                "flashgen ABI: Params::bias_ptr moved or changed size; update flashgen/spec/sm80_fwd.py");
+  static_assert(offsetof(Params, bias_stride_b) == 192 && sizeof(((Params*)nullptr)->bias_stride_b) == 8,
+                "flashgen ABI: Params::bias_stride_b moved or changed size; update flashgen/spec/sm80_fwd.py");
+  static_assert(offsetof(Params, bias_stride_h) == 200 && sizeof(((Params*)nullptr)->bias_stride_h) == 8,
+                "flashgen ABI: Params::bias_stride_h moved or changed size; update flashgen/spec/sm80_fwd.py");
+  static_assert(offsetof(Params, bias_stride_m) == 208 && sizeof(((Params*)nullptr)->bias_stride_m) == 4,
+                "flashgen ABI: Params::bias_stride_m moved or changed size; update flashgen/spec/sm80_fwd.py");
+  static_assert(offsetof(Params, dropout_seed) == 216 && sizeof(((Params*)nullptr)->dropout_seed) == 8,
                 "flashgen ABI: Params::dropout_seed moved or changed size; update flashgen/spec/sm80_fwd.py");
-  static_assert(offsetof(Params, dropout_offset) == 192 && sizeof(((Params*)nullptr)->dropout_offset) == 8,
+  static_assert(offsetof(Params, dropout_offset) == 224 && sizeof(((Params*)nullptr)->dropout_offset) == 8,
                 "flashgen ABI: Params::dropout_offset moved or changed size; update flashgen/spec/sm80_fwd.py");
-  static_assert(offsetof(Params, dropout_keep) == 200 && sizeof(((Params*)nullptr)->dropout_keep) == 4,
+  static_assert(offsetof(Params, dropout_keep) == 232 && sizeof(((Params*)nullptr)->dropout_keep) == 4,
                 "flashgen ABI: Params::dropout_keep moved or changed size; update flashgen/spec/sm80_fwd.py");
-  static_assert(offsetof(Params, dropout_scale) == 204 && sizeof(((Params*)nullptr)->dropout_scale) == 4,
+  static_assert(offsetof(Params, dropout_scale) == 236 && sizeof(((Params*)nullptr)->dropout_scale) == 4,
                 "flashgen ABI: Params::dropout_scale moved or changed size; update flashgen/spec/sm80_fwd.py");
 };

@@ -8,8 +8,8 @@
 ``--families`` sets FLASHGEN_FAMILIES (the families dispatch may ask), so one family can be
 fuzzed where an earlier one would serve the calls: the Ampere forward and backward (sm80_fwd,
 sm80_bwd) on an H100/H200, say, with example 41 taking what they refuse.  A case none of them
-serves (bias with a window, say: only the sm90 families have both) is counted apart in the
-summary and checked with every family allowed.  ``--forward-only``
+serves (bias with soft-capping and its gradient, say: only sm90_bwd has them together) is counted
+apart in the summary and checked with every family allowed.  ``--forward-only``
 skips the backward, for a family list without a backward that has sliding windows and
 soft-capping (sm90_bwd on 9.0 GPUs, sm80_bwd from 8.0 on).
 
@@ -22,8 +22,8 @@ dropout (checked through the mask recovered with an identity V, or, where one of
 draws it -- sm90, or sm80 when built or forced with ``--families`` -- through the NumPy copy of
 their rule, tests/philox_reference.py), varlen
 batches with empty sequences, the softmax scale (of either sign), and on flashgen's own
-kernels' path (sm90, sm80) sliding windows and soft-capping, and on the sm90 path bias (the
-sm90 bias instances), and block masks (documents, causal + window, random blocks with empty
+kernels' path (sm90, sm80) sliding windows, soft-capping and bias (the sm90 and sm80 bias
+instances, head dims up to 128: a forced sm80 run puts them on sm80_fwd/sm80_bwd), and block masks (documents, causal + window, random blocks with empty
 rows, all full; 128 x 128 blocks, which sm90_fwd's and sm90_bwd's sparse instances read, or others,
 served dense; a causal mask or window beside them folded into their lists), and on a 9.0 GPU the sm90
 ALiBi instances (``score_mod="alibi"``, checked as the additive bias -slope[h] * |i - j|; drawn only
@@ -101,7 +101,7 @@ def draw(seed: int, case: int) -> dict:
         side = lambda: None if r.random() < 0.25 else int(pick([0, 1, int(r.integers(0, 300))]))  # noqa: E731
         p["window"] = (side(), side()) if r.random() < 0.7 else None
         p["softcap"] = float(r.uniform(1, 50)) if r.random() < 0.4 else 0.0
-        # the sm90 bias instances, head dims up to 128 (drawn last: the rest stays)
+        # the sm90 and sm80 bias instances, head dims up to 128 (drawn last: the rest stays)
         if not p["varlen"] and r.random() < 0.3 and p["K"] <= 128:
             p["bias"] = pick(BIAS_PATTERNS)
     if p["scale"] is not None and r.random() < 0.3:  # drawn after the rest, which stays what it was

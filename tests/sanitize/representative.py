@@ -146,10 +146,12 @@ cupy.cuda.runtime.deviceSynchronize()
 # dim below its tier, grouped-query k/v, both causal kinds, rows without keys, windows with soft-capping,
 # deterministic dQ, the 192 and 256 tiers (a head dim padded to each; 32-column swizzle atoms at 192),
 # a packed batch whose last sequence is short (each array its own allocation still), the launch plans'
-# replay, the dropout instances (runtime/dropout.py: partial tiles, grouped-query k/v, both tiers, 96 on
-# 128, a window, rows without keys, a head dim the runtime pads to 8), and every built backward kernel
-# directly (dispatch picks one tile per tier; the 99 KB ones -- 64 keys at 128, 4 warps and one dS^T
-# buffer at 256 -- serve sm86/sm89 only), a dropout one with dropout
+# replay, the bias instances (odd key counts: bias chunks and dbias pairs past the last key, rows past M,
+# grouped-query dbias per query head, each broadcast form, a window, soft-capping without dbias), the
+# dropout instances (runtime/dropout.py: partial tiles, grouped-query k/v, both tiers, 96 on 128, a
+# window, rows without keys, a head dim the runtime pads to 8), and every built backward kernel directly
+# (dispatch picks one tile per tier; the 99 KB ones -- 64 keys at 128, 4 warps and one dS^T buffer at
+# 256 -- serve sm86/sm89 only; a bias kernel gets a bias, a dropout one dropout)
 try:
     from flashgen.runtime.device import device_info
     from flashgen.runtime.registry import default_registry
@@ -178,6 +180,15 @@ if sm80_backwards:
                                                                     "deterministic": True}),
                                            (1, 77, 130, 2, 2, 44, {"causal": "top_left", "dropout_p": 0.1, "seed": 5})):
             call(dtype, B, M, N, H, K, heads_kv=Hk, **options)  # full path, then the plans
+        call(dtype, 1, 300, 259, 4, 64, heads_kv=2, causal="bottom_right", bias=True)
+        call(dtype, 2, 129, 201, 2, 128, window=(50, 10), bias="M")
+        call(dtype, 2, 77, 130, 2, 96, deterministic=True, bias="BH")
+        call(dtype, 1, 130, 200, 2, 40, causal="top_left", bias="H")
+        q, k, v, do = (randn(r, shape, dtype) for shape in ((1, 130, 2, 64), (1, 200, 2, 64), (1, 200, 2, 64),
+                                                            (1, 130, 2, 64)))
+        soft = dict(attn_bias=make_bias(r, dtype, 1, 2, 130, 200, "B"), softcap=3.0)  # dbias is refused with it
+        out, lse = flashgen.attention_forward(q, k, v, **soft)
+        flashgen.attention_backward(do, q, k, v, out, lse, **soft)
     cu_q, cu_k = np.array([0, 300, 300, 301, 560], np.int32), np.array([0, 400, 410, 420, 1000], np.int32)
     q, do = randn(r, (1, 570, 4, 128), "bf16"), randn(r, (1, 570, 4, 128), "bf16")
     kv = randn(r, (1, 1000, 2, 128), "bf16")
@@ -188,10 +199,13 @@ if sm80_backwards:
     for binary in sm80_backwards:
         q, do = (randn(r, (2, 150, 4, binary.spec.max_k - 8), binary.spec.dtype) for _ in range(2))
         k, v = (randn(r, (2, 200, 2, binary.spec.max_k - 8), binary.spec.dtype) for _ in range(2))
+        bias = make_bias(r, binary.spec.dtype, 2, 4, 150, 200, "H") if binary.spec.bias else None
         dropout = {"dropout_p": 0.3, "seed": 6} if binary.spec.dropout else {}  # (no softcap beside it)
-        for options in ({"causal": "top_left", "deterministic": True, **dropout},
+        for options in ({"causal": "top_left", "deterministic": True, "bias_requires_grad": bias is not None,
+                         **dropout},
                         {"window": (30, 40), **(dropout or {"softcap": 4.0})}):
-            forward = {key: value for key, value in options.items() if key != "deterministic"}
+            options["attn_bias"] = bias
+            forward = {key: value for key, value in options.items() if key not in ("deterministic", "bias_requires_grad")}
             out, lse = flashgen.attention_forward(q, k, v, **forward)
             sm80_bwd.RUNTIME.launch(validate.backward_call(do, q, k, v, out, lse, dict(options),
                                                            flashgen.attention_backward), binary)

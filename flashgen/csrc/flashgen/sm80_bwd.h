@@ -39,6 +39,16 @@
 // shared-memory buffer, P^T first (see mainloop).  With `deterministic` the key-block CTAs of one
 // (head, query block) add their dQ in key-block order behind a counter, as sm90_bwd's do.
 //
+// kBias instances add a bias [batch, heads, queries, keys] (natural-log units) to the scaled scores
+// before the exp2, as the forward did, and, where dbias_ptr is set, write dS (the gradient of the
+// biased score) into dbias.  No shared memory of their own: step t's bias tile lands in dS^T buffer
+// t % 2, each warp copying (cp.async, right after the barrier of step t - 1, when add_dq of step t - 2
+// is past every warp) exactly the 16-byte slots its own P^T and dS^T stores of step t write later:
+// 8 queries x 8 keys of the bias, one query's 8 keys per slot, sit in the 8 slots (one key's 8
+// queries each) of the same 8 x 8 block of dS^T, so ldmatrix.trans at dS^T's own addresses reads
+// the bias in S^T's register layout, and no warp's write reaches a bias value another has yet to read.
+// dbias leaves from add_dq, which reads dS back from the buffer anyway.  No packed batches.
+//
 // Rows and keys past the ends, and head-dim columns past head_dim (a multiple of 8), are
 // zero-filled by cp.async and never stored.  Keys past num_keys and outside the band get P = 0;
 // queries past num_queries have lse_log2 = +inf (prep), so P = 0 there too.  dK and dV of a
@@ -127,6 +137,17 @@ struct BwdParams {
   float scale_log2;           // scale * log2(e)
   float softcap_in;           // scale / softcap (0: no soft-capping; see FwdParams)
   float softcap_out;          // softcap / scale
+  // kBias: dbias [batch, heads, num_queries, keys] (rows of dbias_row_stride elements, a multiple of 8,
+  // packed otherwise): dS of every (query, key) the CTAs visit, written where dbias_ptr is not null
+  // (never with soft-capping: the buffer dbias is read from holds dS times tanh's slope).
+  void* dbias_ptr;
+  long long dbias_row_stride;
+  // kBias: the bias [batch, heads, queries, keys], keys contiguous, as FwdParams has it (strides 0
+  // where it broadcasts, multiples of 8 elements)
+  void const* bias_ptr;
+  long long bias_stride_b;
+  long long bias_stride_h;
+  int bias_stride_m;
   // kDropout: the forward's (FwdParams): Philox key, counter offset, keep threshold, 1 / (1 - p)
   unsigned long long dropout_seed;
   unsigned long long dropout_offset;
@@ -137,13 +158,14 @@ struct BwdParams {
 // Whether a tile of `cols` columns is whole swizzle atoms of `atom` columns, or lies within one.
 constexpr bool whole_atoms(int cols, int atom) { return cols % atom == 0 || atom % cols == 0; }
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, bool kDropout_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, bool kBias_, bool kDropout_>
 struct BwdKernel {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // queries per step
   static constexpr int kBlockN = kBlockN_;  // keys per CTA
   static constexpr int kWarps = kWarps_;    // 8, or 4 for 32-key CTAs (sm86/sm89's tile past head dim 128)
+  static constexpr bool kBias = kBias_;     // an additive bias and dbias, compiled in
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kMinBlocksPerSm = 1;  // dK and dV in registers: over 128 of them a thread
   static constexpr int kAuxThreads = 128;    // prep and convert
@@ -202,6 +224,7 @@ struct BwdKernel {
   static_assert(kQueryChunk % 16 == 0 && kBlockM % 32 == 0, "a query chunk is whole 16-query MMA steps");
   static_assert(kBlockM % (kDqRowWarps * 16) == 0 && kDqCols % 16 == 0, "dQ tiles whole 16 x 16 ldmatrix tiles");
   static_assert(!kDropout || kBlockN % 32 == 0, "a Philox call spans 32 keys, 16 of each of two warps");
+  static_assert(!(kBias && kDropout), "a bias and dropout are not built together (spec/sm80_bwd.py)");
 
   // Q, dO, K and V: 8 x kAtomCols-element atoms, 16-byte chunks XOR-ed by the row (by row / 2 in
   // 64-byte rows), so the 8 rows one ldmatrix (plain or transposed) reads fall in 8 different bank
@@ -262,6 +285,36 @@ struct BwdKernel {
   static constexpr int kDsBuffers = kWarps == 4 && sizeof(Storage<2>) > kSm86SharedBytes ? 1 : 2;
   using SharedStorage = Storage<kDsBuffers>;
   static constexpr int kSharedBytes = int(sizeof(SharedStorage));
+  static_assert(!kBias || kDsBuffers == 2, "a step's bias lands in the dS^T buffer the step before did not write");
+
+  // kBias: a warp's bias chunks (16 bytes: one query's 8 keys) per step, kBiasChunksPerLane a lane.
+  static constexpr int kBiasChunksPerWarp = kQueryChunk * kKeysPerWarp / 8;
+  static constexpr int kBiasChunksPerLane = kBiasChunksPerWarp / 32;
+  static_assert(kBiasChunksPerLane * 32 == kBiasChunksPerWarp, "whole chunks per lane");
+
+  // kBias: (query, first key) within the step's tile of chunk c of warp `warp`'s bias: the warp's
+  // query chunk, its 16-key tiles (w % kKeyWarps, + kKeyWarps), a query's chunks next to each other
+  // (16 keys of a tile: 32 contiguous bytes).  It lands in the dS^T slot bias_slot() names.
+  static CUTE_HOST_DEVICE cute::tuple<int, int> bias_chunk(int warp, int c) {
+    constexpr int kChunksPerRow = kKeysPerWarp / 8;
+    int const g = c % kChunksPerRow;
+    return cute::make_tuple(warp / kKeyWarps * kQueryChunk + c / kChunksPerRow,
+                            16 * (warp % kKeyWarps + g / 2 * kKeyWarps) + 8 * (g % 2));
+  }
+  // The dS^T slot (key, first of 8 queries) that holds the bias of `query`, keys key8 .. key8 + 7:
+  // the same 8 x 8 block, transposed at the granularity of slots.
+  static CUTE_HOST_DEVICE cute::tuple<int, int> bias_slot(int query, int key8) {
+    return cute::make_tuple(key8 + query % 8, query - query % 8);
+  }
+  // The dS^T slot (key, first of 8 queries) whose address lane `lane` of warp `warp` gives the
+  // ldmatrix.x4.trans that reads the bias of the warp's key tile m and queries 16 j .. 16 j + 15 of
+  // its chunk: matrix lane / 8 holds keys +0 (even) or +8 (odd) of the tile, queries +0 (matrices
+  // 0, 1) or +8 (2, 3), so its register pairs are those of S^T's accumulator (h, i % 2) of MMA
+  // column 2 j + i / 2 (tests/test_sm80_bias_layout.py checks this against CuTe's partition).
+  static CUTE_HOST_DEVICE cute::tuple<int, int> bias_read(int warp, int lane, int m, int j) {
+    return cute::make_tuple(16 * (warp % kKeyWarps + m * kKeyWarps) + lane % 8 + 8 * (lane / 8 % 2),
+                            warp / kKeyWarps * kQueryChunk + 16 * j + 8 * (lane / 16));
+  }
 
   using LoaderQ = TileLoader<Element, kHeadDim, kThreads, SmemLayoutQ>;
   using LoaderKV = TileLoader<Element, kHeadDim, kThreads, SmemLayoutKV>;
@@ -396,9 +449,34 @@ struct BwdKernel {
       }
       cp_async_fence();
     };
+    // kBias: step t's bias into dS^T buffer t % 2, this warp's slots only (bias_chunk), one commit
+    // group (empty past the last step): issued after the barrier of step t - 1 (see the pipeline),
+    // before step t + 1's tiles, so that step t waits for it alone (cp_async_wait<1>).
+    auto issue_bias = [&](int t, Cursor const& c) {
+      if constexpr (kBias) {
+        if (t < total) {
+          int const lane_tid = opaque<kTightRegisters>(threadIdx.x);  // (see fresh_tid below)
+          int const warp = lane_tid / 32, lane = lane_tid % 32;
+          Element const* bias = static_cast<Element const*>(p.bias_ptr) + seq.batch * p.bias_stride_b +
+                                c.head * p.bias_stride_h + key0;
+          CUTE_UNROLL
+          for (int i = 0; i < kBiasChunksPerLane; ++i) {
+            auto const [q, key8] = bias_chunk(warp, lane + 32 * i);
+            auto const [slot_key, slot_query] = bias_slot(q, key8);
+            int const query = c.m_block * kBlockM + q;
+            bool const ok = query < seq.num_queries && key0 + key8 < seq.num_keys;
+            cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+                *reinterpret_cast<cute::uint128_t const*>(ok ? bias + query * (long long)p.bias_stride_m + key8 : bias),
+                *reinterpret_cast<cute::uint128_t*>(s.ds[t % 2] + SmemLayoutDsT{}(slot_key, slot_query)), ok);
+          }
+        }
+        cp_async_fence();
+      }
+    };
     Cursor at{head_kv * p.head_group, st.m_begin};  // step t
     Cursor ahead = at;                              // the next step to issue
     issue(0, ahead);  // one group with K and V
+    issue_bias(0, ahead);
     advance(ahead);
     issue(1, ahead);
     advance(ahead);
@@ -478,35 +556,44 @@ struct BwdKernel {
       // Soft-capping is decided once per chunk, not per element.
       float const* lse_log2 = s.lse_log2[buf] + part * kQueryChunk;
       float const* delta = s.delta[buf] + part * kQueryChunk;
-      if (softcap) {  // d(softcap_out * t) / dS = scale (1 - t^2); scale comes at the end
-        gemm_dp();
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(S); ++c) {
-          int const query = get<1>(tScS(0, c));
-          float const row_lse = lse_log2[query];
-          float const row_delta = delta[query];
+      // each element's exponent: -lse_log2 of its query (offset), plus (kBias) its bias in log2
+      // units, from ds[buf] once this lane's copies and then its warp's are in
+      if constexpr (kBias) {
+        cp_async_wait<1>();  // this step's bias; step t + 1's tiles may be in flight
+        __syncwarp();
+      }
+      auto for_each_offset = [&](auto&& fn) {  // fn(r, c, offset) for each element (r, c) of S
+        if constexpr (kBias) {
+          for_each_bias(s.ds[buf], opaque<kTightRegisters>(tid), [&](int r, int c, float bias) {
+            fn(r, c, fmaf(bias, kLog2e, -lse_log2[get<1>(tScS(0, c))]));
+          });
+        } else {
           CUTE_UNROLL
-          for (int r = 0; r < size<0>(S); ++r) {
-            float const th = tanh_approx(S(r, c) * p.softcap_in);
-            float const prob = exp2_approx(fmaf(th * p.softcap_out, p.scale_log2, -row_lse));
-            bool const dropped = !kept(keep, r, c);
-            S(r, c) = dropped ? 0.f : prob;
-            dP(r, c) = prob * ((dropped ? 0.f : dP(r, c) * dropout_scale) - row_delta) * (1.f - th * th);
+          for (int c = 0; c < size<1>(S); ++c) {
+            float const row_lse = lse_log2[get<1>(tScS(0, c))];
+            CUTE_UNROLL
+            for (int r = 0; r < size<0>(S); ++r) {
+              fn(r, c, -row_lse);
+            }
           }
         }
+      };
+      if (softcap) {  // d(softcap_out * t) / dS = scale (1 - t^2); scale comes at the end
+        gemm_dp();
+        for_each_offset([&](int r, int c, float offset) {
+          float const th = tanh_approx(S(r, c) * p.softcap_in);
+          float const prob = exp2_approx(fmaf(th * p.softcap_out, p.scale_log2, offset));
+          bool const dropped = !kept(keep, r, c);
+          S(r, c) = dropped ? 0.f : prob;
+          dP(r, c) = prob * ((dropped ? 0.f : dP(r, c) * dropout_scale) - delta[get<1>(tScS(0, c))]) *
+                     (1.f - th * th);
+        });
       } else {
         // P^T before dP^T's GEMM and in the same basic block, so that the exp2s (MUFU, a
         // quarter-rate pipe: 8 cycles a warp instruction) issue between its MMAs instead of
         // after them, while the tensor cores would otherwise wait.  Same registers: P^T
         // replaces S^T in place, as before.
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(S); ++c) {
-          float const row_lse = lse_log2[get<1>(tScS(0, c))];
-          CUTE_UNROLL
-          for (int r = 0; r < size<0>(S); ++r) {
-            S(r, c) = exp2_approx(fmaf(S(r, c), p.scale_log2, -row_lse));
-          }
-        }
+        for_each_offset([&](int r, int c, float offset) { S(r, c) = exp2_approx(fmaf(S(r, c), p.scale_log2, offset)); });
         gemm_dp();
         CUTE_UNROLL
         for (int c = 0; c < size<1>(S); ++c) {
@@ -553,6 +640,8 @@ struct BwdKernel {
       };
       if constexpr (kDsBuffers == 1) {
         __syncthreads();  // every warp's add_dq of step t - 1 is past its reads of ds (see the pipeline)
+      } else if constexpr (kBias) {
+        __syncwarp();  // every lane's reads of the bias in ds[buf] are done: the stores below replace it
       }
       if constexpr (kSplitColumns) {
         // The other query chunk's P^T and dS^T come from the warp of the same keys and that
@@ -587,10 +676,39 @@ struct BwdKernel {
 
       cp_async_wait<0>();  // step t + 1, this thread's part
       __syncthreads();     // see the pipeline above
+      if constexpr (kBias) {
+        Cursor next = at;
+        advance(next);
+        issue_bias(t + 1, next);  // into ds[1 - buf]: every warp is past add_dq of step t - 1
+      }
       issue(t + 2, ahead);
       advance(ahead);
       add_dq(p, s, s.ds[ds_buf], seq, at.head, at.m_block, n_block);
       advance(at);
+    }
+  }
+
+  // kBias: fn(r, c, bias) for every element (r, c) of thread `tid`'s S^T (its rows-and-columns
+  // view), `bias` read from `tile` (a dS^T buffer holding the step's bias, see bias_slot): an
+  // ldmatrix.x4.trans per key tile and 16 queries (bias_read), register i's pair into
+  // accumulator (h, i % 2) of MMA column 2 j + i / 2: row i % 2 + 2 m, column h + 2 (2 j + i / 2).
+  template <class Fn>
+  static __device__ void for_each_bias(Element const* tile, int tid, Fn&& fn) {
+    CUTE_UNROLL
+    for (int m = 0; m < kKeysPerWarp / 16; ++m) {
+      CUTE_UNROLL
+      for (int j = 0; j < kQueryChunk / 16; ++j) {
+        auto const [key, query] = bias_read(tid / 32, tid % 32, m, j);
+        uint32_t pairs[4];
+        load_matrix_x4<true>(tile + SmemLayoutDsT{}(key, query), pairs);
+        CUTE_UNROLL
+        for (int i = 0; i < 4; ++i) {
+          CUTE_UNROLL
+          for (int h = 0; h < 2; ++h) {
+            fn(i % 2 + 2 * m, h + 2 * (2 * j + i / 2), unpack_half<Element>(pairs[i], h));
+          }
+        }
+      }
     }
   }
 
@@ -673,6 +791,11 @@ struct BwdKernel {
     clear(acc);
     gemm_ss(mma, acc, copy_a, load_a.partition_S(sDs), tQrDs, tQrDs_view, copy_b, load_b.partition_S(sKt), tQrKt,
             tQrKt_view);
+    if constexpr (kBias) {
+      if (p.dbias_ptr != nullptr) {
+        store_dbias(p, seq, head, m_block, n_block, part, thr, copy_a, load_a.partition_S(sDs), tQrDs, tQrDs_view);
+      }
+    }
 
     long long const block_row0 = workspace_row0<kBlockM>(p, seq, head) + m_block * kBlockM;
     // (the counter's address only where it is used: out of the non-deterministic steps' path)
@@ -726,6 +849,41 @@ struct BwdKernel {
       __syncthreads();
       if (tid == 0) {
         counter().fetch_add(1, cuda::memory_order_release);
+      }
+    }
+  }
+
+  // kBias: this step's dS (queries x keys, the buffer add_dq reads) into dbias: the warps of each
+  // row part split its 16-key slices (slice kk for part kk % kDqColWarps), each reloading a slice's A
+  // fragment into the registers the dQ product is done with, and storing its key pairs (4 bytes;
+  // elements 2i and 2i + 1 are neighbouring keys) of the rows and keys inside the sequence.
+  template <class Thr, class CopyA, class SrcA, class RegA, class ViewA>
+  static __device__ void store_dbias(BwdParams const& p, Sequence const& seq, int head, int m_block, int n_block,
+                                     int part, Thr const& thr, CopyA const& copy_a, SrcA const& src_a, RegA& reg_a,
+                                     ViewA& view_a) {
+    using namespace cute;
+    Tensor coord = thr.partition_A(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));  // (query, key)
+    int const query0 = m_block * kBlockM, key0 = n_block * kBlockN;
+    Element* dbias = static_cast<Element*>(p.dbias_ptr) +
+                     ((long long)seq.batch * p.num_heads + head) * p.num_queries * p.dbias_row_stride + key0;
+    CUTE_UNROLL
+    for (int kk = 0; kk < size<2>(reg_a); ++kk) {
+      if (kk % kDqColWarps == part) {
+        copy(copy_a, src_a(_, _, kk), view_a(_, _, kk));
+        CUTE_UNROLL
+        for (int mm = 0; mm < size<1>(reg_a); ++mm) {
+          CUTE_UNROLL
+          for (int e = 0; e < size<0>(reg_a); e += 2) {
+            int const query = query0 + get<0>(coord(e, mm, kk));
+            int const key = get<1>(coord(e, mm, kk));
+            if (query < seq.num_queries && key0 + key < seq.num_keys) {
+              cutlass::Array<Element, 2> pair;
+              pair[0] = reg_a(e, mm, kk);
+              pair[1] = reg_a(e + 1, mm, kk);
+              *reinterpret_cast<cutlass::Array<Element, 2>*>(dbias + query * p.dbias_row_stride + key) = pair;
+            }
+          }
+        }
       }
     }
   }

@@ -5,12 +5,35 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cute/arch/copy_sm75.hpp>
 #include <cute/arch/copy_sm80.hpp>
 #include <cutlass/array.h>
 #include <cutlass/numeric_conversion.h>
 
 namespace flashgen {
 namespace sm80 {
+
+constexpr float kLog2e = 1.44269504088896341f;  // log2(e): a bias's natural-log units to the kernels' log2 ones
+
+// Four 8 x 8 matrices of 16-bit values from shared memory (ldmatrix.x4), lane l giving the address
+// of row l % 8 of matrix l / 8 (16 contiguous bytes, 16-byte aligned).  values[i] gets matrix i's
+// (row l / 4, columns 2 (l % 4) and + 1), low half first -- an mma.sync accumulator's register pair
+// -- or, kTransposed, its (rows 2 (l % 4) and + 1, column l / 4).
+template <bool kTransposed, class Element>
+__device__ __forceinline__ void load_matrix_x4(Element const* row, uint32_t (&values)[4]) {
+  auto const& chunk = *reinterpret_cast<cute::uint128_t const*>(row);
+  if constexpr (kTransposed) {
+    cute::SM75_U16x8_LDSM_T::copy(chunk, values[0], values[1], values[2], values[3]);
+  } else {
+    cute::SM75_U32x4_LDSM_N::copy(chunk, values[0], values[1], values[2], values[3]);
+  }
+}
+
+// Half `half` (0: the low 16 bits) of a register pair as float.
+template <class Element>
+__device__ __forceinline__ float unpack_half(uint32_t bits, int half) {
+  return static_cast<float>(Element::bitcast(static_cast<uint16_t>(bits >> (16 * half))));
+}
 
 // Row-major tiles of kHeadDim columns between global memory and a shared-memory layout
 // SmemLayout (8-row swizzle period, 64-column atoms), moved by kThreads threads in 16-byte

@@ -32,6 +32,12 @@
 // key get output 0 and lse -inf.  Packed (varlen) batches run one grid z-slice per
 // sequence (attention_common.h: Sequence).
 //
+// kBias instances add a bias [batch, heads, queries, keys] (natural-log units, like the scaled
+// scores) to the scaled, soft-capped scores before the mask and the softmax.  A key block's bias
+// tile (kBlockM rows x kBlockN keys) is copied by cp.async in its K tile's commit group, into a
+// ring of its own (kBiasSlots), and read back with ldmatrix straight into S's register layout;
+// the plain instances carry neither the ring nor the reads.  No packed batches (the runtime
+// refuses a bias with cu_seqlens).
 // kDropout instances drop elements of P after the softmax by flashgen's rule (dropout.h, the one
 // sm90_fwd.h and both backwards draw by): the row sums, so the normalisation and the lse, are of
 // the whole P, P V sees the kept elements only, and the epilogue scales O by 1 / (1 - p).  A
@@ -93,6 +99,13 @@ struct FwdParams {
   float scale_log2;        // softmax scale * log2(e)
   float softcap_in;        // scale / softcap (0: no soft-capping): scores become
   float softcap_out;       //   softcap_out * tanh(softcap_in * q.k), softcap_out = softcap / scale
+  // kBias: [batch, heads, queries, keys], keys contiguous; a stride is 0 where the bias broadcasts
+  // that dim.  Pointer and strides are multiples of 8 elements (16-byte chunks: a row's last chunk
+  // reads up to 7 elements past the last key, inside the row's padding; they are masked).
+  void const* bias_ptr;
+  long long bias_stride_b;
+  long long bias_stride_h;
+  int bias_stride_m;
   // kDropout (flashgen/dropout.h), as sm90's FwdParams ends: the Philox key, the counter offset, the
   // keep threshold (of 256) and 1 / (1 - p)
   unsigned long long dropout_seed;
@@ -101,13 +114,14 @@ struct FwdParams {
   float dropout_scale;
 };
 
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kDropout_>
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBias_, bool kDropout_>
 struct FwdKernel {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;  // ring slots, each one K or one V tile
+  static constexpr bool kBias = kBias_;      // an additive bias, compiled in (its ring takes shared memory)
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kMinBlocksPerSm = 1;  // occupancy follows from shared memory; registers stay uncapped
@@ -119,6 +133,7 @@ struct FwdKernel {
   static_assert(kBlockN % 16 == 0 && kHeadDim % 64 == 0, "ldmatrix x4 covers 16 x 16; swizzle atoms are 64 wide");
   static_assert(kStages >= 2, "the ring holds at least the K and the V tile of one block");
   static_assert(!kDropout || kBlockN % 32 == 0, "a Philox call spans 32 keys");
+  static_assert(!(kBias && kDropout), "a bias and dropout are not built together (spec/sm80_fwd.py)");
 
   // Shared memory: 8 x 64-element atoms (128-byte rows) with the 16-byte chunks of each row
   // XOR-ed by the row index, so the 8 rows an ldmatrix (or the 8 chunks a row's cp.asyncs)
@@ -142,7 +157,26 @@ struct FwdKernel {
   using LoadOperandT = cute::Copy_Atom<cute::SM75_U16x8_LDSM_T, Element>;
   using StoreAccumulator = cute::Copy_Atom<cute::UniversalCopy<uint32_t>, Element>;  // a column pair per store
 
-  struct SharedStorage {
+  // kBias: key block i's bias tile lands in slot i % kBiasSlots with its K tile, which is issued
+  // once every warp is past the softmax of block i - kBiasSlots (see mainloop's ring): after the
+  // second barrier of block i - kStages / 2 (kStages even) or the first of block i - (kStages - 1)
+  // / 2 (odd), so ceil(kStages / 2) slots.  Rows of kBlockN keys in the K/V tiles' swizzled atoms
+  // (32 columns wide for 32-key tiles), so the 8 rows an ldmatrix reads fall in 8 bank groups.
+  static constexpr int kBiasSlots = (kStages + 1) / 2;
+  static constexpr int kBiasAtomCols = kBlockN % 64 == 0 ? 64 : 32;
+  static_assert(kBlockN % 32 == 0, "bias rows of whole 32- or 64-key atoms");
+  using SmemLayoutBias = decltype(cute::tile_to_shape(
+      cute::composition(cute::Swizzle<kBiasAtomCols == 64 ? 3 : 2, 3, 3>{},
+                        cute::Layout<cute::Shape<cute::_8, cute::Int<kBiasAtomCols>>,
+                                     cute::Stride<cute::Int<kBiasAtomCols>, cute::_1>>{}),
+      cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
+  static constexpr int kBiasTileElements = kBlockM * kBlockN;
+  struct BiasRing {
+    alignas(128) Element bias[kBiasSlots * kBiasTileElements];
+  };
+  struct NoBias {};  // the plain instances: an empty base, no bytes
+
+  struct SharedStorage : std::conditional_t<kBias, BiasRing, NoBias> {
     alignas(128) Element q[kBlockM * kHeadDim];  // Q, then the output tile on its way out
     alignas(128) Element ring[kStages * kTileElements];
   };
@@ -151,6 +185,16 @@ struct FwdKernel {
   // Q and the output share SmemLayoutQ; K and V tiles SmemLayoutTile (the same atoms, so the same pass stride).
   using LoaderQ = TileLoader<Element, kHeadDim, kThreads, SmemLayoutQ>;
   using LoaderKV = TileLoader<Element, kHeadDim, kThreads, SmemLayoutTile>;
+  using LoaderBias = TileLoader<Element, kBlockN, kThreads, SmemLayoutBias>;
+
+  // kBias: the (row, key) of the tile whose 16 bytes (8 keys) lane `lane` of warp `warp` addresses
+  // in the ldmatrix.x4 that reads the bias of MMA row tile m, key columns 16 j .. 16 j + 15: matrix
+  // lane / 8 is rows +0 (even) or +8 (odd) of the warp's 16 in that tile, keys +0 (matrices 0, 1)
+  // or +8 (2, 3), so its register pairs are those of accumulator (h, i % 2) of MMA columns 2 j +
+  // i / 2 (see add_bias; tests/test_sm80_bias_layout.py checks this against CuTe's partition).
+  static CUTE_HOST_DEVICE cute::tuple<int, int> bias_row_key(int warp, int lane, int m, int j) {
+    return cute::make_tuple(16 * kWarps * m + 16 * warp + lane % 8 + 8 * (lane / 8 % 2), 16 * j + 8 * (lane / 16));
+  }
 
   // Key blocks this query block visits: those the band reaches (all without one); none
   // when the block holds no query of its sequence (a packed batch's grid is sized for its
@@ -204,6 +248,12 @@ struct FwdKernel {
                        seq.k0 * (long long)p.k_stride_m + head_kv * (long long)p.k_stride_h;
     Element const* v = static_cast<Element const*>(p.v_ptr) + seq.batch * p.v_stride_b +
                        seq.k0 * (long long)p.v_stride_m + head_kv * (long long)p.v_stride_h;
+    // kBias: the tile's first row (no packed batches: the batch is the sequence)
+    Element const* bias = nullptr;
+    if constexpr (kBias) {
+      bias = static_cast<Element const*>(p.bias_ptr) + seq.batch * p.bias_stride_b + head * p.bias_stride_h +
+             row0 * (long long)p.bias_stride_m;
+    }
     // Ring tile t: the K (t even) or V (t odd) tile of the (t / 2)-th block visited, last block first.
     auto block_of = [&](int t) { return blocks.end - 1 - t / 2; };
     auto issue = [&](int t) {  // one commit group per tile, empty past the last, so the waits count alike
@@ -214,6 +264,12 @@ struct FwdKernel {
         LoaderKV::template load<kBlockN>(s.ring + (t % kStages) * kTileElements,
                                          (is_v ? v : k) + key0 * (long long)stride, stride, seq.num_keys - key0,
                                          p.head_dim);
+        if constexpr (kBias) {  // with the K tile: needed by the same softmax
+          if (!is_v) {
+            LoaderBias::template load<kBlockM>(s.bias + (t / 2) % kBiasSlots * kBiasTileElements, bias + key0,
+                                               p.bias_stride_m, seq.num_queries - row0, seq.num_keys - key0);
+          }
+        }
       }
       cp_async_fence();
     };
@@ -255,8 +311,13 @@ struct FwdKernel {
 
     bool const softcap = p.softcap_in != 0.f;
     float const multiplier = softcap ? p.softcap_out * p.scale_log2 : p.scale_log2;
-    bool const fold = multiplier > 0.f;
-    float const exponent_scale = fold ? multiplier : 1.f;  // what the exponent's FMA multiplies the scores by
+    // kBias: the bias joins the scores in natural-log units, S * multiplier / log2(e) + bias (one FMA
+    // each, the max then taken on the biased scores whatever the scale's sign), and the exponent's
+    // FMA multiplies by log2(e).
+    bool const fold = !kBias && multiplier > 0.f;
+    float const exponent_scale = kBias ? kLog2e : fold ? multiplier : 1.f;  // what the exponent's FMA multiplies by
+    float const natural_scale = multiplier * (1.f / kLog2e);
+    int const warp = tid / 32, lane = tid % 32;
     auto const stream = dropout_stream(p, seq, head);
 
     for (int i = 0; i < num_blocks; ++i) {
@@ -281,7 +342,9 @@ struct FwdKernel {
           tSrS(e) = tanh_approx(tSrS(e) * p.softcap_in);
         }
       }
-      if (!fold) {
+      if constexpr (kBias) {
+        add_bias(s.bias + i % kBiasSlots * kBiasTileElements, tSrS, natural_scale, warp, lane);
+      } else if (!fold) {
         CUTE_UNROLL
         for (int e = 0; e < size(tSrS); ++e) {
           tSrS(e) *= multiplier;
@@ -357,6 +420,30 @@ struct FwdKernel {
 
       // O += P V
       gemm_rs(mma, tOrO, tOrP, copy_bt, load_bt.partition_S(tile_vt((2 * i + 1) % kStages)), tOrVt, tOrVt_view);
+    }
+  }
+
+  // kBias: S = S * scale + bias in place, `tile` the block's bias: an ldmatrix.x4 per MMA row tile
+  // and pair of 8-key columns (bias_row_key), its register i's pair into accumulator (h, i % 2).
+  template <class AccS>
+  static __device__ void add_bias(Element const* tile, AccS& tSrS, float scale, int warp, int lane) {
+    using namespace cute;
+    CUTE_UNROLL
+    for (int m = 0; m < size<1>(tSrS); ++m) {
+      CUTE_UNROLL
+      for (int j = 0; j < size<2>(tSrS) / 2; ++j) {
+        auto const [row, key] = bias_row_key(warp, lane, m, j);
+        uint32_t pairs[4];
+        load_matrix_x4<false>(tile + SmemLayoutBias{}(row, key), pairs);
+        CUTE_UNROLL
+        for (int i = 0; i < 4; ++i) {
+          CUTE_UNROLL
+          for (int h = 0; h < 2; ++h) {
+            float& x = tSrS(make_coord(make_coord(h, i % 2), m, 2 * j + i / 2));
+            x = fmaf(x, scale, unpack_half<Element>(pairs[i], h));
+          }
+        }
+      }
     }
   }
 

@@ -5,7 +5,7 @@ main kernel accumulates dQ in float32 and writes dK, dV; the convert kernel turn
 the dQ accumulator into dq.  The outputs and that workspace are carved from one
 allocation (``layout``), so a training step costs one pool call per backward.
 ``ThreeKernelBackward`` launches the three and replays their plan, for this family and for
-sm80_bwd, whose kernels keep the same contract.
+sm80_bwd, whose kernels keep the same contract (dbias included).
 
 A call with a ``block_mask`` runs here, sparse, when a ``sparse`` instance reads the mask's blocks and
 the call has nothing such an instance lacks (``block_mask_refusal``); else the mask goes dense
@@ -86,6 +86,11 @@ class ThreeKernelBackward:
 
     POINTERS: Tuple[str, ...] = ()  # per-call pointers after the tensor maps', in Params order
     MAPS: Tuple[str, ...] = ()      # Params fields holding tensor maps (encoded per call)
+    # a bias call's plan: its pointers and tensor maps, and where the bias goes among the caller's
+    # arrays' addresses (replay_pointers'): by default its tensor map after the family's own
+    BIAS_POINTERS: Tuple[str, ...] = ()
+    BIAS_MAPS: Tuple[str, ...] = ()
+    BIAS_AT = 0
 
     def own_fields(self, call: Call) -> Tuple[dict, dict]:
         """(int32 fields, other fields) that only this family's Params has."""
@@ -96,9 +101,22 @@ class ThreeKernelBackward:
         launch that names its kernel itself), before anything touches the GPU."""
 
     def own_outputs(self, call: Call) -> Tuple[tuple, dict]:
-        """(arrays, their Params fields) of what only this family's kernels write beside dq, dk, dv
-        (sm90_bwd: dbias); ``launch`` returns them after dq, dk, dv, and plans none of those calls."""
-        return (), {}
+        """(arrays, their Params fields) of what the kernels write beside dq, dk, dv: dbias where the
+        call asks for it; ``launch`` returns them after dq, dk, dv, and plans none of those calls."""
+        dbias = self.dbias(call)
+        return ((), {}) if dbias is None else ((dbias,), dbias_fields(dbias))
+
+    @staticmethod
+    def dbias(call: Call):
+        """dbias [B, H, M, N] in q's dtype as example 41 returns it (rows padded to 8 elements), or None
+        when not asked for.  The kernels write every (query, key) they visit: all of them without a
+        band mask, so only band calls pay for zeros where no query sees a key."""
+        if not call.options["bias_requires_grad"]:
+            return None
+        cupy, p = cupy_module(), call.p
+        band = p.mask != 0 or p.window is not None
+        shape = (p.B, p.H, call.q.shape[1], -(-call.k.shape[1] // 8) * 8)
+        return (cupy.zeros if band else cupy.empty)(shape, dtype=call.q.dtype)[..., :call.k.shape[1]]
 
     def encode(self, params, call: Call, kc: dict) -> None:
         """Write what ``fill`` cannot (tensor maps) into the filled ``params``."""
@@ -144,14 +162,14 @@ class ThreeKernelBackward:
         zero_unpacked_rows(p, dq, dk, dv)
         if extra:  # never planned (api.py plans no call that asks for dbias): a replay returns dq, dk, dv
             return (dq, dk, dv) + extra
-        # a bias's map follows the family's own (replay: the arrays in order); a block mask's pointers, or a
-        # score mod's tensors', follow POINTERS (their arrays end the replayed ones: the plan's ``trailing``)
+        # a bias's map or pointer where BIAS_AT says (replay: the arrays in order); a block mask's pointers, or
+        # a score mod's tensors', follow POINTERS (their arrays end the replayed ones: the plan's ``trailing``)
         if plan_key is not None:
             entry = lambda name: handle(call.registry, binary, p.device, name)  # noqa: E731
-            maps = self.MAPS + (() if call.bias is None else ("bias_map",))
+            maps, pointers = (self.MAPS, self.POINTERS) if call.bias is None else (self.BIAS_MAPS, self.BIAS_POINTERS)
             trailing = trailing_pointers(call)
             plans.remember(plan_key, plans.LaunchPlan.from_params(
-                entry(""), p.device, grid, block, kc["shared_memory_bytes"], params, self.POINTERS + trailing,
+                entry(""), p.device, grid, block, kc["shared_memory_bytes"], params, pointers + trailing,
                 p.dropout_p > 0, {"layout": tuple(offsets), "trailing": len(trailing)}, tensor_maps=maps,
                 family=self.name, before=[(entry("_prep"), aux_grid, aux_block)],
                 after=[(entry("_convert"), aux_grid, aux_block)], rng_fields=dropout.RNG_FIELDS))
@@ -162,8 +180,8 @@ class ThreeKernelBackward:
         (grad_out, q, k, v, out, lse, *bias), trailing = arrays[:lead], arrays[lead:]
         ptr = memory.ptr
         given = self.replay_pointers(ptr, q, k, v, out, grad_out, lse)
-        if bias:  # its tensor map's address right after the family's own maps'
-            given = given[:len(self.MAPS)] + (ptr(bias[0]),) + given[len(self.MAPS):]
+        if bias:  # its address where the plan was made to take it
+            given = given[:self.BIAS_AT] + (ptr(bias[0]),) + given[self.BIAS_AT:]
         with on_device(cupy_module(), plan.device):
             handle_ = memory.stream(stream, plan.device)
             dq, dk, dv, carved, workspace = buffers(memory, plan.sizes["layout"], q, k, v, handle_)
@@ -176,6 +194,9 @@ class Sm90BwdRuntime(ThreeKernelBackward, HopperFamily):
     spec = Sm90Bwd
     POINTERS = POINTERS
     MAPS = MAPS
+    BIAS_POINTERS = POINTERS
+    BIAS_MAPS = MAPS + ("bias_map",)
+    BIAS_AT = len(MAPS)
     reads_block_masks = True
 
     def block_mask_refusal(self, call: Call):
@@ -200,22 +221,6 @@ class Sm90BwdRuntime(ThreeKernelBackward, HopperFamily):
     def own_fields(self, call: Call):
         return {}, {**bias_fields(call.bias), **sparse_fields(call.block_mask), **dropout.fields(call.p),
                     **mod_fields(call)}
-
-    def own_outputs(self, call: Call):
-        dbias = self.dbias(call)
-        return ((), {}) if dbias is None else ((dbias,), dbias_fields(dbias))
-
-    @staticmethod
-    def dbias(call: Call):
-        """dbias [B, H, M, N] in q's dtype as example 41 returns it (rows padded to 8 elements), or None
-        when not asked for.  The kernel writes every (query, key) it visits: all of them without a
-        band mask, so only band calls pay for zeros where no query sees a key."""
-        if not call.options["bias_requires_grad"]:
-            return None
-        cupy, p = cupy_module(), call.p
-        band = p.mask != 0 or p.window is not None
-        shape = (p.B, p.H, call.q.shape[1], -(-call.k.shape[1] // 8) * 8)
-        return (cupy.zeros if band else cupy.empty)(shape, dtype=call.q.dtype)[..., :call.k.shape[1]]
 
     def encode(self, params, call: Call, kc: dict) -> None:
         encode_maps(params, MAPS, (call.q, call.k, call.v, call.grad_out),

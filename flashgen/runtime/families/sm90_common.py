@@ -2,7 +2,8 @@
 
 ``OwnKernelFamily`` holds what sm90_fwd, sm90_bwd and the Ampere sm80_fwd and sm80_bwd all
 refuse and how they request and refuse; ``HopperFamily`` adds the 9.0 GPU and TMA,
-``AmpereFamily`` the 8.0 GPU.
+``AmpereFamily`` the 8.0 GPU.  The Ampere families compile a bias in as the Hopper ones do
+(``bias`` instances, read by pointer: ``ampere_bias_fields``).
 
 ``sm90_fwd`` and ``sm90_bwd`` (``flashgen/csrc/flashgen/sm90_*.h``) take the
 same run-time options (band mask, soft-capping, packed batches) through the
@@ -83,6 +84,16 @@ def bias_fields(bias) -> dict:
         return {}
     sb, sh, sm, _ = bias.strides
     return {"bias_batch_step": int(sb != 0), "bias_head_step": int(sh != 0), "bias_row_step": int(sm != 0)}
+
+
+def ampere_bias_fields(bias) -> dict:
+    """The Params fields of the validated [B, H, M, N] bias for the Ampere kernels (sm80_fwd, sm80_bwd),
+    which read it by pointer: its element strides, 0 for a dim it broadcasts (validation leaves rows
+    16-byte aligned, keys contiguous); nothing for a call without a bias."""
+    if bias is None:
+        return {}
+    sb, sh, sm, _ = elem_strides(bias)
+    return {"bias_ptr": bias.data.ptr, "bias_stride_b": sb, "bias_stride_h": sh, "bias_stride_m": sm}
 
 
 def encode_bias_map(params: np.ndarray, bias, p: Problem) -> None:
@@ -333,6 +344,8 @@ class AmpereFamily(OwnKernelFamily):
     their pair before this one for dropout: ``dropout.PAIRS``)."""
 
     compiled_dropout = True
+
+    compiled_bias = True
 
     def unfit(self, call: Call) -> Optional[str]:
         why = super().unfit(call)
