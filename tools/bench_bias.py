@@ -3,10 +3,12 @@ one, and with the bias on the example-41 path, timed side by side (flashgen.benc
 rounds, CUDA events, three input sets in turn).
 
     python tools/bench_bias.py [--seqlen 1024 --seqlen 16384 ...] [--no-dbias] [--json out.json]
+        [--families sm80_fwd,sm80_bwd]
 
 The bias is per head, [1, H, S, S] in the inputs' dtype (the shape of a relative-position bias);
 the backward returns its gradient too unless --no-dbias.  The example-41 path is the same call
-under FLASHGEN_FAMILIES=mem_eff_fwd,mem_eff_bwd.  Per point and direction it prints TFLOP/s of
+under FLASHGEN_FAMILIES=mem_eff_fwd,mem_eff_bwd; ``--families`` restricts the other two to those families
+(and example 41, for what they refuse): the Ampere pair on a Hopper GPU, say.  Per point and direction it prints TFLOP/s of
 the three and the two ratios the bias work is judged by: bias / plain (target >= 0.85) and bias /
 example 41 (target >= 2.5).  Needs torch (CUDA events) and CuPy; TFLOP/s count as flashgen
 bench does (causal halves them).
@@ -43,14 +45,15 @@ def families(value):
             os.environ["FLASHGEN_FAMILIES"] = saved
 
 
-def entries(p: Point, dbias: bool, torch, cupy, api):
+def entries(p: Point, dbias: bool, torch, cupy, api, allowed=None):
     """(label, direction, Timed) of the three variants at one point."""
     sets = [[cupy.from_dlpack(t) for t in s] for s in _inputs(torch, p)]
     dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[p.dtype]
     bias = cupy.from_dlpack(torch.randn((1, p.heads, p.seqlen, p.seqlen), device="cuda", dtype=dtype))
     causal = "top_left" if p.causal else None
     out = []
-    for label, forced, attn_bias in (("bias", None, bias), ("plain", None, None), ("example41", EXAMPLE41, bias)):
+    own = allowed and f"{allowed},{EXAMPLE41}"
+    for label, forced, attn_bias in (("bias", own, bias), ("plain", own, None), ("example41", EXAMPLE41, bias)):
         context = functools.partial(families, forced)
         with families(forced):
             fwd = [api.attention_forward(q, k, v, causal=causal, attn_bias=attn_bias) for q, k, v, _ in sets]
@@ -73,6 +76,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--no-dbias", action="store_true", help="backward without bias_requires_grad")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--families", help="the bias and plain variants' families (default: all)")
     args = parser.parse_args()
     import cupy
     import torch
@@ -87,7 +91,7 @@ def main() -> None:
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
     for p in grid:
         with stream:
-            timed = entries(p, not args.no_dbias, torch, cupy, api)
+            timed = entries(p, not args.no_dbias, torch, cupy, api, args.families)
             time_interleaved([t for _, _, t in timed], torch, repeats=args.repeats)
         tflops = {(label, d): flops(p, d) / statistics.median(t.times) / 1e9 if t.times else None
                   for label, d, t in timed}
