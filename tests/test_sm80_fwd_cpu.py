@@ -244,3 +244,17 @@ def test_launch_plans_are_kept_apart_by_the_families_switch(monkeypatch):
     forced_key, forced = plans.find(signature, "fwd", arrays, (None, 0.5))
     assert forced is None and forced_key != key
     plans.clear()
+
+
+def test_tune_offers_a_plain_call_the_plain_tiles_only(tmp_path, monkeypatch):
+    """The head-dim-128 bias twin has a tile of its own (64 rows, 3 slots): tune must not time a plain
+    call on it (the launch would refuse a bias instance without a bias), nor on a dropout twin."""
+    from flashgen import tune
+    from flashgen.bench import Point
+
+    monkeypatch.setenv("FLASHGEN_FAMILIES", "sm80_fwd,sm80_bwd")
+    write_build(tmp_path, [(k, {"sm80": constants(k)}) for k in Sm80Fwd.default_set() if k.dtype == "f16"])
+    reg = Registry([tmp_path])
+    assert any(k.bias and (k.block_m, k.stages) == (64, 3) for k in Sm80Fwd.default_set() if k.max_k == 128)
+    labels = [label for label, _ in tune.candidates(reg, A100, Point("f16", 128, False, 4, 16, 4096), "fwd")]
+    assert labels[0] == "128_64_3" and "64_64_3" not in labels  # (the 192 and 256 tiers' tiles take 128 too)
