@@ -9,6 +9,8 @@ every call that should run on an sm80 bias instance is checked to (through flash
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -16,8 +18,9 @@ cupy = pytest.importorskip("cupy")
 import flashgen  # noqa: E402
 from attention_reference import (  # noqa: E402
     BIAS_BROADCASTS, BWD_TOL, FWD_TOL, ampere_kernels, assert_same_bits, gpu_marks, grouped_reference, lse_err,
-    make_bias, make_input, poisoned_allocations, randn, rel_err,
+    make_bias, poisoned_allocations, randn, rel_err,
 )
+from bias_checks import GRID, GRID_IDS, assert_bias_pair, check_bias  # noqa: E402
 from flashgen.runtime import validate  # noqa: E402
 from flashgen.runtime.families import sm80_bwd, sm80_fwd  # noqa: E402
 from flashgen.spec.sm80_bwd import Sm80Bwd  # noqa: E402
@@ -39,52 +42,12 @@ def ampere_first(monkeypatch):
     monkeypatch.setenv("FLASHGEN_FAMILIES", FORCED)
 
 
-def selected(q, k, v, backward=False, **options):
-    return next(name for name, _, verdict in flashgen.explain(q, k, v, backward=backward, **options)
-                if verdict == "selected")
-
-
-def assert_sm80_bias(q, k, v, **options):
-    """Both directions are served by sm80 bias instances; returns their names (forward, backward)."""
-    names = tuple(selected(q, k, v, backward=backward, **options) for backward in (False, True))
-    for name, family in zip(names, ("sm80_fwd_", "sm80_bwd_")):
-        assert name.startswith(family) and "_bias_" in name, f"served by {name}, not an sm80 bias instance"
-    return names
-
-
-def check(rng, dtype, B, M, N, H, K, broadcast="", Hk=None, bias=None, deterministic=False, layout="contiguous",
-          dbias=True, **options):
-    """Forward and backward with a bias against the reference; returns the inputs and outputs."""
-    Hk = Hk or H
-    q, do = (make_input(rng, (B, M, H, K), dtype, layout) for _ in range(2))
-    k, v = (make_input(rng, (B, N, Hk, K), dtype, layout) for _ in range(2))
-    bias = make_bias(rng, dtype, B, H, M, N, broadcast) if bias is None else bias
-    assert_sm80_bias(q, k, v, attn_bias=bias, **options)
-    with poisoned_allocations():
-        out, lse = flashgen.attention_forward(q, k, v, attn_bias=bias, **options)
-        grads = flashgen.attention_backward(do, q, k, v, out, lse, attn_bias=bias, bias_requires_grad=dbias,
-                                            deterministic=deterministic, **options)
-    ref_out, ref_lse, ref_grads = grouped_reference(q, k, v, do, bias=bias, **options)
-    assert out.shape == (B, M, H, K) and lse.shape == (B, H, M)
-    fwd = {"out": rel_err(out, ref_out), "lse": lse_err(lse, ref_lse)}
-    assert all(e < FWD_TOL[dtype] for e in fwd.values()), fwd
-    assert len(grads) == 3 + dbias
-    if dbias:
-        assert grads[3].shape == (B, H, M, N) and grads[3].dtype == q.dtype
-    bwd = {name: rel_err(g, r) for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads)}
-    assert all(e < BWD_TOL[dtype] for e in bwd.values()), bwd
-    return (q, k, v, do, bias, out, lse), grads
-
-
-SIZES = ((1, 1), (7, 129), (129, 7), (1000, 129), (129, 1000), (1000, 1000), (1, 1000), (129, 129))
-GRID = [(dtype, K, broadcast, *SIZES[(i + j + b + c) % len(SIZES)], causal)
-        for i, dtype in enumerate(("f16", "bf16")) for j, K in enumerate((64, 128))
-        for b, broadcast in enumerate(BIAS_BROADCASTS) for c, causal in enumerate((None, "top_left", "bottom_right"))]
+check = functools.partial(check_bias, "sm80")
+assert_sm80_bias = functools.partial(assert_bias_pair, "sm80")
 
 
 @needs_sm80
-@pytest.mark.parametrize("dtype,K,broadcast,M,N,causal", GRID,
-                         ids=[f"{d}-k{k}-bcast{b or '-'}-{m}x{n}-{c}" for d, k, b, m, n, c in GRID])
+@pytest.mark.parametrize("dtype,K,broadcast,M,N,causal", GRID, ids=GRID_IDS)
 def test_bias_matches_float64_reference(dtype, K, broadcast, M, N, causal):
     rng = np.random.default_rng([K, M, N, len(dtype), BIAS_BROADCASTS.index(broadcast), len(causal or "")])
     check(rng, dtype, B=2, M=M, N=N, H=3, K=K, broadcast=broadcast, causal=causal)
