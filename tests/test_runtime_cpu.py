@@ -845,10 +845,11 @@ def test_families_refuse_with_the_reason_and_dispatch_lists_them_all(direction, 
 
 
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
-def test_block_masks_served_dense_go_to_example_41(direction, monkeypatch):
-    """A block-mask call reaches the families that do not read block masks with the mask as a dense bias
-    (block_fallback): flashgen's own refuse it, saying why (sm90_fwd and sm90_bwd, which read them, refuse the
-    dense call's bias), and example 41 takes it like any call with a bias."""
+def test_a_block_mask_call_itself_goes_only_to_families_that_read_block_masks(direction, monkeypatch):
+    """The call with its block mask: the families that do not read block masks refuse it, saying why, and
+    sm90_fwd/sm90_bwd, which read them, refuse this one's bias; example 41 would take it as any call with a
+    bias.  (The dense fallback, block_fallback.dense_call, leaves the mask out of the call it dispatches,
+    so whichever family takes its bias serves it: test_block_mask_gpu.py.)"""
     monkeypatch.setattr(sm90_common, "device_info", lambda index: H100)
     padded_bias = FakeArray((2, 3, 5, 7), strides=(3 * 5 * 8, 5 * 8, 8, 1))
     mask = block_mask(lambda b, h, q, kv: q >= kv, 1, 3, 5, 7, device="cpu")
@@ -863,7 +864,7 @@ def test_block_masks_served_dense_go_to_example_41(direction, monkeypatch):
 
 def test_the_dense_fallback_warns_once_per_process(monkeypatch):
     monkeypatch.setattr(block_fallback, "_warned", False)
-    with pytest.warns(UserWarning, match=r"^flashgen: block_mask runs dense through the example-41 kernels .* slow"):
+    with pytest.warns(UserWarning, match=r"^flashgen: block_mask runs dense \(the mask becomes an additive .* slow"):
         block_fallback.warn_once()
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -201,3 +201,37 @@ def test_what_the_bias_instances_refuse_example41_serves():
     call = validate.backward_call(out, q, k, v, out, lse, dict(attn_bias=bias, softcap=5.0, bias_requires_grad=True),
                                   flashgen.attention_backward)
     assert sm80_bwd.RUNTIME.refusal(call).startswith("softcap with bias_requires_grad")
+
+
+BLOCK_MASKS = [  # dtype, B, H, M, N, K, mask(b, h, q, kv), the mask's (B, H), block, options
+    ("f16", 2, 4, 300, 260, 64, lambda b, h, q, kv: (q % 7 != 3) & (kv <= q + 5), (1, 1), (64, 64), {}),
+    ("bf16", 2, 2, 129, 700, 128, lambda b, h, q, kv: (kv <= q + 16 * h) & ((kv + b) % 3 != 0), (2, 2), (32, 128),
+     {"causal": "bottom_right"}),
+    ("f16", 1, 2, 64, 64, 64, lambda b, h, q, kv: (q < 0) & (kv < 0), (1, 1), (128, 128), {}),  # no key anywhere
+]
+
+
+@needs_sm80
+@pytest.mark.parametrize("dtype,B,H,M,N,K,mask,mask_bh,block,options", BLOCK_MASKS, ids=["holes", "per-head", "nothing"])
+def test_a_block_mask_runs_dense_on_the_bias_instances(dtype, B, H, M, N, K, mask, mask_bh, block, options):
+    """No sm80 kernel reads block lists, so a block mask runs as its dense bias (block_fallback), which the
+    sm80 bias instances take: forward and gradients against the reference with the same bias, and rows
+    that see no key get output 0, lse -inf and dq 0."""
+    rng = np.random.default_rng(M + N + K)
+    q, do = (randn(rng, (B, M, H, K), dtype) for _ in range(2))
+    k, v = (randn(rng, (B, N, H, K), dtype) for _ in range(2))
+    bm = flashgen.block_mask(mask, *mask_bh, M, N, block=block)
+    for backward in (False, True):
+        rows = flashgen.explain(q, k, v, block_mask=bm, backward=backward, **options)
+        chosen = next(name for name, _, verdict in rows if verdict == "selected")
+        assert chosen.startswith("sm80_bwd_" if backward else "sm80_fwd_") and "_bias_" in chosen, chosen
+    with poisoned_allocations():
+        out, lse = flashgen.attention_forward(q, k, v, block_mask=bm, **options)
+        dq, dk, dv = flashgen.attention_backward(do, q, k, v, out, lse, block_mask=bm, **options)
+    ro, rl, (rdq, rdk, rdv, _) = grouped_reference(q, k, v, do, bias=bm.to_dense(cupy.float32), **options)
+    assert rel_err(out, ro) < FWD_TOL[dtype] and lse_err(lse, rl) < FWD_TOL[dtype]
+    for g, ref in ((dq, rdq), (dk, rdk), (dv, rdv)):
+        assert rel_err(g, ref, zero_scale=np.sqrt(K)) < BWD_TOL[dtype]
+    empty = cupy.isneginf(rl)  # [B, H, M]
+    rows = cupy.ascontiguousarray(cupy.transpose(empty, (0, 2, 1)))
+    assert bool((out[rows] == 0).all()) and bool(cupy.isneginf(lse[empty]).all()) and bool((dq[rows] == 0).all())

@@ -52,7 +52,8 @@ def attention_forward(q, k, v, *, attn_bias=None, block_mask=None, causal=None, 
     ``causal``, ``window`` and ``attn_bias``; a causal mask and a window are folded into it (once per
     mask and band: ``BlockMask.with_band``).  sm90_fwd visits only its listed blocks where it can
     (128 x 128 blocks, f16/bf16, head dims up to 128, no attn_bias: ``explain`` says); other
-    calls run it as a dense bias on the example-41 kernels (warned once).  Rows it leaves without a
+    calls run it as a dense bias, on flashgen's bias instances where they take it, else on the
+    example-41 kernels (warned once).  Rows it leaves without a
     key get output 0 and lse -inf.
     ``score_mod``: a score mod compiled into sm90_fwd instances (``flashgen build --mods``): its name
     ("alibi", or one a mods file declared) or its ``flashgen.mods.ScoreMod``; each score becomes
@@ -134,7 +135,7 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
     (the example-41 kernels then run without key splits).  ``block_mask``: the forward's; the
     mask gets no gradient (``dbias`` is that of ``attn_bias``).  sm90_bwd visits only its listed
     blocks where it can (as the forward, and not ``deterministic`` or ``softcap``: ``explain`` says);
-    other calls run it as a dense bias on the example-41 kernels.  ``score_mod`` and ``mod_tensors``:
+    other calls run it as a dense bias (as the forward).  ``score_mod`` and ``mod_tensors``:
     the forward's (dS carries the mod's declared derivative; the captured tensors get no gradient).
     """
     if not isinstance(deterministic, bool):

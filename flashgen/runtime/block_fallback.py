@@ -1,19 +1,20 @@
-"""Serving a block mask where no flashgen kernel reads its lists: example 41 with a dense bias.
+"""Serving a block mask where no flashgen kernel reads its lists: the mask as a dense bias.
 
 sm90_fwd's and sm90_bwd's sparse instances read them (128 x 128 blocks, no bias, a causal mask
 or window folded into the lists by the public calls, and for the backward no soft-capping or
 deterministic order; ``families.sparse_family``);
 every other call with ``block_mask`` runs as a call with an additive bias: the mask as 0 / -inf
 over [B or 1, H or 1, M, N] (a causal mask folded in, so the kernel runs unmasked), plus
-``attn_bias`` when one is given.  flashgen's own families refuse such calls (``explain`` says
-why), so the example-41 families serve them, at
+``attn_bias`` when one is given, served by the first family that takes such a bias: flashgen's
+own bias instances (sm90 on Hopper, sm80 from 8.0 on; head dims up to 128), else example 41, at
 the cost of a dense attention with a bias; a warning says so once per process.  The bias is
 built on the first call for each dtype and kept with the mask (freed with it; a causal mask or
 window is in the mask's lists already, ``BlockMask.with_band``); later calls on other streams wait
 for it on the device, never on the host.
 
 Rows that see no key: example 41 divides 0 by 0 on a row of -inf scores (its lse comes out
--inf), so after the forward those rows are set to output 0, bit by bit (the NaN goes too), and
+-inf; flashgen's kernels write 0 there), so after the forward those rows are set to output 0, bit
+by bit (the NaN goes too), and
 lse -inf: flashgen's convention for rows without keys (bottom-right causal with M > N, empty
 varlen sequences).  The backward reads lse +inf on those rows, as on the rows the kernels pad,
 so P = exp(s - lse) is 0 there, not exp(-inf + inf): dq is 0 and they add nothing to dk, dv or
@@ -30,8 +31,8 @@ import numpy as np
 from flashgen.runtime.arrays import dtype_name
 from flashgen.runtime.validate import MASKS, Call, checked_bias
 
-WARNING = ("flashgen: block_mask runs dense through the example-41 kernels (the mask becomes an additive "
-           "[B, H, M, N] bias), so it is as slow as a dense attention with a bias, not faster for being "
+WARNING = ("flashgen: block_mask runs dense (the mask becomes an additive [B, H, M, N] bias, on the kernels "
+           "that take one), so it is as slow as a dense attention with a bias, not faster for being "
            "sparse; only sm90_fwd and sm90_bwd visit just the listed blocks, for the calls they take "
            "(flashgen.explain says why not).  (Warned once per process.)")
 
@@ -65,11 +66,11 @@ def backward(cupy, call: Call, run):
 
 
 def dense_call(cupy, call: Call):
-    """(the call as example 41 serves it, empty [B or 1, H or 1, M]: which rows see no key).
+    """(the call with the mask as a dense bias, empty [B or 1, H or 1, M]: which rows see no key).
 
     The call's ``bias`` becomes the mask's dense bias (plus its own ``attn_bias``), its causal
     mask moves into that bias (``p.mask`` 0), a backward's lse becomes +inf on rows without
-    keys; ``block_mask`` stays, so flashgen's own families keep refusing the call."""
+    keys, and ``block_mask`` leaves it: any family that takes the bias serves it."""
     p, dtype, mask = call.p, call.q.dtype, call.block_mask
     if p.mask:  # the public calls have folded it already (block_masks.fold_band); a call built otherwise
         mask = mask.with_band(None, p.N - p.M if p.mask == MASKS["bottom_right"] else 0)
@@ -84,7 +85,7 @@ def dense_call(cupy, call: Call):
         lse = call.lse
         if call.direction == "bwd":
             lse = cupy.where(empty, cupy.float32(np.inf), lse[:, :, :p.M])
-    return replace(call, p=replace(p, mask=0), bias=bias, lse=lse, plan_key=None), empty
+    return replace(call, p=replace(p, mask=0), bias=bias, lse=lse, plan_key=None, block_mask=None), empty
 
 
 def _stream(cupy, call: Call):

@@ -181,10 +181,16 @@ def sparse_family(call: Call) -> Optional[RuntimeFamily]:
 
 def explain(call: Call, dense: Optional[Call] = None) -> List[Row]:
     """Every family's candidates in the order tried; after the selected one, 'not tried'.  With a
-    block mask, ``dense`` is the call as the fallback makes it, asked of the families that do not
-    read block masks."""
-    rows = [row for family in serving(call.direction)
-            for row in family.explain(call if dense is None or family.reads_block_masks else dense)]
+    block mask, ``dense`` is the call as the fallback makes it (the mask as a bias): the families
+    that read block masks are asked the call first, then, where none takes it, every family the
+    dense call, as dispatch does."""
+    if dense is None:
+        rows = [row for family in serving(call.direction) for row in family.explain(call)]
+    else:
+        rows = [row for family in serving(call.direction) if family.reads_block_masks
+                for row in family.explain(call)]
+        if not any(verdict == "selected" for _, _, verdict in rows):
+            rows += [row for family in serving(call.direction) for row in family.explain(dense)]
     chosen = next((i for i, (_, _, verdict) in enumerate(rows) if verdict == "selected"), len(rows))
     return rows[:chosen + 1] + [(name, target, "not tried: an earlier kernel was selected")
                                 for name, target, _ in rows[chosen + 1:]]

@@ -256,8 +256,8 @@ class OwnKernelFamily(RuntimeFamily):
 
     def block_mask_refusal(self, call: Call) -> Optional[str]:
         """Why the family does not read ``call``'s block mask (None: it does); by default none does."""
-        return ("no block masks (until these kernels read the block lists, the example-41 families serve "
-                "them with the mask as a dense bias)")
+        return ("no block masks (until these kernels read the block lists, the call runs with the mask as a "
+                "dense bias)")
 
     def request(self, call: Call) -> Request:
         p = call.p
