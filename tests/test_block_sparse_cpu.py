@@ -212,23 +212,23 @@ def test_sm90_fwd_takes_block_masks_it_reads_and_says_why_not_otherwise(monkeypa
 def test_a_sparse_instance_is_never_launched_without_a_mask_it_reads():
     import dataclasses
 
-    from flashgen.runtime.families import sm90_fwd
+    from flashgen.runtime.families.sm90_common import check_compiled  # what every launch runs first
 
     helpers = _runtime_helpers()
     kernels = {b.name: b for b in sparse_kernels()}
     sparse, plain = (kernels["sm90_fwd_f16_k64_q128x128_s2_sparse_sm90a"], kernels["sm90_fwd_f16_k64_q128x128_s2_sm90a"])
     call = helpers.fake_call("fwd")
     with pytest.raises(ValueError, match=r"_sparse_sm90a is built with block-mask lists \(compiled in\); the call has none"):
-        sm90_fwd.check_compiled_sparse(sparse, call)
+        check_compiled(sparse, call)
     masked = dataclasses.replace(call, block_mask=block_mask(lambda b, h, q, kv: q >= kv, 1, 3, 5, 7, device="cpu"))
     with pytest.raises(ValueError, match=r"_s2_sm90a is built without block-mask lists \(compiled in\); the call has one"):
-        sm90_fwd.check_compiled_sparse(plain, masked)
+        check_compiled(plain, masked)
     small = dataclasses.replace(call, block_mask=block_mask(lambda b, h, q, kv: q >= kv, 1, 3, 5, 7, block=(64, 64),
                                                             device="cpu"))
     with pytest.raises(ValueError, match=r"reads 128 x 128 mask blocks; the block mask's are 64 x 64"):
-        sm90_fwd.check_compiled_sparse(sparse, small)
-    sm90_fwd.check_compiled_sparse(sparse, masked)
-    sm90_fwd.check_compiled_sparse(plain, call)
+        check_compiled(sparse, small)
+    check_compiled(sparse, masked)
+    check_compiled(plain, call)
 
 
 def test_sparse_fields_step_through_the_mask_rows_and_stop_where_it_broadcasts():

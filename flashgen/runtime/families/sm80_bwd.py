@@ -15,9 +15,7 @@ from __future__ import annotations
 from flashgen.runtime import dropout
 from flashgen.runtime.arrays import elem_strides
 from flashgen.runtime.families.sm90_bwd import ThreeKernelBackward
-from flashgen.runtime.families.sm90_common import (AmpereFamily, ampere_bias_fields, check_compiled_bias,
-                                                   check_compiled_dropout)
-from flashgen.runtime.registry import KernelBinary
+from flashgen.runtime.families.sm90_common import AmpereFamily, ampere_bias_fields
 from flashgen.runtime.validate import Call
 from flashgen.spec.sm80_bwd import Sm80Bwd
 
@@ -40,10 +38,6 @@ class Sm80BwdRuntime(ThreeKernelBackward, AmpereFamily):
             why = ("softcap with bias_requires_grad: the sm80 backward writes dbias from the buffer that holds dS "
                    "times tanh's slope (without bias_requires_grad it serves the call)")
         return why
-
-    def check_launch(self, call: Call, binary: KernelBinary) -> None:
-        check_compiled_bias(binary, call)
-        check_compiled_dropout(binary, call)
 
     def own_fields(self, call: Call):
         """q, k and v by pointer and strides (sm90_bwd's Params has tensor maps of them), the bias's and

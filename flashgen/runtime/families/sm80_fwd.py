@@ -16,8 +16,8 @@ from __future__ import annotations
 from flashgen.runtime import dropout, plans
 from flashgen.runtime.arrays import cupy_module, elem_strides
 from flashgen.runtime.families import visible_lse
-from flashgen.runtime.families.sm90_common import (AmpereFamily, ampere_bias_fields, band_fields, check_compiled_bias,
-                                                   check_compiled_dropout, replay_forward, zero_unpacked_rows)
+from flashgen.runtime.families.sm90_common import (AmpereFamily, ampere_bias_fields, band_fields, check_compiled,
+                                                   replay_forward, zero_unpacked_rows)
 from flashgen.runtime.launch import fill, handle, launch, params_buffer
 from flashgen.runtime.limits import check_int32, lse_rows
 from flashgen.runtime.registry import KernelBinary
@@ -26,7 +26,7 @@ from flashgen.spec.sm80_fwd import Sm80Fwd
 
 POINTERS = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "lse_ptr")  # per-call pointers, in the order replay passes them
 # a bias call's: its bias follows v among the caller's arrays (api.py's signature order)
-BIAS_POINTERS = ("q_ptr", "k_ptr", "v_ptr", "bias_ptr", "out_ptr", "lse_ptr")
+BIAS_POINTERS = POINTERS[:3] + ("bias_ptr",) + POINTERS[3:]
 
 
 class Sm80FwdRuntime(AmpereFamily):
@@ -34,8 +34,7 @@ class Sm80FwdRuntime(AmpereFamily):
 
     def launch(self, call: Call, binary: KernelBinary):
         """(out, lse) of the forward on ``binary`` (on the call's device, api.py makes it current)."""
-        check_compiled_bias(binary, call)
-        check_compiled_dropout(binary, call)
+        check_compiled(binary, call)
         cupy, p, q, k, v = cupy_module(), call.p, call.q, call.k, call.v
         kc = binary.constants
         rows = lse_rows(p.M)

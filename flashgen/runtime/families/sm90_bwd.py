@@ -20,10 +20,8 @@ from typing import Tuple
 from flashgen.runtime import dropout, plans
 from flashgen.runtime.arrays import cupy_module, elem_strides
 from flashgen.runtime.families.sm90_common import (SPARSE_POINTERS, HopperFamily, band_fields, bias_fields,
-                                                   check_compiled_bias, check_compiled_dropout,
-                                                   check_compiled_score_mod, check_compiled_sparse, dbias_fields,
-                                                   encode_bias_map, encode_maps, mod_fields, sparse_refusal,
-                                                   trailing_pointers, zero_unpacked_rows)
+                                                   check_compiled, dbias_fields, encode_bias_map, encode_maps,
+                                                   mod_fields, sparse_refusal, trailing_pointers, zero_unpacked_rows)
 from flashgen.runtime.launch import fill, handle, launch, on_device, packed_offsets, params_buffer
 from flashgen.runtime.memory import CupyMemory
 from flashgen.runtime.limits import check_int32
@@ -99,6 +97,7 @@ class ThreeKernelBackward:
     def check_launch(self, call: Call, binary: KernelBinary) -> None:
         """Raise where ``binary`` must not run ``call`` (selection keeps them apart; this guards a
         launch that names its kernel itself), before anything touches the GPU."""
+        check_compiled(binary, call)
 
     def own_outputs(self, call: Call) -> Tuple[tuple, dict]:
         """(arrays, their Params fields) of what the kernels write beside dq, dk, dv: dbias where the
@@ -211,10 +210,7 @@ class Sm90BwdRuntime(ThreeKernelBackward, HopperFamily):
         return why
 
     def check_launch(self, call: Call, binary: KernelBinary) -> None:
-        check_compiled_bias(binary, call)
-        check_compiled_sparse(binary, call)
-        check_compiled_dropout(binary, call)
-        check_compiled_score_mod(binary, call)
+        super().check_launch(call, binary)
         if binary.spec.sparse and call.options["deterministic"]:
             raise ValueError(f"{binary.name} adds dQ in no fixed order: deterministic=True is not for it")
 

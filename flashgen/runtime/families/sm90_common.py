@@ -194,6 +194,19 @@ def check_compiled_sparse(binary: KernelBinary, call: Call) -> None:
                          f"{bm.block[0]} x {bm.block[1]}")
 
 
+# each compiled-in axis a launch must match, with its check
+_COMPILED_AXES = (("bias", check_compiled_bias), ("sparse", check_compiled_sparse), ("dropout", check_compiled_dropout),
+                  ("score_mod", check_compiled_score_mod))
+
+
+def check_compiled(binary: KernelBinary, call: Call) -> None:
+    """Raise before a launch where ``binary`` was built for other options than ``call`` has, on every
+    compiled-in axis its family's spec declares (bias, block-mask lists, dropout, score mod)."""
+    for axis, check in _COMPILED_AXES:
+        if axis in type(binary.spec).AXES:
+            check(binary, call)
+
+
 def zero_unpacked_rows(p: Problem, *arrays) -> None:
     """Rows past the last sequence of a packed batch belong to no sequence, so no sm90 kernel
     writes them: zeros (arrays given as q-row, then k-row shaped: out or dq, dk, dv)."""
@@ -343,9 +356,8 @@ class AmpereFamily(OwnKernelFamily):
     capability 8.0 or newer; on a 9.0 GPU the sm90 families come first in the dispatch order (and
     their pair before this one for dropout: ``dropout.PAIRS``)."""
 
-    compiled_dropout = True
-
     compiled_bias = True
+    compiled_dropout = True
 
     def unfit(self, call: Call) -> Optional[str]:
         why = super().unfit(call)

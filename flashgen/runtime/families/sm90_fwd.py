@@ -19,10 +19,9 @@ from flashgen.runtime.arrays import cupy_module
 from flashgen.runtime.device import device_info
 from flashgen.runtime.families import visible_lse
 from flashgen.runtime.families.sm90_common import (SPARSE_POINTERS, HopperFamily, band_fields, bias_fields,
-                                                   check_compiled_bias, check_compiled_dropout,
-                                                   check_compiled_score_mod, check_compiled_sparse, encode_bias_map,
-                                                   encode_maps, mod_fields, replay_forward, sparse_refusal,
-                                                   trailing_pointers, zero_unpacked_rows)
+                                                   check_compiled, encode_bias_map, encode_maps, mod_fields,
+                                                   replay_forward, sparse_refusal, trailing_pointers,
+                                                   zero_unpacked_rows)
 from flashgen.runtime.launch import fill, handle, launch, params_buffer
 from flashgen.runtime.limits import check_int32, lse_rows
 from flashgen.runtime.registry import KernelBinary
@@ -76,10 +75,7 @@ class Sm90FwdRuntime(HopperFamily):
 
     def launch(self, call: Call, binary: KernelBinary):
         """(out, lse) of the forward on ``binary`` (on the call's device, api.py makes it current)."""
-        check_compiled_bias(binary, call)
-        check_compiled_sparse(binary, call)
-        check_compiled_dropout(binary, call)
-        check_compiled_score_mod(binary, call)
+        check_compiled(binary, call)
         if call.p.scale <= 0:
             call = _positive_scale(call)
         cupy, p, q, k, v = cupy_module(), call.p, call.q, call.k, call.v
