@@ -286,9 +286,10 @@ def test_adapter_overhead_cases_leave_out_an_adapter_that_cannot_run(monkeypatch
         assert bench_host.adapter_overhead_cases(torch.zeros(1, 128, 1, 64), torch) == {}
 
 
-def _bench_cli(monkeypatch, tflops, *args, compile_s=None, notes=None, overhead=None):
+def _bench_cli(monkeypatch, tflops, *args, compile_s=None, notes=None, overhead=None, points=None):
     """`flashgen bench` on one point, with a fake GPU torch and these TFLOP/s per implementation
-    (and compile seconds per implementation and direction, and notes per implementation)."""
+    (and compile seconds per implementation and direction, and notes per implementation); the
+    points timed are appended to ``points`` if given."""
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True,
                                                                   get_device_name=lambda: "Fake GPU"))
     monkeypatch.setitem(sys.modules, "torch", fake_torch)
@@ -296,6 +297,8 @@ def _bench_cli(monkeypatch, tflops, *args, compile_s=None, notes=None, overhead=
 
     def bench_point(p, impls, torch, repeats, all_instances, queued):
         seen.append(impls)
+        if points is not None:
+            points.append(p)
         timings.append(queued)
         return [bench.Result(i, d, p, 1.0, tflops.get(i), (notes or {}).get(i, ""), spread=0.01,
                              compile_s=(compile_s or {}).get((i, d))) for i in impls for d in ("fwd", "bwd")]

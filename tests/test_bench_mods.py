@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from flashgen import bench, bench_host, bench_mods
+from flashgen import bench, bench_mods
 from flashgen.cli import main
 from flashgen.mods import BUILTIN_MODS
 
@@ -88,24 +88,13 @@ def test_a_score_mod_point_gives_flashgen_and_flex_the_mod_and_the_others_a_reas
 
 
 def test_the_cli_refuses_a_score_mod_with_a_block_mask_and_shows_the_mod_in_the_table(monkeypatch):
-    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True,
-                                                                  get_device_name=lambda: "Fake GPU"))
-    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    from test_bench import _bench_cli
+
     points = []
-
-    def bench_point(p, impls, torch, repeats, all_instances, queued):
-        points.append(p)
-        return [bench.Result(i, d, p, 1.0, 100.0) for i in impls for d in ("fwd", "bwd")]
-
-    monkeypatch.setattr(bench, "bench_point", bench_point)
-    monkeypatch.setattr(bench_host, "call_overhead_us", lambda torch: {})
-    monkeypatch.setattr(bench_host, "import_times_ms", lambda: {})
-    result = CliRunner().invoke(main, ["bench", "--dtype", "f16", "--head-dim", "64", "--seqlen", "2048",
-                                       "--score-mod", "alibi", "--impl", "flashgen", "--impl", "flex"],
-                                catch_exceptions=False)
-    assert result.exit_code == 0, result.output
+    _, output = _bench_cli(monkeypatch, {"flashgen": 100.0, "flex": 100.0}, "--score-mod", "alibi",
+                           "--impl", "flashgen", "--impl", "flex", points=points)
     assert [(p.score_mod, p.causal) for p in points] == [("alibi", False), ("alibi", True)]
-    cells = [line.split()[3] for line in result.output.splitlines() if line.startswith("f16")]
+    cells = [line.split()[3] for line in output.splitlines() if line.startswith("f16")]
     assert cells == ["no+alibi", "no+alibi", "yes+alibi", "yes+alibi"]
     both = CliRunner().invoke(main, ["bench", "--score-mod", "alibi", "--mask", "document8"])
     assert both.exit_code != 0 and "a score mod with a block mask is not benched" in both.output
