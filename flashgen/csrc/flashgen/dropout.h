@@ -52,9 +52,9 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint32_t k0, uint32_t k1
 struct DropoutStream {
   uint32_t k0, k1;
   uint32_t c2, c3;
-  uint32_t keep;  // 0 .. 256: a byte is kept iff below it
-  // keep as two parts for keep_bytes, in every byte: its bit 7 (0x80 where keep >= 128), and the
-  // rest, keep - 128 * bit 7 (0 .. 128: 256 gives 128, above every 7-bit value)
+  // The threshold keep (0 .. 256: a byte is kept iff below it) as two parts for keep_bytes, in every
+  // byte: its bit 7 (0x80 where keep >= 128), and the rest, keep - 128 * bit 7 (0 .. 128: 256 gives
+  // 128, above every 7-bit value)
   uint32_t keep_high, keep_low;
 
   template <class Params>
@@ -64,7 +64,7 @@ struct DropoutStream {
     k1 = uint32_t(p.dropout_seed >> 32);
     c2 = uint32_t(stream);
     c3 = uint32_t(stream >> 32);
-    keep = p.dropout_keep;
+    uint32_t const keep = p.dropout_keep;
     keep_high = keep >= 128 ? 0x80808080u : 0u;
     keep_low = (keep - (keep >= 128 ? 128u : 0u)) * 0x01010101u;
   }
