@@ -396,7 +396,9 @@ def flex_entries(p: Point, t_sets, torch, mask=None, score_mod=None) -> List[Tim
         _flex = torch.compile(flex_attention, dynamic=False)
     if mask is None and p.causal:
         mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, p.seqlen, p.seqlen, device="cuda")
-    extra = dict({"enable_gqa": True} if p.group > 1 else {}, **({"score_mod": score_mod} if score_mod else {}))
+    extra = {"enable_gqa": True} if p.group > 1 else {}
+    if score_mod is not None:
+        extra["score_mod"] = score_mod
     return [Timed("flex", "fwd", lambda i: _flex(*t_sets[i % 3][:3], block_mask=mask, **extra)),
             Timed("flex", "bwd", autograd_backward(lambda s: _flex(*s[:3], block_mask=mask, **extra), t_sets,
                                                     torch))]
