@@ -732,7 +732,7 @@ struct BwdKernel {
     constexpr int kQueryTiles = kQueryChunk / 16;
     static_assert(decltype(size<0>(tScS))::value == 2 * (kKeysPerWarp / 16) &&
                   decltype(size<1>(tScS))::value == 4 * kQueryTiles, "two keys a 16-key tile, four queries a 16");
-    Keep keep;
+    Keep keep{};  // (unread without kDropout)
     if constexpr (kDropout) {
       DropoutStream const stream(p, seq.index, head);
       CUTE_UNROLL
