@@ -18,12 +18,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from flashgen import generator
 from flashgen.atomic import atomic_write_text
 from flashgen.build import manifest
-from flashgen.build.graph import Job, render_ninja
+from flashgen.build.graph import Job, name_units, render_ninja, unit_sources
 from flashgen.errors import BuildError
 from flashgen.spec.core import KernelSpec, normalize_target, target_cc
 from flashgen.toolchain import Toolchain
 
 NVCC_JOB_BYTES = 1 << 30  # one nvcc on a backward instance peaks near 0.6 GB; leave headroom
+# A unit's cicc holds all its kernels at its peak: 8.6 GB for the 26 sm80_bwd kernels on sm_80.
+UNIT_KERNEL_BYTES = 340 << 20
 _STATUS = re.compile(r"^\[flashgen (\d+)/(\d+)\] (\S+) (\S+)$")
 
 
@@ -37,16 +39,34 @@ class BuildResult:
     seconds: float = 0.0
 
 
+def _available_bytes() -> Optional[int]:
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        return int(re.search(r"MemAvailable:\s+(\d+)", meminfo).group(1)) * 1024
+    except (OSError, AttributeError):
+        return None
+
+
 def default_parallelism() -> int:
     """As many nvcc jobs as there are cores and free gigabytes, whichever is fewer."""
     cores = os.cpu_count() or 1
-    try:
-        meminfo = Path("/proc/meminfo").read_text()
-        available_kb = int(re.search(r"MemAvailable:\s+(\d+)", meminfo).group(1))
-        by_memory = max(1, available_kb * 1024 // NVCC_JOB_BYTES)
-    except (OSError, AttributeError):
-        by_memory = cores
-    return max(1, min(cores, by_memory))
+    available = _available_bytes()
+    return max(1, min(cores, cores if available is None else available // NVCC_JOB_BYTES))
+
+
+def unit_parallelism(jobs: Sequence[Job]) -> Optional[int]:
+    """How many units of several kernels may compile at once (None: there are none): as many of the
+    largest as free memory holds, at least one.  A small machine then compiles them one at a time
+    beside the one-kernel jobs, instead of running out of memory."""
+    sizes = {}
+    for j in jobs:
+        if j.grouped:
+            sizes[j.output] = sizes.get(j.output, 0) + 1
+    if not sizes:
+        return None
+    available = _available_bytes()
+    largest = max(NVCC_JOB_BYTES, max(sizes.values()) * UNIT_KERNEL_BYTES)
+    return len(sizes) if available is None else max(1, min(len(sizes), available // largest))
 
 
 def check_targets(targets: Sequence[str], tc: Toolchain) -> List[str]:
@@ -70,7 +90,7 @@ def select_jobs(kernels: Sequence[KernelSpec], targets: Sequence[str], instances
     if ptx and targets:
         newest = max(targets, key=target_cc)
         jobs += [Job(j.kernel, f"compute{target_cc(newest)}", j.source) for j in jobs if j.target == newest]
-    return jobs
+    return name_units(jobs)
 
 
 def check_sources(jobs: Sequence[Job], instances: Path) -> None:
@@ -131,8 +151,10 @@ def build_lock(build_dir: Path, console: Console) -> Iterator[None]:
 
 def _run_ninja(tc: Toolchain, build_dir: Path, jobs: Sequence[Job], parallelism: int,
                console: Console) -> tuple:
-    """Run ninja with a progress bar; returns (outputs that failed, number of edges run)."""
-    by_output = {j.output: j for j in jobs}
+    """Run ninja with a progress bar; returns (jobs that failed, number of edges run)."""
+    by_output = {}
+    for j in jobs:
+        by_output.setdefault(j.output, []).append(j)
     env = dict(os.environ, NINJA_STATUS="[flashgen %f/%t] ")
     cmd = [str(tc.ninja), "-C", str(build_dir), "-k", "0", "-j", str(parallelism)]
     failed, ran, transcript = set(), 0, []
@@ -155,7 +177,17 @@ def _run_ninja(tc: Toolchain, build_dir: Path, jobs: Sequence[Job], parallelism:
         returncode = proc.wait()
     if returncode != 0 and not failed:
         raise BuildError("ninja failed before compiling anything:\n" + "".join(transcript[-40:]))
-    return [by_output[o] for o in sorted(failed)], ran
+    return [j for o in sorted(failed) for j in by_output[o]], ran
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    """Write a unit's source only when it changes: ninja would recompile a unit whose source is newer."""
+    try:
+        if path.read_text() == text:
+            return
+    except OSError:
+        pass
+    atomic_write_text(path, text)
 
 
 def run_build(jobs: List[Job], tc: Toolchain, build_dir: Path, parallelism: Optional[int] = None,
@@ -176,8 +208,11 @@ def run_build(jobs: List[Job], tc: Toolchain, build_dir: Path, parallelism: Opti
     with build_lock(build_dir, console):
         for target in {j.target for j in jobs}:
             (build_dir / target).mkdir(exist_ok=True)
+        for rel, text in unit_sources(jobs).items():
+            with _writing(build_dir / rel):
+                _write_if_changed(build_dir / rel, text)
         with _writing(build_dir / "build.ninja"):
-            atomic_write_text(build_dir / "build.ninja", render_ninja(jobs, tc, launcher))
+            atomic_write_text(build_dir / "build.ninja", render_ninja(jobs, tc, launcher, unit_parallelism(jobs)))
         result.failed, result.compiled = _run_ninja(tc, build_dir, jobs, parallelism or default_parallelism(),
                                                     console)
         toolchain = manifest.toolchain_record(tc.nvcc_version, tc.cutlass_version)

@@ -116,7 +116,8 @@ class Registry:
 
     def function(self, binary: KernelBinary, device: int, entry: str = ""):
         """The kernel's entry point ``<name><entry>`` as a CuPy function on ``device``; the
-        module is loaded on first use (the sm90_bwd family has ``_prep`` and ``_convert`` too)."""
+        module is loaded on first use (the backward families have ``_prep`` and ``_convert`` too),
+        once for every kernel its cubin holds (a family's ``BUILD_GROUP`` shares one cubin)."""
         key = (binary.path, device)
         loaded = self._modules.get(key)
         if loaded is None:
@@ -124,11 +125,14 @@ class Registry:
                 loaded = self._modules.get(key)
                 if loaded is None:
                     loaded = self._modules[key] = self._load(binary, device)
-        functions = loaded[1]
-        fn = functions.get(entry)
+        module, functions = loaded
+        symbol = binary.spec.name + entry
+        fn = functions.get(symbol)
         if fn is None:
             with self._lock:
-                fn = functions[entry] = loaded[0].get_function(binary.spec.name + entry)
+                fn = functions.get(symbol)
+                if fn is None:
+                    fn = functions[symbol] = self._entry(module, binary, device, symbol)
         return fn
 
     def verify(self, binary: KernelBinary) -> None:
@@ -151,11 +155,19 @@ class Registry:
                           stacklevel=4)
         with cupy.cuda.Device(device):
             module = cupy.RawModule(path=str(binary.path))
-            fn = module.get_function(binary.spec.name)
+        return module, {}  # the module stays referenced for as long as its functions are cached
+
+    @staticmethod
+    def _entry(module, binary: KernelBinary, device: int, symbol: str):
+        """One entry point; the kernel's main one opted into its dynamic shared memory."""
+        import cupy
+
+        with cupy.cuda.Device(device):
+            fn = module.get_function(symbol)
             smem = binary.constants["shared_memory_bytes"]
-            if smem > 48 * 1024:
+            if symbol == binary.spec.name and smem > 48 * 1024:
                 fn.max_dynamic_shared_size_bytes = smem
-        return module, {"": fn}  # keep the module referenced for as long as its functions are cached
+        return fn
 
 
 _default: Optional[Registry] = None

@@ -136,6 +136,9 @@ class KernelSpec:
     RULES: ClassVar[Tuple[Rule, ...]]
     ABI: ClassVar[Tuple[Field, ...]]
     CONSTANTS: ClassVar[Tuple[Constant, ...]]
+    # Axes whose values a compile job shares: kernels equal on them build as one translation unit
+    # into one cubin, parsing their common template instantiations once.  None: a job per kernel.
+    BUILD_GROUP: ClassVar[Optional[Tuple[str, ...]]] = None
 
     # --- what subclasses define -------------------------------------------
     @property
@@ -158,6 +161,14 @@ class KernelSpec:
     def meta_symbol(self) -> str:
         """The ``__constant__`` array holding ``CONSTANTS`` in the cubin."""
         return f"{self.name}_meta"
+
+    @property
+    def build_unit(self) -> str:
+        """The compile job (and cubin stem) this kernel builds in: its own name, or with
+        ``BUILD_GROUP`` the family's name and those axes' values, which no kernel name takes."""
+        if self.BUILD_GROUP is None:
+            return self.name
+        return "_".join([self.FAMILY, *(str(getattr(self, axis)) for axis in self.BUILD_GROUP), "unit"])
 
     @property
     def params(self) -> Dict[str, object]:

@@ -87,6 +87,7 @@ class Sm80Bwd(KernelSpec):
     HEADER = "flashgen/sm80_bwd.h"
     KERNEL = "flashgen::sm80::BwdKernel"
     FLAGS = ("bias", "dropout")  # boolean axes: named in the instance name when set, template parameters in this order
+    BUILD_GROUP = ("arch",)  # one compile job a target: the kernels share most CuTe instantiations (see graph.py)
     AXES = {
         "arch": ("sm80",),
         "dtype": ("f16", "bf16"),

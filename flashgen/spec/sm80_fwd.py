@@ -84,6 +84,7 @@ class Sm80Fwd(KernelSpec):
     HEADER = "flashgen/sm80_fwd.h"
     KERNEL = "flashgen::sm80::FwdKernel"
     FLAGS = ("bias", "dropout")  # boolean axes: named in the instance name when set, template parameters in this order
+    BUILD_GROUP = ("arch",)  # one compile job a target: the kernels share most CuTe instantiations (see graph.py)
     AXES = {
         "arch": ("sm80",),
         "dtype": ("f16", "bf16"),

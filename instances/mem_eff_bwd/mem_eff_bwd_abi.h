@@ -7,8 +7,8 @@
 
 // Params as the runtime packs it from Python (the spec's ABI): a CUTLASS change
 // that moves or resizes a field stops the build here instead of faulting on the GPU.
-// Each instance explicitly instantiates this for its Params type, which is what
-// runs these checks in its translation unit.
+// Each instance instantiates this for its Params type (through sizeof, which
+// instances sharing a translation unit may repeat), which runs these checks.
 template <class Params>
 struct FlashgenAbiCheck_mem_eff_bwd {
   static_assert(std::is_standard_layout<Params>::value, "flashgen ABI: Params is no longer standard-layout");

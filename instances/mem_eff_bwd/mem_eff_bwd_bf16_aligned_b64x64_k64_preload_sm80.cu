@@ -7,7 +7,7 @@
 using Kernel = AttentionBackwardKernel<cutlass::arch::Sm80, cutlass::bfloat16_t, true, false, true, 64, 64, 64, false>;
 
 // Params as the runtime packs it from Python (the spec's ABI), checked in mem_eff_bwd_abi.h.
-template struct FlashgenAbiCheck_mem_eff_bwd<Kernel::Params>;
+static_assert(sizeof(FlashgenAbiCheck_mem_eff_bwd<Kernel::Params>) > 0, "instantiates the ABI checks");
 
 extern "C" __global__ void __launch_bounds__(Kernel::kNumThreads, Kernel::kMinBlocksPerSm)
 mem_eff_bwd_bf16_aligned_b64x64_k64_preload_sm80(typename Kernel::Params p) {

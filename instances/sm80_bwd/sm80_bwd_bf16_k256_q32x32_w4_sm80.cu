@@ -4,11 +4,15 @@
 #include "flashgen/sm80_bwd.h"
 #include "sm80_bwd_abi.h"
 
+// The instance's names in a namespace of its own: `flashgen build` compiles the family's
+// kernels for one target as one translation unit (the spec's BUILD_GROUP).
+namespace sm80_bwd_bf16_k256_q32x32_w4_sm80_instance {
+
 using Kernel = flashgen::sm80::BwdKernel<cutlass::bfloat16_t, 256, 32, 32, 4, false, false>;
 using Params = flashgen::sm80::BwdParams;
 
 // Params as the runtime packs it from Python (the spec's ABI), checked in sm80_bwd_abi.h.
-template struct FlashgenAbiCheck_sm80_bwd<Params>;
+static_assert(sizeof(FlashgenAbiCheck_sm80_bwd<Params>) > 0, "instantiates the ABI checks");
 
 #if !defined(__CUDA_ARCH__) || (__CUDA_ARCH__ >= 800 && __CUDA_ARCH__ < 1300)
 #define FLASHGEN_RUN(call) call
@@ -48,3 +52,6 @@ extern "C" __constant__ long long sm80_bwd_bf16_k256_q32x32_w4_sm80_meta[] = {
     (long long)(sizeof(flashgen::sm80::BwdParams)),  // params_bytes
     (long long)(Kernel::kAuxThreads),  // aux_threads
 };
+#undef FLASHGEN_RUN
+
+}  // namespace sm80_bwd_bf16_k256_q32x32_w4_sm80_instance

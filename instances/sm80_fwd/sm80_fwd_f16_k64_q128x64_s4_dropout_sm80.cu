@@ -4,11 +4,15 @@
 #include "flashgen/sm80_fwd.h"
 #include "sm80_fwd_abi.h"
 
+// The instance's names in a namespace of its own: `flashgen build` compiles the family's
+// kernels for one target as one translation unit (the spec's BUILD_GROUP).
+namespace sm80_fwd_f16_k64_q128x64_s4_dropout_sm80_instance {
+
 using Kernel = flashgen::sm80::FwdKernel<cutlass::half_t, 64, 128, 64, 4, false, true>;
 using Params = flashgen::sm80::FwdParams;
 
 // Params as the runtime packs it from Python (the spec's ABI), checked in sm80_fwd_abi.h.
-template struct FlashgenAbiCheck_sm80_fwd<Params>;
+static_assert(sizeof(FlashgenAbiCheck_sm80_fwd<Params>) > 0, "instantiates the ABI checks");
 
 extern "C" __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kMinBlocksPerSm)
 sm80_fwd_f16_k64_q128x64_s4_dropout_sm80(const __grid_constant__ Params p) {
@@ -33,3 +37,5 @@ extern "C" __constant__ long long sm80_fwd_f16_k64_q128x64_s4_dropout_sm80_meta[
     (long long)(16 / sizeof(Kernel::Element)),  // alignment
     (long long)(sizeof(flashgen::sm80::FwdParams)),  // params_bytes
 };
+
+}  // namespace sm80_fwd_f16_k64_q128x64_s4_dropout_sm80_instance

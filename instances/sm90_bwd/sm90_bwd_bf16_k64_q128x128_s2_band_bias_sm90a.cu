@@ -8,7 +8,7 @@ using Kernel = flashgen::sm90::BwdKernel<cutlass::bfloat16_t, 64, 128, 128, 2, t
 using Params = flashgen::sm90::BwdParams;
 
 // Params as the runtime packs it from Python (the spec's ABI), checked in sm90_bwd_abi.h.
-template struct FlashgenAbiCheck_sm90_bwd<Params>;
+static_assert(sizeof(FlashgenAbiCheck_sm90_bwd<Params>) > 0, "instantiates the ABI checks");
 
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FLASHGEN_RUN(call) call

@@ -8,7 +8,7 @@ using Kernel = flashgen::sm90::FwdKernel<cutlass::half_t, 64, 128, 128, 3, true,
 using Params = flashgen::sm90::FwdParams;
 
 // Params as the runtime packs it from Python (the spec's ABI), checked in sm90_fwd_abi.h.
-template struct FlashgenAbiCheck_sm90_fwd<Params>;
+static_assert(sizeof(FlashgenAbiCheck_sm90_fwd<Params>) > 0, "instantiates the ABI checks");
 
 // The tensor maps must live in parameter (or global) memory: __grid_constant__.
 extern "C" __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kMinBlocksPerSm)
