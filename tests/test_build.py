@@ -23,9 +23,10 @@ from flashgen.spec import default_kernels
 
 pytestmark = pytest.mark.nvcc
 
-FWD = "mem_eff_fwd_f16_aligned_q64x64_k64_bias_sm80"
-# The kMaxK-128 tile that fits sm86/sm89 (99 KB); with dropout, so the Philox shim is compiled too.
-BWD = "mem_eff_bwd_f16_aligned_b128x64_k128_preload_dropout_sm80"
+# f32: plain 8.x targets build example 41's f16/bf16 tiers only at kMaxK 65536 (the sm80 pair serves them).
+FWD = "mem_eff_fwd_f32_aligned_q64x64_k64_bias_sm80"
+# With dropout, so the Philox shim is compiled too.
+BWD = "mem_eff_bwd_f32_aligned_b64x64_k64_dropout_sm80"
 SM86_OPTIN_SMEM = 101376  # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm86/sm89
 
 
@@ -90,11 +91,11 @@ def test_constants_come_from_the_compiled_template(built):
     assert fwd["threads_per_block"] == 32 * fwd["warps_per_block"] == 128  # 64*64 / (32*32) warps
     assert fwd["supports_bias"] == 1 and fwd["supports_dropout"] == 0 and fwd["lse_row_alignment"] == 32
     bwd = _entries(out)[BWD]["targets"]["sm80"]["constants"]
-    assert (bwd["block_i"], bwd["block_j"]) == (128, 64) and bwd["threads_per_block"] == 256
-    assert bwd["apply_dropout"] == 1 and bwd["output_in_registers"] == 1 and bwd["kernel_computes_delta"] == 1
-    assert bwd["optimal_alignment"] == 8 and bwd["minimum_alignment"] == 4
-    # the sm86/sm89 fallback claim in the spec's pruning rule, checked against the compiler
-    assert bwd["shared_memory_bytes"] <= SM86_OPTIN_SMEM
+    assert (bwd["block_i"], bwd["block_j"]) == (64, 64) and bwd["threads_per_block"] == 128
+    # f32 keeps dK/dV out of registers and takes delta from the caller (the spec's f32 rule)
+    assert bwd["apply_dropout"] == 1 and bwd["output_in_registers"] == 0 and bwd["kernel_computes_delta"] == 0
+    assert bwd["optimal_alignment"] == 4 and bwd["minimum_alignment"] == 4
+    assert bwd["shared_memory_bytes"] <= SM86_OPTIN_SMEM  # the one f32 tile serves every 8.x part
 
 
 def test_noop_rebuild_is_fast_and_compiles_nothing(built):

@@ -29,8 +29,8 @@ from flashgen.runtime.registry import Registry
 from flashgen.spec import default_kernels
 
 REPO = Path(__file__).resolve().parents[1]
-FWD = "mem_eff_fwd_f16_aligned_q64x64_k64_bias_sm80"
-FWD_BF16 = "mem_eff_fwd_bf16_aligned_q64x64_k64_bias_sm80"
+FWD = "mem_eff_fwd_f32_aligned_q64x64_k64_bias_sm80"  # (f16/bf16 below kMaxK 65536: not built for sm80)
+FWD_K128 = "mem_eff_fwd_f32_aligned_q32x128_k128_bias_sm80"
 WAITING = "waiting for another flashgen build"
 
 
@@ -131,7 +131,7 @@ def _kill_build(proc):
 @pytest.mark.nvcc
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the build's compilers through /proc")
 def test_sigkill_mid_build_leaves_nothing_torn_and_a_rerun_finishes(built):
-    proc = _spawn(built, f"{FWD},{FWD_BF16}")  # FWD is up to date: FWD_BF16 gets compiled
+    proc = _spawn(built, f"{FWD},{FWD_K128}")  # FWD is up to date: FWD_K128 gets compiled
     try:
         deadline = time.monotonic() + 120
         while not any(comm in ("cicc", "ptxas") for _, _, comm in _session(proc.pid)):
@@ -145,20 +145,20 @@ def test_sigkill_mid_build_leaves_nothing_torn_and_a_rerun_finishes(built):
     # Nothing a later run trusts is torn: the old manifest parses and its cubins are intact;
     # the killed kernel has no cubin (cubins appear only by renaming a finished nvcc output).
     assert _trusted(built) == {FWD}
-    assert not (built / "sm80" / f"{FWD_BF16}.cubin").exists()
+    assert not (built / "sm80" / f"{FWD_K128}.cubin").exists()
     for cubin in built.rglob("*.cubin"):
         _assert_complete(cubin)
 
     rerun = subprocess.run(proc.args, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert "2 of 2 binaries ready (1 compiled)" in rerun.stderr  # only the killed kernel again
-    assert _trusted(built) == {FWD, FWD_BF16}
+    assert _trusted(built) == {FWD, FWD_K128}
     for cubin in built.rglob("*.cubin"):
         _assert_complete(cubin)
     listed = CliRunner().invoke(main, ["list", "--build-dir", str(built), "--json"])
     assert listed.exit_code == 0, listed.output
     rows = json.loads(listed.stdout)
-    assert {r["name"] for r in rows} == {FWD, FWD_BF16}
+    assert {r["name"] for r in rows} == {FWD, FWD_K128}
     assert [t["verified"] for r in rows for t in r["targets"].values()] == ["ok", "ok"]
 
 
@@ -167,7 +167,7 @@ def test_sigkill_mid_build_leaves_nothing_torn_and_a_rerun_finishes(built):
 def test_rerun_while_a_killed_builds_nvcc_still_runs(built):
     """Killing only flashgen and ninja (their process group) leaves nvcc running: ninja starts
     each compile in a group of its own.  A rerun started at once must not be disturbed by it."""
-    proc = _spawn(built, f"{FWD},{FWD_BF16}")
+    proc = _spawn(built, f"{FWD},{FWD_K128}")
     deadline = time.monotonic() + 120
     while not any(comm in ("cicc", "ptxas") for _, _, comm in _session(proc.pid)):
         assert proc.poll() is None and time.monotonic() < deadline, "nvcc never started"
@@ -181,7 +181,7 @@ def test_rerun_while_a_killed_builds_nvcc_still_runs(built):
     finally:
         _kill_build(proc)  # reaps whatever of the old build is left
     # the leftover compiler may have renamed its (identical) cubin over the rerun's: still whole
-    assert _trusted(built) == {FWD, FWD_BF16}
+    assert _trusted(built) == {FWD, FWD_K128}
     for cubin in built.rglob("*.cubin"):
         _assert_complete(cubin)
     assert not list(built.rglob("*.tmp*"))
@@ -193,13 +193,13 @@ def test_rerun_while_a_killed_builds_nvcc_still_runs(built):
 @pytest.mark.nvcc
 def test_concurrent_builds_into_one_directory_take_turns(toolchain, tmp_path):
     out = tmp_path / "out"
-    procs = [_spawn(out, FWD), _spawn(out, FWD_BF16)]
+    procs = [_spawn(out, FWD), _spawn(out, FWD_K128)]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert all("1 of 1 binaries ready (1 compiled)" in o for o in outputs), outputs
     # both compile for seconds after reaching the lock, so exactly one found it taken
     assert sum(WAITING in o for o in outputs) == 1, outputs
-    assert _trusted(out) == {FWD, FWD_BF16}  # the second build kept the first one's entry
+    assert _trusted(out) == {FWD, FWD_K128}  # the second build kept the first one's entry
     _no_temporaries(out)
 
 

@@ -48,8 +48,9 @@ def test_default_set_sizes_are_what_the_readme_says():
     assert len(Sm80Fwd.default_set()) == 8 + 4 + 4  # 2 dtypes x tiers 64, 128, 192, 256; + bias, + dropout: 2 dtypes x 64, 128
     # 2 dtypes x (64; 128, 192, 256 each with a 99 KB tile beside); + bias, + dropout: 2 dtypes x (64; 128 and its 99 KB tile)
     assert len(Sm80Bwd.default_set()) == 14 + 6 + 6
+    # example 41 on plain 8.x+ targets: f32, and f16/bf16 at kMaxK 65536 only (the sm80 pair takes the rest)
     sm80 = [k for k in default_kernels() if k.runs_on("sm80")]
-    assert len(sm80) == 68 + 16 + 26
+    assert len(sm80) == 30 + 16 + 26
     # + bias: 2 dtypes x (tiers 64, 128 x band, and q192 at 64); + sparse: 2 dtypes x tiers 64, 128;
     # + staged O: the unmasked k128 s2 tile's twin, 2 dtypes (the band one is built staged only);
     # + dropout and ALiBi: each 2 dtypes x tiers 64, 128 x band
@@ -58,7 +59,19 @@ def test_default_set_sizes_are_what_the_readme_says():
     # + sparse: 2 dtypes x tiers 64, 128; + dropout and ALiBi: each 2 dtypes x tiers 64, 128 x band
     # sm90a: the wgmma families beside example 41; the sm80 ones are not built there (sm90_* serve their calls)
     assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 72 + 56
-    assert len([k for k in default_kernels() if k.runs_on("sm90")]) == 68 + 16 + 26, "plain sm90 cannot build wgmma code"
+    assert len([k for k in default_kernels() if k.runs_on("sm90")]) == 30 + 16 + 26, "plain sm90 cannot build wgmma code"
+
+
+@pytest.mark.parametrize("target", ["sm80", "sm86", "sm89", "sm90", "sm120"])
+def test_plain_targets_from_sm80_on_build_only_the_catch_all_half_precision_example_41_kernels(target):
+    """The sm80 pair serves aligned f16/bf16 there; what it does not take runs on kMaxK 65536."""
+    for family in (MemEffFwd, MemEffBwd):
+        for k in family.default_set():
+            if k.arch != "sm80":
+                continue
+            wanted = k.dtype == "f32" or k.max_k == 65536
+            assert k.runs_on(target) is wanted, (k.name, target)
+            assert k.runs_on("sm90a"), k.name  # Hopper builds keep every tier: sm90_* take no bias with dropout
 
 
 def test_sm90_forward_covers_dtypes_head_dims_and_masks():
@@ -205,7 +218,7 @@ def test_cpp_type_spells_the_template():
 
 def test_arch_ranges():
     k75 = MemEffFwd("sm75", "f16", True, 64, 64, 64, False, True)
-    k80 = MemEffFwd("sm80", "f16", True, 64, 64, 64, False, True)
+    k80 = MemEffFwd("sm80", "f32", True, 64, 64, 64, False, True)  # (f16 below kMaxK 65536: sm90a only)
     assert k75.runs_on("sm75") and not k75.runs_on("sm80")
     for t in ("sm80", "sm_86", "sm89", "sm90", "sm90a", "sm100", "sm120", "sm121"):
         assert k80.runs_on(t), t

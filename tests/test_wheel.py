@@ -23,7 +23,7 @@ from flashgen.toolchain import probe_toolchain
 pytestmark = pytest.mark.nvcc
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = ["mem_eff_fwd_f16_aligned_q64x64_k64_bias_sm80", "mem_eff_bwd_f16_aligned_b64x64_k64_preload_sm80"]
+KERNELS = ["mem_eff_fwd_f32_aligned_q64x64_k64_bias_sm80", "mem_eff_bwd_f32_aligned_b64x64_k64_sm80"]
 
 
 def _index_reachable() -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashgen.spec.core import DTYPES, Constant, Field, KernelSpec, Rule, cpp_bool
+from flashgen.spec.mem_eff_fwd import left_to_sm80_families
 
 
 def _half(k) -> bool:
@@ -77,6 +78,9 @@ class MemEffBwd(KernelSpec):
              "with 128x64 as the sm86/sm89/sm12x fallback and the kMaxK 96 tile",
              lambda k: (k.block_i, k.block_j) == (128, 128) and k.max_k != 128),
     )
+
+    def runs_on(self, target: str) -> bool:
+        return super().runs_on(target) and not left_to_sm80_families(self, target)
 
     @property
     def name(self) -> str:
