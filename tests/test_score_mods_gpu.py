@@ -167,6 +167,33 @@ def test_alibi_through_flashgen_torch_matches_the_cupy_path():
         ft.attention(tq, tk, tv, score_mod="alibi", mod_tensors={"slope": ts.clone().requires_grad_()})
 
 
+
+@needs_alibi
+def test_alibi_under_torch_compile_matches_float64_with_each_calls_slopes():
+    """torch.compile(fullgraph=True) traces the operators with the mod by name and the slopes as a
+    graph input: each call's slopes (new values) reach the kernels, forward and backward, at a
+    grouped-query ratio of 4, on outputs poisoned before launch."""
+    torch = pytest.importorskip("torch")
+    import flashgen.torch as ft
+
+    def step(q, k, v, slope):
+        return ft.attention(q, k, v, causal="top_left", score_mod="alibi", mod_tensors={"slope": slope})
+
+    compiled = torch.compile(step, fullgraph=True)
+    r = np.random.default_rng(11)
+    for factor in (1.0, 3.0):
+        q, do = (randn(r, (2, 300, 8, 64), "bf16") for _ in range(2))
+        k, v = (randn(r, (2, 129, 2, 64), "bf16") for _ in range(2))
+        slope = alibi_slopes(8) * factor
+        tq, tk, tv = (torch.from_dlpack(x).clone().requires_grad_() for x in (q, k, v))
+        with poisoned_allocations():
+            out = compiled(tq, tk, tv, torch.from_dlpack(slope))
+            out.backward(torch.from_dlpack(do))
+        ro, _, grads = modded_reference(q, k, v, do, BUILTIN_MODS["alibi"], {"slope": slope}, causal="top_left")
+        assert rel_err(cupy.from_dlpack(out.detach()), ro) < FWD_TOL["bf16"]
+        for t, ref in zip((tq, tk, tv), grads):
+            assert rel_err(cupy.from_dlpack(t.grad), ref, zero_scale=np.sqrt(64)) < BWD_TOL["bf16"]
+
 EXAMPLE_CASES = [  # mod, dtype, B, H, Hk, M, N, K, options
     ("tempered", "f16", 2, 4, 2, 129, 1000, 64, {}),
     ("tempered", "bf16", 1, 8, 8, 1000, 1000, 128, dict(causal="top_left")),

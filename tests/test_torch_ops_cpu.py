@@ -8,14 +8,18 @@ torch = pytest.importorskip("torch")
 FakeTensorMode = pytest.importorskip("torch._subclasses.fake_tensor").FakeTensorMode
 
 import flashgen.torch as ft  # noqa: E402
+from flashgen.errors import UnsupportedError  # noqa: E402
 from flashgen.torch import ops  # noqa: E402
 
 OPTIONS = dict(causal=1, scale=None, dropout_p=0.0, seed=0, offset=0, window_left=-1, window_right=-1, softcap=0.0,
                deterministic=False)
 
 
+NO_MOD = ("", "", [])  # the operators' score_mod, mod_names, mod_tensors
+
+
 def forward_fake(q, k, v, cu_q=None, cu_k=None, max_seqlen_q=0, bias=None):
-    return torch.ops.flashgen.attention_forward(q, k, v, bias, cu_q, cu_k, max_seqlen_q, *OPTIONS.values())
+    return torch.ops.flashgen.attention_forward(q, k, v, bias, cu_q, cu_k, max_seqlen_q, *OPTIONS.values(), *NO_MOD)
 
 
 @pytest.mark.parametrize("M,N,H,Hk,K,Kv", [(1, 1, 1, 1, 8, 8), (7, 129, 4, 4, 64, 32), (1000, 7, 8, 2, 128, 128),
@@ -53,7 +57,7 @@ def test_backward_fake_returns_contiguous_gradients_shaped_like_the_inputs(bias_
         options = dict(OPTIONS)
         del options["deterministic"]
         grads = torch.ops.flashgen.attention_backward(out, q, k, v, out, lse, bias, bias_grad, None, None,
-                                                      *options.values(), False)
+                                                      *options.values(), False, *NO_MOD)
     assert [tuple(g.shape) for g in grads[:3]] == [(2, 33, 8, 64), (2, 65, 2, 64), (2, 65, 2, 32)]
     assert all(g.is_contiguous() for g in grads)
     assert tuple(grads[3].shape) == ((2, 8, 33, 65) if bias_grad else (0,))
@@ -138,7 +142,6 @@ def test_a_block_mask_reaches_the_runtime_forward_and_backward_eagerly(monkeypat
 
 
 def test_a_block_mask_under_torch_compile_is_refused_with_what_to_do(monkeypatch):
-    from flashgen.errors import UnsupportedError
 
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     with pytest.raises(UnsupportedError, match=r"^flashgen.torch: block_mask under torch.compile is not supported yet "
@@ -171,14 +174,62 @@ def test_a_score_mod_reaches_the_runtime_forward_and_backward_eagerly_without_pl
     assert (k.grad == 1).all()
 
 
-def test_a_score_mod_under_torch_compile_is_refused_with_what_to_do(monkeypatch):
-    from flashgen.errors import UnsupportedError
+def test_under_torch_compile_a_score_mod_reaches_both_operators_by_name_with_its_tensors_sorted(monkeypatch):
+    """The traced forward passes the mod's name, its tensors' names (one string) and the tensors in
+    that order; autograd saves the tensors and hands the backward operator the same three."""
+    seen = {}
+
+    def forward_op(q, k, v, bias, *rest):
+        seen["forward"] = rest[-3:]
+        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    def backward_op(grad_out, q, k, v, out, lse, *rest):
+        seen["backward"] = rest[-3:]
+        return [torch.ones_like(q), torch.ones_like(k), torch.ones_like(v), q.new_empty((0,))]
 
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    with pytest.raises(UnsupportedError, match=r"^flashgen.torch: score_mod under torch.compile is not supported yet "
-                                               r".*call this attention eagerly"):
-        ops.forward(None, None, None, None, None, None, 0, 1, None, 0.0, 0, 0, -1, -1, 0.0, False,
-                    mods=("alibi", {}))
+    monkeypatch.setattr(ops, "attention_forward", forward_op)
+    slope, bias = torch.ones(2), torch.zeros(3)
+    out, lse = ops.forward(torch.zeros(1, 5, 2, 8), None, None, None, None, None, 0, 1, None, 0.0, 0, 0, -1, -1, 0.0,
+                           False, mods=("alibi", {"slope": slope, "bias": bias}))
+    name, names, tensors = seen["forward"]
+    assert (name, names) == ("alibi", "bias,slope") and tensors[0] is bias and tensors[1] is slope
+
+    class Ctx:  # what the operator's setup_context and autograd formula see
+        needs_input_grad = (True, True, True, False)
+
+        def save_for_backward(self, *tensors):
+            self.saved_tensors = tensors
+
+        def mark_non_differentiable(self, *tensors):
+            pass
+
+    q, k, v = torch.zeros(1, 5, 2, 8), torch.zeros(1, 6, 1, 8), torch.zeros(1, 6, 1, 8)
+    options = (None, None, 0, 1, None, 0.0, 0, 0, -1, -1, 0.0, False)
+    ctx = Ctx()
+    ops._setup_context(ctx, (q, k, v, None, *options, name, names, tensors), (out, lse))
+    monkeypatch.setattr(ops, "attention_backward", backward_op)
+    grads = ops._operator_gradients(ctx, torch.ones_like(q), None)
+    assert seen["backward"][:2] == ("alibi", "bias,slope") and list(seen["backward"][2]) == [bias, slope]
+    # one gradient per input in the inputs' structure: none for the options, a list of None for the tensors
+    assert len(grads) == 4 + len(options) + 3 and (grads[1] == 1).all() and grads[3] is None
+    assert grads[4:-1] == (None,) * (len(options) + 2) and grads[-1] == [None, None]
+
+
+@pytest.mark.parametrize("mods,error,match", [
+    (("alibi", {"slope": torch.ones(2, requires_grad=True)}), UnsupportedError,
+     r"mod_tensors\['slope'\] requires grad, but gradients into captured tensors are not computed"),
+    ((object(), {}), UnsupportedError, r"under torch.compile a score mod goes by its name"),
+    (("alibi", [torch.ones(2)]), TypeError, r"mod_tensors must be a dict"),
+    (("alibi", {"slope": [1.0]}), TypeError, r"mod_tensors\['slope'\] is a list"),
+    (("alibi", {"a,b": torch.ones(2)}), ValueError, r"mod_tensors key 'a,b' is not a name"),
+])
+def test_under_torch_compile_what_a_traced_score_mod_cannot_carry_is_refused_before_tracing(monkeypatch, mods,
+                                                                                           error, match):
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(ops, "attention_forward", lambda *a: pytest.fail("a refused call reached the operator"))
+    with pytest.raises(error, match=match):
+        ops.forward(None, None, None, None, None, None, 0, 1, None, 0.0, 0, 0, -1, -1, 0.0, False, mods=mods)
 
 
 def test_a_backward_replays_the_follower_of_its_forwards_plan(monkeypatch):

@@ -13,14 +13,15 @@ Options travel as plain ints and floats (an operator schema has no None in a tup
 ``max_seqlen_q`` 0 for fixed-length batches.  A block mask (``flashgen.block_mask``) is no
 tensor an operator schema can carry: it takes the eager path only, and under
 ``torch.compile`` it is refused until the kernels read its lists as tensors.  A score mod
-(``mods``: its name or declaration and its captured tensors, which get no gradient) takes the
-eager path too, without launch plans, and is refused under ``torch.compile``.
+(``mods``: its name or declaration and its captured tensors, which get no gradient) takes launch
+plans through the runtime in eager calls; under ``torch.compile`` the operators take it by name,
+with its captured tensors as a list and their names in one comma-separated string.
 """
 from __future__ import annotations
 
 import functools
 import os
-from typing import List, Optional, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -62,6 +63,40 @@ def _mod_options(mods) -> dict:
     return {} if mods is None else {"score_mod": mods[0], "mod_tensors": mods[1]}
 
 
+def _operator_mods(score_mod: str, mod_names: str, mod_tensors: List[Tensor]):
+    """The eager path's ``mods`` pair from the operators' mod arguments ("": no mod)."""
+    if not score_mod:
+        return None
+    return score_mod, dict(zip(mod_names.split(",") if mod_names else (), mod_tensors))
+
+
+def _mod_arguments(mods) -> tuple:
+    """The operators' (score_mod, mod_names, mod_tensors) for a traced call's ``mods`` pair: the mod
+    by name, its captured tensors sorted by name.  Checked here, while torch.compile traces: a
+    schema holds no ScoreMod declaration, and a captured tensor gets no gradient."""
+    if mods is None:
+        return "", "", []
+    score_mod, tensors = mods
+    if not isinstance(score_mod, str):
+        raise UnsupportedError("flashgen.torch: under torch.compile a score mod goes by its name (score_mod='alibi'); "
+                               "a ScoreMod declaration is for eager calls: build it (`flashgen build --mods FILE`) "
+                               "and pass its name")
+    if tensors is not None and not isinstance(tensors, Mapping):
+        raise TypeError(f"mod_tensors must be a dict of name -> tensor; got {type(tensors).__name__}")
+    names = sorted(tensors or {})
+    for name in names:
+        x = tensors[name]
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"mod_tensors key {name!r} is not a name the mod can declare")
+        if not isinstance(x, Tensor):
+            raise TypeError(f"mod_tensors[{name!r}] is a {type(x).__name__}; under torch.compile captured tensors "
+                            "are torch tensors")
+        if x.requires_grad:
+            raise UnsupportedError(f"score mod {score_mod!r}: mod_tensors[{name!r}] requires grad, but gradients into "
+                                   f"captured tensors are not computed; pass it detached ({name}.detach())")
+    return score_mod, ",".join(names), [tensors[name] for name in names]
+
+
 def _with_lse_layout(lse: Tensor, heads: int, rows: int) -> Tensor:
     """lse in the layout the fake implementation promises (padded to 32 rows, or to max_seqlen_q's)."""
     strides = _lse_strides(heads, rows)
@@ -96,13 +131,16 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], cu_se
 def forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
                  cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, causal: int, scale: Optional[float],
                  dropout_p: float, seed: int, offset: int, window_left: int, window_right: int, softcap: float,
-                 deterministic: bool) -> Tuple[Tensor, Tensor]:
+                 deterministic: bool, score_mod: str, mod_names: str, mod_tensors: List[Tensor]
+                 ) -> Tuple[Tensor, Tensor]:
     """(out [B, M, H, Kv], lse [batches, H, rows] float32) of BMHK q, k, v (see ``api.attention_forward``),
     in the strides the fake implementation promises.
 
-    ``deterministic`` is the backward's option, carried so that it reaches it."""
+    ``deterministic`` is the backward's option, carried so that it reaches it; ``score_mod`` ("" for
+    none), ``mod_names`` and ``mod_tensors`` are ``_mod_arguments``'."""
     out, lse = _forward(q, k, v, attn_bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, dropout_p, seed,
-                        offset, window_left, window_right, softcap)
+                        offset, window_left, window_right, softcap,
+                        mods=_operator_mods(score_mod, mod_names, mod_tensors))
     return _contiguous(out), _with_lse_layout(lse, q.shape[2], _query_rows(q, max_seqlen_q))
 
 
@@ -126,12 +164,12 @@ def backward_impl(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
                   attn_bias: Optional[Tensor], bias_requires_grad: bool, cu_seqlens_q: Optional[Tensor],
                   cu_seqlens_k: Optional[Tensor], causal: int, scale: Optional[float], dropout_p: float,
                   seed: int, offset: int, window_left: int, window_right: int, softcap: float,
-                  deterministic: bool) -> List[Tensor]:
+                  deterministic: bool, score_mod: str, mod_names: str, mod_tensors: List[Tensor]) -> List[Tensor]:
     """[dq, dk, dv, dbias], contiguous as the fake implementation promises (an empty dbias when not
     asked for: an operator returns tensors)."""
     dq, dk, dv, dbias = _grads(grad_out, q, k, v, out, lse, attn_bias, bias_requires_grad, cu_seqlens_q,
                                cu_seqlens_k, causal, scale, dropout_p, seed, offset, window_left, window_right,
-                               softcap, deterministic)
+                               softcap, deterministic, mods=_operator_mods(score_mod, mod_names, mod_tensors))
     dbias = q.new_empty((0,)) if dbias is None else _contiguous(dbias)
     return [_contiguous(dq), _contiguous(dk), _contiguous(dv), dbias]
 
@@ -144,7 +182,8 @@ attention_backward = torch.library.custom_op("flashgen::attention_backward", mut
 
 @attention_forward.register_fake
 def _attention_forward_fake(q, k, v, attn_bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, scale, dropout_p,
-                            seed, offset, window_left, window_right, softcap, deterministic):
+                            seed, offset, window_left, window_right, softcap, deterministic, score_mod, mod_names,
+                            mod_tensors):
     batches = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
     rows = _query_rows(q, max_seqlen_q)
     out = q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
@@ -156,38 +195,56 @@ def _attention_forward_fake(q, k, v, attn_bias, cu_seqlens_q, cu_seqlens_k, max_
 @attention_backward.register_fake
 def _attention_backward_fake(grad_out, q, k, v, out, lse, attn_bias, bias_requires_grad, cu_seqlens_q, cu_seqlens_k,
                              causal, scale, dropout_p, seed, offset, window_left, window_right, softcap,
-                             deterministic):
+                             deterministic, score_mod, mod_names, mod_tensors):
     dbias = (q.new_empty((q.shape[0], q.shape[2], q.shape[1], k.shape[1])) if bias_requires_grad
              else q.new_empty((0,)))
     return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias]
 
 
-def _save(ctx, q, k, v, attn_bias, options: tuple, out, lse) -> None:
-    """Save what the backward needs: the tensors, and the options after q, k, v, attn_bias
-    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, ..., deterministic: the forward's order)."""
-    ctx.save_for_backward(q, k, v, attn_bias, out, lse)
+OPTION_COUNT = 12  # the operators' options after q, k, v, attn_bias (cu_seqlens_q ... deterministic); then
+# score_mod, mod_names and mod_tensors
+
+
+def _save(ctx, q, k, v, attn_bias, options: tuple, out, lse, mod_tensors=()) -> None:
+    """Save what the backward needs: the tensors (a score mod's captured ones last), and the options
+    after q, k, v, attn_bias (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal, ..., deterministic:
+    the forward's order)."""
+    ctx.save_for_backward(q, k, v, attn_bias, out, lse, *mod_tensors)
     ctx.options = options
     ctx.mark_non_differentiable(lse)
 
 
 def _setup_context(ctx, inputs, output):
-    _save(ctx, *inputs[:4], tuple(inputs[4:]), *output)
+    score_mod, mod_names, mod_tensors = inputs[4 + OPTION_COUNT:]
+    _save(ctx, *inputs[:4], tuple(inputs[4:4 + OPTION_COUNT]), *output, mod_tensors)
+    ctx.mod_arguments = (score_mod, mod_names)
 
 
-def _gradients(ctx, grad_out: Tensor, backward) -> tuple:
-    """dq, dk, dv, dbias through ``backward`` (the op, or its implementation in eager mode, which
-    alone takes a block mask and a score mod)."""
-    q, k, v, attn_bias, out, lse = ctx.saved_tensors
+def _gradients(ctx, grad_out: Tensor, backward, operator: bool = False) -> tuple:
+    """dq, dk, dv, dbias through ``backward``: the operator (its score mod arguments after the
+    options), or its implementation in eager mode (a block mask and a score mod as keywords)."""
+    q, k, v, attn_bias, out, lse, *mod_tensors = ctx.saved_tensors
     cu_q, cu_k, _, *options = ctx.options
     bias_grad = attn_bias is not None and ctx.needs_input_grad[3]
-    masked = {name: getattr(ctx, name) for name in ("block_mask", "mods") if getattr(ctx, name, None) is not None}
-    dq, dk, dv, dbias = backward(grad_out, q, k, v, out, lse, attn_bias, bias_grad, cu_q, cu_k, *options, **masked)
+    if operator:
+        tail, masked = (*ctx.mod_arguments, mod_tensors), {}
+    else:
+        tail = ()
+        masked = {name: getattr(ctx, name) for name in ("block_mask", "mods") if getattr(ctx, name, None) is not None}
+    dq, dk, dv, dbias = backward(grad_out, q, k, v, out, lse, attn_bias, bias_grad, cu_q, cu_k, *options, *tail,
+                                 **masked)
     return dq, dk, dv, dbias.sum_to_size(attn_bias.shape) if bias_grad else None
 
 
-attention_forward.register_autograd(
-    lambda ctx, grad_out, grad_lse: _gradients(ctx, grad_out, attention_backward) + (None,) * (len(ctx.options)),
-    setup_context=_setup_context)
+def _operator_gradients(ctx, grad_out: Tensor, grad_lse: Tensor) -> tuple:
+    """The operator's autograd formula: one gradient per input, in the inputs' structure (a list
+    of None for the captured tensors, which get none)."""
+    captured = len(ctx.saved_tensors) - 6
+    return (*_gradients(ctx, grad_out, attention_backward, operator=True), *(None,) * OPTION_COUNT, None, None,
+            [None] * captured)
+
+
+attention_forward.register_autograd(_operator_gradients, setup_context=_setup_context)
 
 
 class EagerAttention(torch.autograd.Function):
@@ -257,7 +314,7 @@ def _replayed_gradients(ctx, grad_out: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     (``followers``) after the first such backward, which takes the runtime's path; later ones
     replay it without the lookup by the signature of six tensors (a fifth of the backward's
     host time on a small problem)."""
-    q, k, v, attn_bias, out, lse = ctx.saved_tensors
+    q, k, v, attn_bias, out, lse = ctx.saved_tensors  # (eager calls save no captured tensors)
     if grad_out.stride(-1) != 1:  # as _grads: the kernels need a contiguous head dim
         grad_out = grad_out.contiguous()
     dropout_p, seed, offset, *_, deterministic = ctx.options[5:]
@@ -283,15 +340,11 @@ _apply = super(torch.autograd.Function, EagerAttention).apply if _transforms_act
 def forward(q, k, v, attn_bias, *options, block_mask=None, mods=None) -> Tuple[Tensor, Tensor]:
     """The forward op while torch.compile traces, the autograd.Function otherwise (same arguments)."""
     if torch.compiler.is_compiling():
-        if mods is not None:
-            raise UnsupportedError("flashgen.torch: score_mod under torch.compile is not supported yet (the operators' "
-                                   "schemas take no mod or captured tensors): call this attention eagerly, outside "
-                                   "the compiled region")
         if block_mask is not None:
             raise UnsupportedError("flashgen.torch: block_mask under torch.compile is not supported yet (the operators "
                                    "take tensors only; the block lists become their inputs once the kernels read "
                                    "them): call this attention eagerly, outside the compiled region")
-        return attention_forward(q, k, v, attn_bias, *options)
+        return attention_forward(q, k, v, attn_bias, *options, *_mod_arguments(mods))
     if _transforms_active is not None and _transforms_active():
         return EagerAttention.apply(q, k, v, attn_bias, options, block_mask, mods)
     return _apply(q, k, v, attn_bias, options, block_mask, mods)
