@@ -38,22 +38,27 @@ def _build(*args):
     return CliRunner().invoke(main, ["build", *args], catch_exceptions=False)
 
 
-@pytest.fixture(scope="module")
-def built(toolchain, tmp_path_factory):
-    """FWD and BWD built for sm80 from a private copy of their sources."""
-    root = tmp_path_factory.mktemp("build")
+def build_private_copy(root, names, expect):
+    """``names`` built for sm80 from a private copy of their sources under ``root`` (tests may touch
+    them); ``expect`` is in the build's output.  Returns (build directory, instances directory)."""
     instances = root / "instances"
-    for name in (FWD, BWD):
+    for name in names:
         kernel = _kernel(name)
         for rel in (generator.source_path(kernel), generator.abi_header_path(kernel.FAMILY)):
             (instances / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(generator.INSTANCES_DIR / rel, instances / rel)
     out = root / "out"
-    result = _build("--arch", "sm80", "--kernels", f"{FWD},{BWD}", "--out", str(out),
+    result = _build("--arch", "sm80", "--kernels", ",".join(names), "--out", str(out),
                     "--instances", str(instances), "-j", "2")
     assert result.exit_code == 0, result.output
-    assert "2 of 2 binaries ready (2 compiled)" in result.output
+    assert expect in result.output
     return out, instances
+
+
+@pytest.fixture(scope="module")
+def built(toolchain, tmp_path_factory):
+    """FWD and BWD built for sm80 from a private copy of their sources."""
+    return build_private_copy(tmp_path_factory.mktemp("build"), (FWD, BWD), "2 of 2 binaries ready (2 compiled)")
 
 
 def _entries(out):

@@ -5,7 +5,6 @@ unit of sm80_fwd (about 30 s on one core) and check what the manifest and rebuil
 """
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from flashgen.cli import main
 from flashgen.spec import default_kernels
 from flashgen.spec.sm80_bwd import Sm80Bwd
 from flashgen.spec.sm80_fwd import Sm80Fwd
+from test_build import build_private_copy
 
 PLAIN = "sm80_fwd_bf16_k64_q128x64_s4_sm80"
 BIAS = "sm80_fwd_bf16_k64_q128x64_s4_bias_sm80"
@@ -106,19 +106,7 @@ def _build(*args):
 @pytest.fixture(scope="module")
 def unit_built(toolchain, tmp_path_factory):
     """PLAIN and BIAS (one unit) built for sm80 from a private copy of their sources."""
-    root = tmp_path_factory.mktemp("units")
-    instances = root / "instances"
-    for name in (PLAIN, BIAS):
-        kernel = _kernel(name)
-        for rel in (generator.source_path(kernel), generator.abi_header_path(kernel.FAMILY)):
-            (instances / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(generator.INSTANCES_DIR / rel, instances / rel)
-    out = root / "out"
-    result = _build("--arch", "sm80", "--kernels", f"{PLAIN},{BIAS}", "--out", str(out),
-                    "--instances", str(instances), "-j", "2")
-    assert result.exit_code == 0, result.output
-    assert "2 of 2 binaries ready (1 compiled)" in result.output
-    return out, instances
+    return build_private_copy(tmp_path_factory.mktemp("units"), (PLAIN, BIAS), "2 of 2 binaries ready (1 compiled)")
 
 
 def _entries(out):
@@ -160,3 +148,27 @@ def test_building_one_member_alone_leaves_the_unit_its_entries_point_to(unit_bui
     after = _entries(out)
     assert after[BIAS] == before and sha256_file(out / before["cubin"]) == before["sha256"]
     assert after[PLAIN]["cubin"] != before["cubin"]  # its own one-kernel unit
+
+
+@pytest.mark.nvcc
+def test_an_instance_still_runs_its_family_abi_checks(toolchain, tmp_path):
+    """The instance's sizeof instantiates the ABI header's checks: a Params size the spec does not
+    declare stops the compile with the header's message."""
+    import subprocess
+
+    from flashgen.build.graph import CUBIN_FLAGS, NVCC_FLAGS, include_dirs
+
+    kernel = _kernel(PLAIN)
+    (tmp_path / "sm80_fwd").mkdir()
+    source = tmp_path / generator.source_path(kernel)
+    source.write_text((generator.INSTANCES_DIR / generator.source_path(kernel)).read_text())
+    header = (generator.INSTANCES_DIR / generator.abi_header_path(kernel.FAMILY)).read_text()
+    size = kernel.params_dtype().itemsize
+    assert f"sizeof(Params) == {size}," in header
+    (tmp_path / generator.abi_header_path(kernel.FAMILY)).write_text(
+        header.replace(f"sizeof(Params) == {size},", f"sizeof(Params) == {size + 8},"))
+    cmd = [str(toolchain.nvcc), *NVCC_FLAGS, *CUBIN_FLAGS, *(f"-I{d}" for d in include_dirs(toolchain)),
+           "-gencode=arch=compute_80,code=sm_80", "-o", str(tmp_path / "x.cubin"), str(source)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm80_fwd.py" in result.stdout + result.stderr
