@@ -339,15 +339,42 @@ struct BwdKernel {
     return band_blocks<kBlockM, kBlockN>(m_block, seq.num_keys, seq.band_lo, seq.band_hi);
   }
 
+  // The CTA's key block, k/v head and batch or sequence.  Under a band bounded above (causal,
+  // windows) the first key blocks meet the most query blocks.  Where the grid is also a few waves
+  // (at most 4 CTAs an SM: few, long CTAs, as grouped-query heads make, whose CTA walks every query
+  // head of its group) of 8 or more (k/v head, sequence) pairs, CTAs take key blocks slowest --
+  // every pair's key block 0, then every pair's key block 1, ... -- so the longest start first.
+  // Otherwise x is the key block: with many CTAs, consecutive ones of a pair share Q and dO in L2,
+  // which the other order gives up, and with fewer pairs in-order dispatch already starts each
+  // pair's long CTAs early.  Same-run A/Bs (bf16, 1k-16k tokens, 1-8 query heads a k/v head):
+  // +11-31% at 1k-4k causal with 4 and 8 (256-512 CTAs) on an H100 (+13-39% on an H200); lost
+  // 7-15% at head dim 64 with 4096 CTAs, 2-4% at 16k with 2-4 pairs: these limits leave those to x.  Either way a key
+  // block's CTA comes after those of the earlier key blocks of its pair: the deterministic dQ
+  // order waits only for CTAs launched earlier.
+  struct Tile {
+    int n_block, head_kv, z;
+  };
+  static __device__ Tile tile(BwdParams const& p) {
+    unsigned sms;  // %nsmid: at least the SM count (identifiers may leave gaps)
+    asm("mov.u32 %0, %%nsmid;" : "=r"(sms));
+    int const pairs = gridDim.y * gridDim.z;
+    if (p.band_hi >= kUnbounded || pairs < 8 || gridDim.x * pairs > 4 * sms) {
+      return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
+    }
+    int const linear = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    int const pair = linear % pairs;
+    return {linear / pairs, pair % int(gridDim.y), pair / int(gridDim.y)};
+  }
+
   // grid (ceil(N / kBlockN), k/v heads, batch or sequences), kThreads threads, kSharedBytes of
-  // dynamic shared memory.  Key blocks run in order along x: the deterministic dQ order waits
-  // only for CTAs launched earlier.
+  // dynamic shared memory; tile() maps a CTA to its work.
   static __device__ void run(BwdParams const& p, char* smem_raw) {
     using namespace cute;
     SharedStorage& s = *reinterpret_cast<SharedStorage*>(smem_raw);
-    int const n_block = blockIdx.x;
-    int const head_kv = blockIdx.y;
-    Sequence const seq = sequence(p, blockIdx.z);
+    Tile const t = tile(p);
+    int const n_block = t.n_block;
+    int const head_kv = t.head_kv;
+    Sequence const seq = sequence(p, t.z);
     if (n_block * kBlockN >= seq.num_keys) {  // past a packed sequence's keys: no dK / dV rows here
       return;
     }
