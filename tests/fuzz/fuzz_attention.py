@@ -27,7 +27,8 @@ instances, head dims up to 128: a forced sm80 run puts them on sm80_fwd/sm80_bwd
 rows, all full; 128 x 128 blocks, which sm90_fwd's and sm90_bwd's sparse instances read, or others,
 served dense; a causal mask or window beside them folded into their lists), and on a 9.0 GPU the sm90
 ALiBi instances (``score_mod="alibi"``, checked as the additive bias -slope[h] * |i - j|; drawn only
-there, so a reproducer redraws the same case on the same kind of GPU).  Outputs come from poisoned
+there and where the kernel path holds them -- an sm90a build, not a plain one -- so a reproducer
+redraws the same case on the same kind of GPU and build).  Outputs come from poisoned
 memory, so an unwritten element fails.
 
 A gradient passes if it matches the exact float64 gradient, or the exact
@@ -60,7 +61,8 @@ from attention_reference import (  # noqa: E402
 import flashgen  # noqa: E402
 
 FORWARD_ONLY = False  # --forward-only: no backward call, out and lse checked
-ALIBI_RUNS = False  # GPU 0 is a 9.0 part, which the sm90 ALiBi instances serve (set in main)
+ALIBI_RUNS = False  # GPU 0 is a 9.0 part and the kernel path holds sm90 ALiBi instances (set in main)
+SM90_BWD_RUNS = False  # GPU 0 is a 9.0 part and the kernel path holds sm90_bwd kernels (set in main)
 BIAS_PATTERNS = tuple(b or "full" for b in BIAS_BROADCASTS)  # the dims a drawn bias broadcasts ("full": none)
 
 
@@ -104,6 +106,8 @@ def draw(seed: int, case: int) -> dict:
         # the sm90 and sm80 bias instances, head dims up to 128 (drawn last: the rest stays)
         if not p["varlen"] and r.random() < 0.3 and p["K"] <= 128:
             p["bias"] = pick(BIAS_PATTERNS)
+            if not SM90_BWD_RUNS:  # only sm90_bwd writes dbias beside soft-capping (no draw: the rest stays)
+                p["softcap"] = 0.0
     if p["scale"] is not None and r.random() < 0.3:  # drawn after the rest, which stays what it was
         p["scale"] = -p["scale"]  # the largest product becomes the smallest score
     p["block_mask"] = None
@@ -288,11 +292,15 @@ def main(argv=None) -> int:
                          "sm80_fwd,sm80_bwd,mem_eff_fwd,mem_eff_bwd")
     ap.add_argument("--forward-only", action="store_true", help="check the forward only (out and lse)")
     args = ap.parse_args(argv)
-    global FORWARD_ONLY, ALIBI_RUNS
+    global FORWARD_ONLY, ALIBI_RUNS, SM90_BWD_RUNS
     FORWARD_ONLY = args.forward_only
     from flashgen.runtime.device import device_info
 
-    ALIBI_RUNS = device_info(0).cc == 90
+    from flashgen.runtime.registry import default_registry
+
+    hopper, specs = device_info(0).cc == 90, [b.spec for b in default_registry().binaries.values()]
+    ALIBI_RUNS = hopper and any(getattr(s, "score_mod", "") == "alibi" for s in specs)
+    SM90_BWD_RUNS = hopper and any(s.FAMILY == "sm90_bwd" for s in specs)
     if args.families is not None:
         os.environ["FLASHGEN_FAMILIES"] = args.families
     cases = [args.case] if args.case is not None else range(args.cases)
