@@ -93,8 +93,8 @@ def attention(q, k, v, attn_bias=None, *, causal=None, scale=None, dropout_p=0.0
     ``return_lse``: (out, lse [B, H, M] float32, not differentiable).  ``block_mask``: a
     ``flashgen.block_mask`` built on the tensors' GPU (it gets no gradient); eager calls only for
     now (which kernels serve it: ``flashgen.attention_forward``).  ``score_mod`` and ``mod_tensors``:
-    ``flashgen.attention_forward``'s, eager calls only for now (the captured tensors get no gradient:
-    one that requires grad is refused).
+    ``flashgen.attention_forward``'s (under ``torch.compile`` the mod by its name); the captured tensors
+    get no gradient: one that requires grad is refused.
     """
     mods = None if score_mod is None else (score_mod, mod_tensors)
     out, lse = _run(q, k, v, attn_bias, None, None, 0, causal, scale, dropout_p, seed, offset, window, softcap,
