@@ -10,7 +10,7 @@ import click
 
 from flashgen.errors import FlashgenError
 from flashgen.spec import FAMILIES, default_kernels
-from flashgen.spec.core import KernelSpec, normalize_target
+from flashgen.spec.core import KernelSpec, normalize_target, target_cc
 
 DEFAULT_BUILD_DIR = Path("build") / "kernels"
 
@@ -206,9 +206,15 @@ def build(arch, family, kernels_glob, jobs, out, launcher, instances, ptx, mods_
             generator.write(out.resolve() / "mod_instances", modded)
             selected += select_jobs(modded, targets, out.resolve() / "mod_instances", ptx=ptx)
         if not selected:
+            why = ""
+            if kernels:  # the filters match, the targets do not: say where the first one builds
+                where = [t for t in sorted({normalize_target(a) for a in tc.nvcc_archs} | {"sm90a"}, key=target_cc)
+                         if kernels[0].runs_on(t)]
+                why = (f": {len(kernels)} kernel(s) match the filters, none builds for it "
+                       f"({kernels[0].name} builds for {', '.join(where) or 'no target this nvcc has'})")
             _fail(f"no kernel matches --arch {','.join(targets)} "
                   f"{'--family ' + ','.join(family) if family else ''} "
-                  f"{'--kernels ' + kernels_glob if kernels_glob else ''}".rstrip())
+                  f"{'--kernels ' + kernels_glob if kernels_glob else ''}".rstrip() + why)
         console.print(f"building {len(selected)} binaries for {', '.join(targets)} into {out} "
                       f"(nvcc {tc.nvcc_version}, CUTLASS {tc.cutlass_version})", highlight=False)
         result = run_build(selected, tc, out, parallelism=jobs, launcher=launcher, console=console)
