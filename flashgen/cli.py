@@ -212,9 +212,9 @@ def build(arch, family, kernels_glob, jobs, out, launcher, instances, ptx, mods_
                          if kernels[0].runs_on(t)]
                 why = (f": {len(kernels)} kernel(s) match the filters, none builds for it "
                        f"({kernels[0].name} builds for {', '.join(where) or 'no target this nvcc has'})")
-            _fail(f"no kernel matches --arch {','.join(targets)} "
-                  f"{'--family ' + ','.join(family) if family else ''} "
-                  f"{'--kernels ' + kernels_glob if kernels_glob else ''}".rstrip() + why)
+            asked = [f"--arch {','.join(targets)}", *([f"--family {','.join(family)}"] if family else []),
+                     *([f"--kernels {kernels_glob}"] if kernels_glob else [])]
+            _fail(f"no kernel matches {' '.join(asked)}{why}")
         console.print(f"building {len(selected)} binaries for {', '.join(targets)} into {out} "
                       f"(nvcc {tc.nvcc_version}, CUTLASS {tc.cutlass_version})", highlight=False)
         result = run_build(selected, tc, out, parallelism=jobs, launcher=launcher, console=console)
