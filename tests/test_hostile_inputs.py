@@ -699,6 +699,30 @@ def test_dropout_offsets_past_example_41s_are_left_to_flashgens_pairs(monkeypatc
         common(q, k, k, dropout_p=0.1, seed=1)
 
 
+@pytest.mark.parametrize("error", [ImportError("no module named cupy"), RuntimeError("cudaErrorNoDevice"),
+                                   UnsupportedError("no sm80_fwd kernel can run on GPU 0")])
+def test_dropout_offsets_where_no_gpu_answers_are_judged_by_example_41s_limits(monkeypatch, error):
+    """No CuPy, no CUDA device or no kernels to ask whether a pair may draw: example 41's limits apply."""
+    from flashgen.runtime import dropout
+
+    def may_draw(p):
+        raise error
+
+    monkeypatch.setattr(dropout, "may_draw", may_draw)
+    q, k = fake_broadcast((2, 8192, 32, 8)), fake_broadcast((2, 8192, 32, 8))
+    with pytest.raises(ValueError, match=r"^dropout_batch_head_rng_offset: "):
+        common(q, k, k, dropout_p=0.1, seed=1)
+
+
+def test_a_bug_in_asking_whether_a_pair_may_draw_is_not_taken_for_a_missing_gpu(monkeypatch):
+    from flashgen.runtime import dropout
+
+    monkeypatch.setattr(dropout, "may_draw", lambda p: None.attribute)
+    q, k = fake_broadcast((2, 8192, 32, 8)), fake_broadcast((2, 8192, 32, 8))
+    with pytest.raises(AttributeError):
+        common(q, k, k, dropout_p=0.1, seed=1)
+
+
 def test_size_limits_right_at_the_bound():
     # lse offsets (kernel_forward.h:315, uint32): batch * heads * lse_dim == 2**32 is the last that fits
     common(*(fake_broadcast((2**15, 64, 2**11, 8)) for _ in range(3)))

@@ -125,10 +125,13 @@ def check_kernel_limits(c: Problem, q, k, v):
 def _flashgen_may_draw(c: Problem) -> bool:
     """Whether one of flashgen's pairs may draw this call's dropout mask (its offsets have no such
     limits); the example-41 families then refuse the calls past theirs (``unfit_example41``)."""
+    from flashgen.errors import FlashgenError
     from flashgen.runtime import dropout  # runtime/families, which it imports, imports this module
     try:
         return dropout.may_draw(c)
-    except Exception:  # no GPU or no CUDA to ask: judge by example 41's limits, as before
+    # no CuPy, no CUDA driver or device (CuPy's errors are RuntimeErrors), no kernels for the GPU:
+    # judge by example 41's limits; anything else is a bug and propagates
+    except (ImportError, RuntimeError, FlashgenError):
         return False
 
 
