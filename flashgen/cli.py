@@ -189,6 +189,7 @@ def build(arch, family, kernels_glob, jobs, out, launcher, instances, ptx, mods_
     from rich.console import Console
 
     from flashgen import generator
+    from flashgen.build.graph import units
     from flashgen.build.runner import check_sources, check_targets, run_build, select_jobs
     from flashgen.toolchain import require_toolchain
 
@@ -215,8 +216,13 @@ def build(arch, family, kernels_glob, jobs, out, launcher, instances, ptx, mods_
             asked = [f"--arch {','.join(targets)}", *([f"--family {','.join(family)}"] if family else []),
                      *([f"--kernels {kernels_glob}"] if kernels_glob else [])]
             _fail(f"no kernel matches {' '.join(asked)}{why}")
+        compile_jobs = units(selected)
+        shared = sorted((len(m) for m in compile_jobs.values() if m[0].grouped), reverse=True)
+        n = len(compile_jobs)
+        in_units = (f": {n} nvcc job{'' if n == 1 else 's'}, units of {' and '.join(map(str, shared))} kernels "
+                    "among them (minutes each)") if shared else ""
         console.print(f"building {len(selected)} binaries for {', '.join(targets)} into {out} "
-                      f"(nvcc {tc.nvcc_version}, CUTLASS {tc.cutlass_version})", highlight=False)
+                      f"(nvcc {tc.nvcc_version}, CUTLASS {tc.cutlass_version}){in_units}", highlight=False)
         result = run_build(selected, tc, out, parallelism=jobs, launcher=launcher, console=console)
     except FlashgenError as e:
         _fail(str(e))

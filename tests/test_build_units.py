@@ -106,7 +106,8 @@ def _build(*args):
 @pytest.fixture(scope="module")
 def unit_built(toolchain, tmp_path_factory):
     """PLAIN and BIAS (one unit) built for sm80 from a private copy of their sources."""
-    return build_private_copy(tmp_path_factory.mktemp("units"), (PLAIN, BIAS), "2 of 2 binaries ready (1 compiled)")
+    return build_private_copy(tmp_path_factory.mktemp("units"), (PLAIN, BIAS), "2 of 2 binaries ready (1 compiled)",
+                              "1 nvcc job, units of 2 kernels among them (minutes each)")
 
 
 def _entries(out):
