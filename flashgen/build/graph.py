@@ -104,16 +104,16 @@ def name_units(jobs: Iterable[Job]) -> List[Job]:
     members: Dict[tuple, List[str]] = {}
     for j in jobs:
         members.setdefault((j.target, j.kernel.build_unit), []).append(j.kernel.name)
-    out = []
+    names: Dict[tuple, str] = {}
     for j in jobs:
-        unit = j.kernel.build_unit
-        if unit != j.kernel.name:
-            names = sorted(members[(j.target, unit)])
-            family = {k.name for k in type(j.kernel).default_set() if k.build_unit == unit and k.runs_on(j.target)}
-            if set(names) != family:
-                unit += "_" + hashlib.sha256("|".join(names).encode()).hexdigest()[:8]
-        out.append(dataclasses.replace(j, unit=unit))
-    return out
+        key = (j.target, j.kernel.build_unit)
+        if key not in names:
+            unit, built = key[1], sorted(members[key])
+            if unit != j.kernel.name and set(built) != {k.name for k in type(j.kernel).default_set()
+                                                          if k.build_unit == unit and k.runs_on(j.target)}:
+                unit += "_" + hashlib.sha256("|".join(built).encode()).hexdigest()[:8]
+            names[key] = unit
+    return [dataclasses.replace(j, unit=names[(j.target, j.kernel.build_unit)]) for j in jobs]
 
 
 def units(jobs: Iterable[Job]) -> Dict[str, List[Job]]:

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from flashgen import generator
 from flashgen.atomic import atomic_write_text
 from flashgen.build import manifest
-from flashgen.build.graph import Job, name_units, render_ninja, unit_sources
+from flashgen.build.graph import Job, name_units, render_ninja, unit_sources, units
 from flashgen.errors import BuildError
 from flashgen.spec.core import KernelSpec, normalize_target, target_cc
 from flashgen.toolchain import Toolchain
@@ -58,14 +58,11 @@ def unit_parallelism(jobs: Sequence[Job]) -> Optional[int]:
     """How many units of several kernels may compile at once (None: there are none): as many of the
     largest as free memory holds, at least one.  A small machine then compiles them one at a time
     beside the one-kernel jobs, instead of running out of memory."""
-    sizes = {}
-    for j in jobs:
-        if j.grouped:
-            sizes[j.output] = sizes.get(j.output, 0) + 1
+    sizes = [len(members) for members in units(jobs).values() if members[0].grouped]
     if not sizes:
         return None
     available = _available_bytes()
-    largest = max(NVCC_JOB_BYTES, max(sizes.values()) * UNIT_KERNEL_BYTES)
+    largest = max(NVCC_JOB_BYTES, sizes[0] * UNIT_KERNEL_BYTES)  # units() puts the largest first
     return len(sizes) if available is None else max(1, min(len(sizes), available // largest))
 
 
@@ -152,9 +149,7 @@ def build_lock(build_dir: Path, console: Console) -> Iterator[None]:
 def _run_ninja(tc: Toolchain, build_dir: Path, jobs: Sequence[Job], parallelism: int,
                console: Console) -> tuple:
     """Run ninja with a progress bar; returns (jobs that failed, number of edges run)."""
-    by_output = {}
-    for j in jobs:
-        by_output.setdefault(j.output, []).append(j)
+    by_output = units(jobs)
     env = dict(os.environ, NINJA_STATUS="[flashgen %f/%t] ")
     cmd = [str(tc.ninja), "-C", str(build_dir), "-k", "0", "-j", str(parallelism)]
     failed, ran, transcript = set(), 0, []
