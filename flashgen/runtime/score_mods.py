@@ -120,6 +120,13 @@ def _refusal(call_options: Mapping, p) -> Optional[str]:
     return None
 
 
+def check_no_grad(mod: str, name: str, tensor) -> None:
+    """Refuse a captured tensor that requires grad: no gradient flows into captured tensors."""
+    if getattr(tensor, "requires_grad", False):
+        raise UnsupportedError(f"score mod {mod!r}: mod_tensors[{name!r}] requires grad, but gradients into "
+                               f"captured tensors are not computed; pass it detached ({name}.detach())")
+
+
 def bind(options: Mapping, p, q, k) -> Optional[BoundScoreMod]:
     """The call's score mod with its captured tensors checked (names, dtype, shape, device,
     contiguity), or None without one; raises before anything is launched."""
@@ -136,9 +143,7 @@ def bind(options: Mapping, p, q, k) -> Optional[BoundScoreMod]:
         raise TypeError(f"mod_tensors must be a dict of name -> tensor; got {type(tensors).__name__}")
     tensors = dict(tensors or {})
     for t, x in tensors.items():
-        if getattr(x, "requires_grad", False):
-            raise UnsupportedError(f"score mod {name!r}: mod_tensors[{t!r}] requires grad, but gradients into "
-                                   f"captured tensors are not computed; pass it detached ({t}.detach())")
+        check_no_grad(name, t, x)
     sizes = dict(B=p.B, H=p.H, Hk=k.shape[2], M=q.shape[1], N=k.shape[1])
     given = mod.bind(tensors, sizes, name)
     names, arrays = tuple(mod.specs(name)), []

@@ -32,6 +32,7 @@ from flashgen.runtime.arrays import cupy_module
 from flashgen.runtime.limits import lse_rows
 from flashgen.runtime.memory import memory_for
 from flashgen.runtime.registry import default_registry
+from flashgen.runtime.score_mods import check_no_grad
 from flashgen.runtime.validate import MASKS, check_rng
 
 CAUSAL = MASKS  # the runtime's codes for its causal option
@@ -91,9 +92,7 @@ def _mod_arguments(mods) -> tuple:
         if not isinstance(x, Tensor):
             raise TypeError(f"mod_tensors[{name!r}] is a {type(x).__name__}; under torch.compile captured tensors "
                             "are torch tensors")
-        if x.requires_grad:
-            raise UnsupportedError(f"score mod {score_mod!r}: mod_tensors[{name!r}] requires grad, but gradients into "
-                                   f"captured tensors are not computed; pass it detached ({name}.detach())")
+        check_no_grad(score_mod, name, x)  # the runtime's own check, here while tracing
     return score_mod, ",".join(names), [tensors[name] for name in names]
 
 
@@ -217,7 +216,7 @@ def _save(ctx, q, k, v, attn_bias, options: tuple, out, lse, mod_tensors=()) -> 
 def _setup_context(ctx, inputs, output):
     score_mod, mod_names, mod_tensors = inputs[4 + OPTION_COUNT:]
     _save(ctx, *inputs[:4], tuple(inputs[4:4 + OPTION_COUNT]), *output, mod_tensors)
-    ctx.mod_arguments = (score_mod, mod_names)
+    ctx.mod_arguments, ctx.captured = (score_mod, mod_names), len(mod_tensors)
 
 
 def _gradients(ctx, grad_out: Tensor, backward, operator: bool = False) -> tuple:
@@ -239,9 +238,8 @@ def _gradients(ctx, grad_out: Tensor, backward, operator: bool = False) -> tuple
 def _operator_gradients(ctx, grad_out: Tensor, grad_lse: Tensor) -> tuple:
     """The operator's autograd formula: one gradient per input, in the inputs' structure (a list
     of None for the captured tensors, which get none)."""
-    captured = len(ctx.saved_tensors) - 6
     return (*_gradients(ctx, grad_out, attention_backward, operator=True), *(None,) * OPTION_COUNT, None, None,
-            [None] * captured)
+            [None] * ctx.captured)
 
 
 attention_forward.register_autograd(_operator_gradients, setup_context=_setup_context)
