@@ -61,14 +61,14 @@ def test_a_unit_source_includes_each_member_once_and_ninja_gets_one_edge_per_uni
     ninja = render_ninja([*select_jobs([mem_eff], ["sm80"], tmp_path), *jobs], toolchain_stub)
     edges = [line for line in ninja.splitlines() if line.startswith("build ")]
     assert len(edges) == 3
-    # largest unit first (ninja starts jobs in file order): the backward's 26 kernels, the forward's 16, then one
+    # largest unit first (ninja starts jobs in file order): the backward's 28 kernels, the forward's 16, then one
     assert "sm80_bwd_sm80_unit" in edges[0] and "sm80_fwd_sm80_unit" in edges[1] and mem_eff.name in edges[2]
 
 
 @pytest.mark.parametrize("available_gb,depth", [(21, 2), (12, 1), (4, 1), (None, 2)])
 def test_units_compile_as_many_at_once_as_free_memory_holds(monkeypatch, tmp_path, toolchain_stub, available_gb,
                                                             depth):
-    """The 26-kernel sm80_bwd unit peaks near 8.6 GB: a 24 GB machine compiles both sm80 units at
+    """The 28-kernel sm80_bwd unit peaks near 8.6 GB: a 24 GB machine compiles both sm80 units at
     once, a smaller one one at a time (in a ninja pool), while one-kernel jobs keep -j."""
     monkeypatch.setattr(runner, "_available_bytes", lambda: None if available_gb is None else available_gb << 30)
     mem_eff = next(k for k in default_kernels() if k.FAMILY == "mem_eff_fwd" and k.runs_on("sm80"))

@@ -47,10 +47,11 @@ def test_dispatch_order_puts_it_after_the_hopper_backward_and_before_example41(m
 def test_default_set_has_per_tier_a_tile_within_sm86s_shared_memory():
     kernels = [k for k in Sm80Bwd.default_set() if not k.dropout and not k.bias]  # (twins: test_sm80_dropout_cpu.py, test_sm80_bias_cpu)
     assert [k.name for k in kernels if k.dtype == "f16"] == [
-        "sm80_bwd_f16_k64_q64x128_sm80", "sm80_bwd_f16_k128_q64x128_sm80", "sm80_bwd_f16_k128_q32x64_sm80",
+        "sm80_bwd_f16_k64_q128x128_sm80", "sm80_bwd_f16_k64_q64x128_sm80", "sm80_bwd_f16_k128_q64x128_sm80",
+        "sm80_bwd_f16_k128_q32x64_sm80",
         "sm80_bwd_f16_k192_q64x64_sm80", "sm80_bwd_f16_k192_q32x32_w4_sm80",
         "sm80_bwd_f16_k256_q32x64_sm80", "sm80_bwd_f16_k256_q32x32_w4_sm80"]
-    assert len(kernels) == 14
+    assert len(kernels) == 16
     for dtype in ("f16", "bf16"):
         for tier in (64, 128, 192, 256):
             tiles = [k for k in kernels if k.dtype == dtype and k.max_k == tier]
@@ -66,8 +67,8 @@ def test_default_set_has_per_tier_a_tile_within_sm86s_shared_memory():
     # 4 warps at head dim 256: one dS^T buffer (100.5 KB); two would be 102912 B, past sm86/sm89's 101376
     assert shared_bytes(256, 32, 32, 4) == 102912 - 2 * 32 * 32 == 100864 <= SM86_OPTIN
     assert shared_bytes(192, 32, 32, 8) == shared_bytes(192, 32, 32, 4), "two dS^T buffers where they fit"
-    assert kernels[0].cpp_type == "flashgen::sm80::BwdKernel<cutlass::half_t, 64, 64, 128, 8, false, false>"
-    assert kernels[4].cpp_type == "flashgen::sm80::BwdKernel<cutlass::half_t, 192, 32, 32, 4, false, false>"
+    assert kernels[0].cpp_type == "flashgen::sm80::BwdKernel<cutlass::half_t, 64, 128, 128, 8, false, false>"
+    assert kernels[5].cpp_type == "flashgen::sm80::BwdKernel<cutlass::half_t, 192, 32, 32, 4, false, false>"
 
 
 def test_every_pruned_candidate_names_its_rule():
@@ -136,7 +137,11 @@ def test_sm86_and_sm89_skip_the_tile_above_their_shared_memory_with_the_reason(r
             f"needs 164864 B of shared memory; {device.name} allows {SM86_OPTIN} B per block"
         assert verdicts["sm80_bwd_f16_k128_q32x64_sm80"] == "selected"
         assert sel.select(request(device, head_dim=64)).name == "sm80_bwd_f16_k64_q64x128_sm80"
+        verdicts = {name: why for name, _, why in sel.explain(request(device, head_dim=64))}
+        assert verdicts["sm80_bwd_f16_k64_q128x128_sm80"] == \
+            f"needs 165888 B of shared memory; {device.name} allows {SM86_OPTIN} B per block"
     assert sel.select(request(A100)).name == "sm80_bwd_f16_k128_q64x128_sm80"  # 163 KB: the bigger tile
+    assert sel.select(request(A100, head_dim=64)).name == "sm80_bwd_f16_k64_q128x128_sm80"  # 162 KB
     hopper = sel.select(request(H100))
     assert hopper.name == "sm80_bwd_f16_k128_q64x128_sm80" and hopper.target == "sm90"  # plain sm90 SASS
 
@@ -167,7 +172,7 @@ def test_head_dims_past_128_take_a_tile_each_device_holds(registry, head_dim, ti
 
 def test_selection_by_tier_alignment_and_dtype(registry):
     sel = Selector(registry)
-    assert sel.select(request(A100, head_dim=8)).name == "sm80_bwd_f16_k64_q64x128_sm80"
+    assert sel.select(request(A100, head_dim=8)).name == "sm80_bwd_f16_k64_q128x128_sm80"
     assert sel.select(request(A100, head_dim=96)).name == "sm80_bwd_f16_k128_q64x128_sm80"
     assert sel.select(request(RTX3090, head_dim=80, dtype="bf16")).name == "sm80_bwd_bf16_k128_q32x64_sm80"
     assert sel.find(request(A100, head_dim=264)) is None
@@ -233,9 +238,10 @@ def test_explain_names_why_a_99_kb_part_skips_the_larger_tile(monkeypatch, regis
     monkeypatch.setattr(families, "device_info", lambda index: RTX4090)
     rows = sm80_bwd.RUNTIME.explain(backward_of(arrays=qkv(K=96), registry=registry, causal="top_left"))
     f16 = [(name, why) for name, target, why in rows if "_f16_" in name and target == "sm80" and "dropout" not in name]
-    assert f16[:3] == [("sm80_bwd_f16_k64_q64x128_sm80", "kMaxK 64 < head dim 96"),
+    assert f16[:4] == [("sm80_bwd_f16_k64_q128x128_sm80", "kMaxK 64 < head dim 96"),
+                       ("sm80_bwd_f16_k64_q64x128_sm80", "kMaxK 64 < head dim 96"),
                        ("sm80_bwd_f16_k128_q64x128_sm80", f"needs 164864 B of shared memory; {RTX4090.name} allows "
                                                           f"{SM86_OPTIN} B per block"),
                        ("sm80_bwd_f16_k128_q32x64_sm80", "selected")]
-    assert [name for name, _ in f16[3:]] == ["sm80_bwd_f16_k192_q64x64_sm80", "sm80_bwd_f16_k192_q32x32_w4_sm80",
+    assert [name for name, _ in f16[4:]] == ["sm80_bwd_f16_k192_q64x64_sm80", "sm80_bwd_f16_k192_q32x32_w4_sm80",
                                              "sm80_bwd_f16_k256_q32x64_sm80", "sm80_bwd_f16_k256_q32x32_w4_sm80"]

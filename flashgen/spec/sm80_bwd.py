@@ -6,9 +6,9 @@ of one (sequence, k/v head) keeps K and V in shared memory and walks every query
 head's group and every query block of ``block_m`` rows it meets, Q, dO, lse, delta and dS
 double-buffered (dS single in the 4-warp tile at head dim 256, which two would take past 99 KB).
 Each warp owns 16 keys (32 in a 128-key CTA) and half of each query block; dK and dV stay in
-registers (where a warp's over all columns would exceed 128 registers, split by columns between
+registers (where they and S^T and dP^T would exceed 192 registers, split by columns between
 the two warps of the same keys, which trade P^T and dS^T through shared memory); dQ goes into a
-float32 accumulator by atomics.  Each instance holds three entry points, launched in order on one
+float32 accumulator by reductions, a warp's whole 128-byte lines (float4 ones from sm_90 on).  Each instance holds three entry points, launched in order on one
 stream, with the contract of ``sm90_bwd``:
 
 * ``<name>_prep``: grid (ceil(M / block_m), heads, batch or sequences), ``aux_threads``
@@ -18,7 +18,8 @@ stream, with the contract of ``sm90_bwd``:
 * ``<name>_convert``: grid as prep -- dQ from the fp32 accumulator.
 
 The workspace is ``sm90_bwd``'s (lse_log2, delta, the dQ accumulator [.., rows_padded,
-max_k] row-major, counters), so the runtime shares its layout.  Inputs are read by 16-byte
+max_k] as tiles of block_m rows, each in the order the kernel adds it, counters), so the runtime
+shares its layout.  Inputs are read by 16-byte
 cp.async: pointers, strides and the head dim must be multiples of 8 elements; a head dim
 below the tier reads zeros past its own.  Masks, soft-capping, grouped-query k/v heads and
 packed batches are run-time options through the same fields as ``sm80_fwd``.  The code is
@@ -105,9 +106,9 @@ class Sm80Bwd(KernelSpec):
         Rule("the template's warps: two query halves of 16-key warps (32-key in 128-key CTAs), so 8 warps "
              "take 64 or 128 keys, 4 warps 32",
              lambda k: k.warps != key_warps(k.block_n)),
-        Rule("128-query steps: S^T and dP^T of 128 queries beside dK and dV spill at head dim 64 (104 bytes on "
-             "sm_80); larger head dims only add registers and shared memory",
-             lambda k: k.block_m == 128),
+        Rule("128-query steps only at head dim 64 with 128 keys, no bias or dropout (162 KB: A100, Hopper; dK and "
+             "dV split by columns): more registers or shared memory spill or do not fit",
+             lambda k: k.block_m == 128 and (k.max_k != 64 or k.block_n != 128 or k.bias or k.dropout)),
         Rule("128-key CTAs take 64-query steps: 32 queries halve the work per load and barrier",
              lambda k: k.block_n == 128 and k.block_m == 32),
         Rule("128-key CTAs up to head dim 128: past it a warp's dK and dV of 32 keys (192+ registers a thread) "

@@ -14,8 +14,8 @@
 //            one barrier per block (two in a 4-warp CTA with one dS^T buffer; see mainloop);
 //   convert  dQ = scale * accumulator, in the input dtype and the caller's strides.
 // (prep and workspace_row0 are attention_common.h's, shared with sm90_bwd.h; convert is this
-// file's own: sm90_bwd.h's dQ accumulator is laid out in wgmma register order, this one's
-// row-major.)
+// file's own: each kBlockM x kHeadDim tile of the accumulator is laid out in add_dq's order,
+// see dq_slot.)
 //
 // In the main kernel warp w owns kKeysPerWarp keys of the CTA's block (16-key MMA tiles
 // w % kKeyWarps, + kKeyWarps, ...; kKeyWarps = kWarps / 2) and query half w / kKeyWarps of every
@@ -30,7 +30,7 @@
 //                                             dS^T from shared memory)
 //   dQ   = dS K                               (dS^T through shared memory; each warp 16 or 32
 //                                             query rows x kDqCols head-dim columns), added into the
-//                                             accumulator with red.global.add (float2 on sm_90)
+//                                             accumulator with red.global.add (float4 on sm_90)
 // Computing S transposed keeps a warp's dK and dV rows its own, so its P^T and dS^T are A
 // operands where they are computed.  With two query halves each warp's dK and dV are partial
 // sums over its half, and the two halves meet once at the end, through shared memory; or, where
@@ -93,7 +93,8 @@ struct BwdParams {
   float const* lse_ptr;       // the forward's lse, natural log, [B or sequences, H, rows]
   float* lse_log2_ptr;        // workspace [B, H, rows_padded]
   float* delta_ptr;           // workspace [B, H, rows_padded]
-  float* dq_accum_ptr;        // workspace [B, H, rows_padded, kHeadDim], zeroed by prep
+  float* dq_accum_ptr;        // workspace [B, H, rows_padded / kBlockM] tiles of kBlockM x kHeadDim
+                              //   in add order (dq_slot), zeroed by prep
   int* dq_counter_ptr;        // deterministic order: [B, H, rows_padded / kBlockM], zeroed by prep
   void* dq_ptr;
   void* dk_ptr;
@@ -181,11 +182,13 @@ struct BwdKernel {
   static constexpr int kKeyWarps = kBlockN / kKeysPerWarp;
   static constexpr int kQueryWarps = kWarps / kKeyWarps;
   // dK and dV of kKeysPerWarp keys over all columns take 2 x kKeysPerWarp x kHeadDim / 32
-  // registers a thread.  Over 128 (32 keys at head dim 128) the two warps of the same keys split
-  // the columns instead of the queries, kDkvCols each, and each takes the other's P^T and dS^T
-  // from shared memory: 32 + 32 + 20 + 20 ldmatrix (4 of the other's P^T or dS^T, 16 of dO^T or
-  // Q^T) where 16 keys x 64 queries read 40 + 40 + 32 + 32.
-  static constexpr bool kSplitColumns = 2 * kKeysPerWarp * kHeadDim / 32 > 128;
+  // registers a thread, S^T and dP^T of a warp's half of the queries 2 x kKeysPerWarp x kBlockM
+  // / 64.  Where the four come to over 192 (32 keys at head dim 128, or at head dim 64 with
+  // 128-query steps) the two warps of the same keys split the columns instead of the queries,
+  // kDkvCols each, and each takes the other's P^T and dS^T from shared memory: 32 + 32 + 20 + 20
+  // ldmatrix (4 of the other's P^T or dS^T, 16 of dO^T or Q^T) where 16 keys x 64 queries read
+  // 40 + 40 + 32 + 32.
+  static constexpr bool kSplitColumns = 2 * kKeysPerWarp * (kHeadDim + kBlockM / 2) / 32 > 192;
   static constexpr int kDkvCols = kSplitColumns ? kHeadDim / kQueryWarps : kHeadDim;
   static constexpr int kQueryChunk = kBlockM / kQueryWarps;  // queries of one warp per step
   static constexpr int kKeyThreads = 32 * kKeyWarps;         // the threads of one query chunk
@@ -787,9 +790,26 @@ struct BwdKernel {
     }
   }
 
+  // The dQ accumulator's tile of one query block holds the elements of add_dq's accumulators in
+  // the order the threads add them: element e of thread t at slot dq_slot(t, e), kAccumVector
+  // elements of one thread next to each other, then the next thread's.  So a warp's reductions
+  // cover whole 128-byte lines: in (row, column) order, as the MMA leaves them, each reduction of
+  // a warp touched 8 rows, and the queued reductions held the next step's loads back (ncu, head
+  // dim 128: 2.3x FlashAttention-2's L1 global requests, and a third more stalled cycles).
+  // Reductions of four floats exist from sm_90 on (red.global.add.v4.f32); before, one float each.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static constexpr int kAccumVector = 4;
+#else
+  static constexpr int kAccumVector = 1;
+#endif
+  static_assert(kBlockM * kHeadDim / kThreads % 4 == 0, "add_dq's elements a thread: whole groups of four");
+  static CUTE_HOST_DEVICE constexpr int dq_slot(int tid, int e) {
+    return (e / kAccumVector * kThreads + tid) * kAccumVector + e % kAccumVector;
+  }
+
   // dQ = dS K of one step into the accumulator: warp w computes query rows 16 (w % kDqRowWarps)
   // .. +15 of every 16 * kDqRowWarps, head-dim columns of part w / kDqRowWarps, and adds them
-  // with atomics (float pairs on sm_90, where red.global.add.v2.f32 exists).  When deterministic,
+  // with atomics into its slots of the tile (dq_slot).  When deterministic,
   // after the key blocks before this one: the query block's counter counts the CTAs that are in.
   static __device__ void add_dq(BwdParams const& p, SharedStorage& s, Element* ds, Sequence const& seq, int head,
                                 int m_block, int n_block) {
@@ -837,39 +857,25 @@ struct BwdKernel {
       }
       __syncthreads();
     }
-    // (query, column) of each accumulator element; elements 2i and 2i + 1 are neighbouring columns.
-    // An element's place is the thread's first element's plus a constant of the MMA layout, so
-    // the adds go through one per-thread pointer with immediate offsets: an address computed per
-    // add into the same registers made each add wait for the previous one to read them.
-    Tensor tQcQ = thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kDqCols>>{}));
-    int const row0 = get<0>(tQcQ(0)), col0 = get<1>(tQcQ(0));
-    float* thread_accum = p.dq_accum_ptr + block_row0 * kHeadDim + part * kDqCols + row0 * kHeadDim + col0;
+    // Each thread's elements go to slots of its own (dq_slot): kAccumVector of them per reduction,
+    // a warp's reductions whole 128-byte lines.  Past num_queries and head_dim the products are
+    // zeros (zero-filled Q rows have P = 0, zero-filled K columns add nothing), and their slots lie
+    // in the tile: no check per element.  One pointer per thread and immediate offsets: an address
+    // computed per add into the same registers made each add wait for the previous one to read them.
+    float* thread_accum = p.dq_accum_ptr + block_row0 * kHeadDim + dq_slot(tid, 0);
     asm("" : "+l"(thread_accum));  // opaque to the compiler, which would otherwise rebuild each address
     __builtin_assume(__isGlobal(thread_accum));
-    auto add_pairs = [&](auto keep) {
-      CUTE_UNROLL
-      for (int e = 0; e < size(acc); e += 2) {
-        int const dr = get<0>(tQcQ(e)) - row0, dc = get<1>(tQcQ(e)) - col0;  // constants
-        if (keep(dr, dc)) {
-          float* to = thread_accum + (dr * kHeadDim + dc);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-          atomicAdd(reinterpret_cast<float2*>(to), make_float2(acc(e), acc(e + 1)));
-#else
-          atomicAdd(to, acc(e));
-          atomicAdd(to + 1, acc(e + 1));
-#endif
-        }
+    CUTE_UNROLL
+    for (int e = 0; e < size(acc); e += kAccumVector) {
+      float* to = thread_accum + e * kThreads;  // dq_slot(tid, e), e a multiple of kAccumVector
+      // (red, not atomicAdd: here that became an ATOMG, which waits for a reply that no one reads)
+      if constexpr (kAccumVector == 4) {
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(to), "f"(acc(e)), "f"(acc(e + 1)),
+                     "f"(acc(e + 2)), "f"(acc(e + 3))
+                     : "memory");
+      } else {
+        asm volatile("red.global.add.f32 [%0], %1;" ::"l"(to), "f"(acc(e)) : "memory");
       }
-    };
-    int const rows = seq.num_queries - m_block * kBlockM;
-    int const cols = p.head_dim - part * kDqCols;
-    if (rows >= kBlockM && cols >= kDqCols) {  // the whole tile: no check per element
-      add_pairs([](int, int) { return true; });
-    } else {  // the rest are zeros (zero-filled Q rows and columns)
-      // compared relative to the thread's first element, against constants: comparing each
-      // element's own row and column kept one register per element live through the main loop
-      int const rows_left = rows - row0, cols_left = cols - col0;
-      add_pairs([rows_left, cols_left](int dr, int dc) { return dr < rows_left && dc < cols_left; });
     }
     if (p.deterministic) {
       __threadfence();  // this CTA's adds, before the release below
@@ -977,9 +983,19 @@ struct BwdKernel {
   // grid (ceil(M / kBlockM), heads, batch or sequences), kAuxThreads threads
   static __device__ void prep(BwdParams const& p) { backward_prep<Element, kHeadDim, kBlockM, kAuxThreads>(p); }
 
-  // grid as prep: each thread turns 8 columns of a row of the accumulator into dQ.
+  // grid as prep: dQ from the query block's accumulator tile, through shared memory.  Gather:
+  // convert thread i takes add_dq threads i, i + kAuxThreads, ...; for each, group after group of
+  // kConvertGroup elements (a float4 from sm_90 on, else a pair: element e at slot e * kThreads + t),
+  // so a warp reads whole lines; scaled pairs of neighbouring columns go to their (row, column) of
+  // the tile, where add_dq's MMA layout places them.  Then rows to dq in 16-byte chunks.  (Pairs
+  // stored straight to dq, a warp's 8 rows apart, and each element's place computed at run time
+  // took 3.6x the time of the row-major accumulator's convert: 187 against 52 us at 512 tokens.)
+  static constexpr int kConvertGroup = kAccumVector > 2 ? kAccumVector : 2;
+  static constexpr int kConvertStride = kHeadDim + 8;  // padded tile rows: a warp's 8 rows x 4 pairs, 32 banks
+  static_assert(kThreads % kAuxThreads == 0, "whole add_dq threads per convert thread");
   static __device__ void convert(BwdParams const& p) {
-    constexpr int kChunks = kHeadDim / 8;
+    using namespace cute;
+    __shared__ alignas(16) Element tile[kBlockM * kConvertStride];
     int const m_block = blockIdx.x;
     int const head = blockIdx.y;
     Sequence const seq = sequence(p, blockIdx.z);
@@ -987,22 +1003,45 @@ struct BwdKernel {
       return;
     }
     float const* accum = p.dq_accum_ptr + (workspace_row0<kBlockM>(p, seq, head) + m_block * kBlockM) * kHeadDim;
+    constexpr int kElements = kBlockM * kHeadDim / kThreads;  // of one add_dq thread
+    CUTE_UNROLL
+    for (int k = 0; k < kThreads / kAuxThreads; ++k) {
+      int const tid = threadIdx.x + k * kAuxThreads;
+      TiledMmaDq mma;
+      Tensor tQcQ = mma.get_thread_slice(tid % (32 * kDqRowWarps))
+                        .partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kDqCols>>{}));
+      Element* thread_tile = tile + tid / (32 * kDqRowWarps) * kDqCols;
+      CUTE_UNROLL
+      for (int e = 0; e < kElements; e += kConvertGroup) {
+        float values[kConvertGroup];
+        if constexpr (kAccumVector == 4) {
+          *reinterpret_cast<float4*>(values) = *reinterpret_cast<float4 const*>(accum + dq_slot(tid, e));
+        } else {
+          CUTE_UNROLL
+          for (int j = 0; j < kConvertGroup; ++j) {
+            values[j] = accum[dq_slot(tid, e + j)];
+          }
+        }
+        CUTE_UNROLL
+        for (int j = 0; j < kConvertGroup; j += 2) {
+          cutlass::Array<Element, 2> pair;
+          pair[0] = static_cast<Element>(values[j] * p.scale);
+          pair[1] = static_cast<Element>(values[j + 1] * p.scale);
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(
+              thread_tile + get<0>(tQcQ(e + j)) * kConvertStride + get<1>(tQcQ(e + j))) = pair;
+        }
+      }
+    }
+    __syncthreads();
     Element* dq = static_cast<Element*>(p.dq_ptr) + seq.batch * p.dq_stride_b + seq.q0 * (long long)p.dq_stride_m +
                   head * (long long)p.dq_stride_h;
+    constexpr int kChunks = kHeadDim / 8;
     for (int i = threadIdx.x; i < kBlockM * kChunks; i += kAuxThreads) {
-      int const r = i / kChunks;
-      int const col = i % kChunks * 8;
+      int const r = i / kChunks, col = i % kChunks * 8;
       int const row = m_block * kBlockM + r;
       if (row < seq.num_queries && col < p.head_dim) {  // head_dim is a multiple of 8
-        float4 const lo = *reinterpret_cast<float4 const*>(accum + r * kHeadDim + col);
-        float4 const hi = *reinterpret_cast<float4 const*>(accum + r * kHeadDim + col + 4);
-        float const values[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-        cutlass::Array<Element, 8> out;
-        CUTE_UNROLL
-        for (int j = 0; j < 8; ++j) {
-          out[j] = static_cast<Element>(values[j] * p.scale);
-        }
-        *reinterpret_cast<cutlass::Array<Element, 8>*>(dq + row * (long long)p.dq_stride_m + col) = out;
+        *reinterpret_cast<uint4*>(dq + row * (long long)p.dq_stride_m + col) =
+            *reinterpret_cast<uint4 const*>(tile + r * kConvertStride + col);
       }
     }
   }
