@@ -214,6 +214,17 @@ def test_the_fallback_bias_folds_the_causal_diagonal_and_names_the_empty_rows():
     assert bias.strides[2] == 32 * 4, "rows padded to 8 elements, as example 41 reads a bias"
 
 
+def test_the_fallback_bias_pads_its_rows_with_zeros(monkeypatch):
+    """The kernels read a bias row's last keys as a 16-byte chunk that reaches into the row padding:
+    it holds zeros, not what the allocation held before (initcheck flagged those reads)."""
+    bm = block_mask(MASKS["window"], 1, 1, 50, 30, block=(16, 16), device="cpu")
+    real_empty = np.empty
+    monkeypatch.setattr(np, "empty", lambda *a, **k: np.full_like(real_empty(*a, **k), np.nan))  # poisoned
+    bias, _ = bm.additive(np.float16)
+    padded = np.lib.stride_tricks.as_strided(bias, bias.shape[:3] + (32,), bias.strides)
+    assert (padded[..., 30:] == 0).all()
+
+
 @pytest.mark.parametrize("args,exc,match", [
     (dict(B=0), ValueError, r"^B must be >= 1; got 0$"),
     (dict(H=-1), ValueError, r"^H must be >= 1; got -1$"),

@@ -78,7 +78,8 @@ def dense_call(cupy, call: Call):
     with stream:
         bias, empty = _cached(mask, dtype, stream)
         if call.bias is not None:
-            total = cupy.empty((p.B, p.H, p.M, -(-p.N // 8) * 8), dtype=dtype)[..., :p.N]  # rows aligned as bias's
+            # rows aligned as bias's, the padding zeroed as there (the kernels' 16-byte reads take it in)
+            total = cupy.zeros((p.B, p.H, p.M, -(-p.N // 8) * 8), dtype=dtype)[..., :p.N]
             total[...] = (bias.astype(cupy.float32) + call.bias.astype(cupy.float32)).astype(dtype)
             bias = total
         bias = checked_bias(cupy, bias, p, call.q, p.M, p.N)[0]  # the kernels' offset limits (no copy)

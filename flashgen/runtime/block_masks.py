@@ -141,13 +141,14 @@ class BlockMask:
 
     def additive(self, dtype):
         """(bias, empty): the additive bias as ``to_dense`` makes it, in rows padded to 8 elements (the
-        alignment example 41 reads a bias with), and which (b, h, query) rows see no key [B, H, M]
-        (a band folded in by ``with_band`` applies)."""
+        alignment example 41 reads a bias with; the padding zeroed, since the kernels' 16-byte reads of a
+        row's last keys take it in), and which (b, h, query) rows see no key [B, H, M] (a band folded in
+        by ``with_band`` applies)."""
         if dtype_name(dtype) is None:
             raise TypeError(f"dtype must be float32, float16 or bfloat16; got {dtype!r}")
         xp, (B, H, M, N) = self.xp, self.shape
         with _on(self.device):
-            bias = xp.empty((B, H, M, -(-N // 8) * 8), dtype=dtype)[..., :N]
+            bias = xp.zeros((B, H, M, -(-N // 8) * 8), dtype=dtype)[..., :N]
             empty = xp.empty((B, H, M), dtype=bool)
             for start, stop in _row_chunks(M, self.block[0], B * H * N):
                 visible = _in_band(xp, _visible(self.mask, xp, self.shape, start, stop), start, self.band)
