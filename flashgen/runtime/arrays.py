@@ -24,6 +24,14 @@ def cupy_module():
     return cupy
 
 
+def padded_rows(xp, shape, dtype):
+    """Zeros of ``shape`` (NumPy or CuPy: ``xp``) inside rows padded to a multiple of 8 elements: the
+    layout the kernels read a bias in, 16 bytes at a time, so a row's last chunk takes in the
+    padding, which holds zeros rather than whatever the allocation held."""
+    *lead, cols = shape
+    return xp.zeros((*lead, -(-cols // 8) * 8), dtype=dtype)[..., :cols]
+
+
 def dtype_name(dtype) -> Optional[str]:
     return {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}.get(np.dtype(dtype).name)
 

@@ -28,7 +28,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from flashgen.runtime.arrays import dtype_name
+from flashgen.runtime.arrays import dtype_name, padded_rows
 from flashgen.runtime.validate import MASKS, Call, checked_bias
 
 WARNING = ("flashgen: block_mask runs dense (the mask becomes an additive [B, H, M, N] bias, on the kernels "
@@ -78,8 +78,7 @@ def dense_call(cupy, call: Call):
     with stream:
         bias, empty = _cached(mask, dtype, stream)
         if call.bias is not None:
-            # rows aligned as bias's, the padding zeroed as there (the kernels' 16-byte reads take it in)
-            total = cupy.zeros((p.B, p.H, p.M, -(-p.N // 8) * 8), dtype=dtype)[..., :p.N]
+            total = padded_rows(cupy, (p.B, p.H, p.M, p.N), dtype)
             total[...] = (bias.astype(cupy.float32) + call.bias.astype(cupy.float32)).astype(dtype)
             bias = total
         bias = checked_bias(cupy, bias, p, call.q, p.M, p.N)[0]  # the kernels' offset limits (no copy)

@@ -45,7 +45,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from flashgen.runtime.arrays import as_array, cupy_module, dtype_name
+from flashgen.runtime.arrays import as_array, cupy_module, dtype_name, padded_rows
 
 CHUNK_ELEMENTS = 1 << 26  # mask elements per evaluated chunk (64 MiB of booleans)
 
@@ -140,15 +140,14 @@ class BlockMask:
         return self.xp.ascontiguousarray(bias)
 
     def additive(self, dtype):
-        """(bias, empty): the additive bias as ``to_dense`` makes it, in rows padded to 8 elements (the
-        alignment example 41 reads a bias with; the padding zeroed, since the kernels' 16-byte reads of a
-        row's last keys take it in), and which (b, h, query) rows see no key [B, H, M] (a band folded in
-        by ``with_band`` applies)."""
+        """(bias, empty): the additive bias as ``to_dense`` makes it, in rows padded to 8 elements
+        (``padded_rows``: the layout the kernels read a bias in), and which (b, h, query) rows see no
+        key [B, H, M] (a band folded in by ``with_band`` applies)."""
         if dtype_name(dtype) is None:
             raise TypeError(f"dtype must be float32, float16 or bfloat16; got {dtype!r}")
         xp, (B, H, M, N) = self.xp, self.shape
         with _on(self.device):
-            bias = xp.zeros((B, H, M, -(-N // 8) * 8), dtype=dtype)[..., :N]
+            bias = padded_rows(xp, (B, H, M, N), dtype)
             empty = xp.empty((B, H, M), dtype=bool)
             for start, stop in _row_chunks(M, self.block[0], B * H * N):
                 visible = _in_band(xp, _visible(self.mask, xp, self.shape, start, stop), start, self.band)

@@ -16,7 +16,7 @@ import numpy as np
 
 from flashgen.errors import UnsupportedError
 from flashgen.runtime import score_mods
-from flashgen.runtime.arrays import as_array, check_strides, cupy_module, dtype_name, elem_strides
+from flashgen.runtime.arrays import as_array, check_strides, cupy_module, dtype_name, elem_strides, padded_rows
 from flashgen.runtime.block_masks import BlockMask
 from flashgen.runtime.limits import SPLIT_ROWS, check_input_offsets, check_kernel_limits, check_offset
 from flashgen.runtime.registry import default_registry
@@ -245,9 +245,9 @@ def checked_bias(cupy, attn_bias, c: Problem, q, rows: int, cols: int):
                          f"[batch, heads, M, N] = {(c.B, c.H, rows, cols)}") from None
     if (cols > 1 and b.strides[3] != b.itemsize) or any(st % 8 for st in elem_strides(b)[:3]) or b.data.ptr % 16:
         # the kernels read bias rows with 16-byte loads: copy into rows padded to 8 elements
-        padded = cupy.zeros((c.B, c.H, rows, -(-cols // 8) * 8), dtype=b.dtype)
-        padded[..., :cols] = b
-        b, copied = padded[..., :cols], True
+        padded = padded_rows(cupy, (c.B, c.H, rows, cols), b.dtype)
+        padded[...] = b
+        b, copied = padded, True
     else:
         copied = False
     # row * bias_strideM: uint32 in the forward (kernel_forward.h:828), int32 in the backward (1605)
