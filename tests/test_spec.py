@@ -65,8 +65,8 @@ def test_default_set_sizes_are_what_the_readme_says():
 @pytest.mark.parametrize("target", ["sm80", "sm86", "sm89", "sm90", "sm120"])
 def test_plain_targets_from_sm80_on_build_only_the_catch_all_half_precision_example_41_kernels(target):
     """The sm80 pair serves aligned f16/bf16 there; what it does not take runs on kMaxK 65536."""
-    for family in (MemEffFwd, MemEffBwd):
-        for k in family.default_set():
+    for spec in (MemEffFwd, MemEffBwd):
+        for k in spec.default_set():
             if k.arch != "sm80":
                 continue
             wanted = k.dtype == "f32" or k.max_k == 65536

@@ -8,8 +8,9 @@ double-buffered (dS single in the 4-warp tile at head dim 256, which two would t
 Each warp owns 16 keys (32 in a 128-key CTA) and half of each query block; dK and dV stay in
 registers (where they and S^T and dP^T would exceed 192 registers, split by columns between
 the two warps of the same keys, which trade P^T and dS^T through shared memory); dQ goes into a
-float32 accumulator by reductions, a warp's whole 128-byte lines (float4 ones from sm_90 on).  Each instance holds three entry points, launched in order on one
-stream, with the contract of ``sm90_bwd``:
+float32 accumulator by reductions, a warp's whole 128-byte lines (float4 ones from sm_90 on).
+Each instance holds three entry points, launched in order on one stream, with the contract of
+``sm90_bwd``:
 
 * ``<name>_prep``: grid (ceil(M / block_m), heads, batch or sequences), ``aux_threads``
   threads -- delta, the lse in log2, zeroed dQ accumulator and counters;
@@ -19,12 +20,12 @@ stream, with the contract of ``sm90_bwd``:
 
 The workspace is ``sm90_bwd``'s (lse_log2, delta, the dQ accumulator [.., rows_padded,
 max_k] as tiles of block_m rows, each in the order the kernel adds it, counters), so the runtime
-shares its layout.  Inputs are read by 16-byte
-cp.async: pointers, strides and the head dim must be multiples of 8 elements; a head dim
-below the tier reads zeros past its own.  Masks, soft-capping, grouped-query k/v heads and
-packed batches are run-time options through the same fields as ``sm80_fwd``.  The code is
-Ampere instructions only: built for plain targets from sm80 on (a plain sm90 build lets an
-H100/H200 run it), not for sm90a, where ``sm90_bwd`` serves every call this one could.
+shares its layout.  Inputs are read by 16-byte cp.async: pointers, strides and the head dim must
+be multiples of 8 elements; a head dim below the tier reads zeros past its own.  Masks,
+soft-capping, grouped-query k/v heads and packed batches are run-time options through the same
+fields as ``sm80_fwd``.  The code is Ampere instructions only: built for plain targets from sm80
+on (a plain sm90 build lets an H100/H200 run it), not for sm90a, where ``sm90_bwd`` serves every
+call this one could.
 
 A ``bias`` instance reads the bias as ``sm80_fwd``'s do (``bias_ptr``, ``bias_stride_b/h/m``) and,
 where ``dbias_ptr`` is not null, writes dS (the gradient of the biased score, in the input dtype)
