@@ -22,7 +22,7 @@ from flashgen.spec.sm80_bwd import Sm80Bwd
 from flashgen.spec.sm80_fwd import Sm80Fwd
 from test_build import build_private_copy
 
-PLAIN = "sm80_fwd_bf16_k64_q128x64_s4_sm80"
+PLAIN = "sm80_fwd_bf16_k64_q128x128_s4_sm80"
 BIAS = "sm80_fwd_bf16_k64_q128x64_s4_bias_sm80"
 
 

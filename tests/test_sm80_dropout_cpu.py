@@ -50,9 +50,11 @@ def test_dropout_instances_are_the_main_tiles_of_tiers_64_and_128_with_twins():
         (d, m, bm, bn, 8) for d in ("f16", "bf16") for m, bm, bn in ((64, 64, 128), (128, 64, 128), (128, 32, 64))}
     for k in fwd + bwd:
         plain = dataclasses.replace(k, dropout=False)
-        assert plain in type(k).default_set(), f"{k.name} has no plain twin"
         assert k.name == plain.name.replace("_sm80", "_dropout_sm80") and k.cpp_type.endswith(", true>")
         assert plain.cpp_type.endswith(", false>")
+        if isinstance(k, Sm80Fwd) and k.max_k == 64:  # the plain forward there takes 128 keys (spec/sm80_fwd.py)
+            plain = dataclasses.replace(plain, block_n=128)
+        assert plain in type(k).default_set(), f"{k.name} has no plain twin"
     for k in fwd:  # each forward's calls have a backward twin of the same dtype and tier
         assert any((b.dtype, b.max_k) == (k.dtype, k.max_k) for b in bwd), k.name
     for k in bwd:

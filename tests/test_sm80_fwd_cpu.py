@@ -56,16 +56,18 @@ def test_default_set_has_one_tile_per_tier_that_fits_sm86():
         assert shared_bytes(k) <= CTA_SHARED_BUDGET <= SM86_OPTIN, k.name
         assert 2 * (shared_bytes(k) + 1024) <= A100.shared_memory_optin + 1024, "two CTAs per A100 SM"
     assert [k.name for k in kernels if k.dtype == "f16"] == [
-        "sm80_fwd_f16_k64_q128x64_s4_sm80", "sm80_fwd_f16_k128_q128x64_s3_sm80", "sm80_fwd_f16_k192_q64x64_s2_sm80",
+        "sm80_fwd_f16_k64_q128x128_s4_sm80", "sm80_fwd_f16_k128_q128x64_s3_sm80", "sm80_fwd_f16_k192_q64x64_s2_sm80",
         "sm80_fwd_f16_k256_q64x32_s3_sm80"]
-    assert kernels[0].cpp_type == "flashgen::sm80::FwdKernel<cutlass::half_t, 64, 128, 64, 4, false, false>"
+    assert kernels[0].cpp_type == "flashgen::sm80::FwdKernel<cutlass::half_t, 64, 128, 128, 4, false, false>"
     # past head dim 128: 64 query rows (16 a warp); 72 KB at 192 (64 keys, 2 slots), 80 KB at 256 (32 keys, 3)
     assert [shared_bytes(k) for k in kernels[2:4]] == [73728, 81920]
 
 
 def test_every_pruned_candidate_names_its_rule():
     reasons = {k.name: k.pruned_by().reason for k in Sm80Fwd.candidates() if k.pruned_by() is not None}
-    assert reasons["sm80_fwd_f16_k64_q128x128_s2_sm80"].startswith("128-key tiles leave too few registers")
+    assert reasons["sm80_fwd_f16_k128_q128x128_s2_sm80"].startswith("128-key tiles only for the plain head-dim-64")
+    assert reasons["sm80_fwd_f16_k64_q128x128_s2_dropout_sm80"].startswith("128-key tiles only for the plain")
+    assert reasons["sm80_fwd_f16_k64_q128x64_s4_sm80"].startswith("the plain head-dim-64 instance takes 128 keys")
     assert reasons["sm80_fwd_f16_k192_q128x32_s2_sm80"].startswith("128 query rows up to head dim 128")
     assert reasons["sm80_fwd_f16_k128_q64x64_s4_sm80"].startswith("64 query rows only past head dim 128")
     assert reasons["sm80_fwd_f16_k192_q64x32_s4_sm80"].startswith("32-key tiles only where")
@@ -140,7 +142,7 @@ def test_sm86_skips_tiles_above_its_shared_memory_with_the_reason(registry):
 
 def test_selection_by_tier_alignment_and_dtype(registry):
     sel = Selector(registry)
-    assert sel.select(request(RTX3090, head_dim=40)).name == "sm80_fwd_f16_k64_q128x64_s4_sm80"
+    assert sel.select(request(RTX3090, head_dim=40)).name == "sm80_fwd_f16_k64_q128x128_s4_sm80"
     assert sel.select(request(RTX3090, head_dim=96)).name == "sm80_fwd_f16_k128_q128x64_s3_sm80"
     assert sel.select(request(RTX3090, head_dim=80, dtype="bf16")).name == "sm80_fwd_bf16_k128_q128x64_s3_sm80"
     assert sel.find(request(RTX3090, head_dim=264)) is None

@@ -100,9 +100,12 @@ class Sm80Fwd(KernelSpec):
     # cores (the whole set has a 6-minute budget); every tile fits 80 KB, so each tier has one
     # that sm86/sm89's 99 KB holds.
     RULES = (
-        Rule("128-key tiles leave too few registers: S is 128 accumulators a thread, which spills at head dim "
-             "64 and, beside O's 128, cannot fit at head dim 128",
-             lambda k: k.block_n == 128),
+        Rule("128-key tiles only for the plain head-dim-64 instance: S is 128 accumulators a thread; beside O's "
+             "128 (head dim 128), a bias ring or Philox state, more than its 56 (sm_90) to 84 (sm_80) bytes spill",
+             lambda k: k.block_n == 128 and (k.max_k > 64 or k.bias or k.dropout)),
+        Rule("the plain head-dim-64 instance takes 128 keys: half the barriers and row-max updates a key that 64 "
+             "do; 3-5% faster causal up to 4k tokens (H200, BENCHMARKS.md, session 23)",
+             lambda k: k.max_k == 64 and not (k.bias or k.dropout) and k.block_n != 128),
         Rule("128 query rows up to head dim 128: past it O alone (head dim accumulators a thread at 32 rows a "
              "warp) leaves S and the operands too few registers",
              lambda k: k.block_m == 128 and k.max_k > 128),
