@@ -82,6 +82,10 @@ def test_block_aligned_backward_kernels(dtype, K, M, N, causal, monkeypatch):
     """M and N multiples of the block: the backward takes a block-aligned kernel (no bounds
     checks), and it matches the reference; one row more and it takes the general kernel.
     (On a 9.0 GPU such calls go to flashgen's own families: they are kept out of the way here.)"""
+    built = default_registry().for_device("mem_eff_bwd", flashgen.runtime.device.device_info(0))
+    if not any(b.spec.block_aligned for b in built):
+        pytest.skip("no block-aligned example-41 backward in this build: plain targets from sm80 on leave f16/bf16 "
+                    "below kMaxK 65536 to the sm80 pair (an sm90a or sm75 build has them)")
     for family in families.serving("fwd") + families.serving("bwd"):
         if not family.name.startswith("mem_eff"):
             monkeypatch.setattr(family, "unfit", lambda call: "kept out of the way")
