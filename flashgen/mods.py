@@ -14,8 +14,8 @@ is generated or launched, so a typo is reported with its line and column, not by
 One parse yields the three things the rest of flashgen needs from a mod: the C++ expression a
 kernel instance compiles (``cpp``), the same expression over NumPy or CuPy index arrays
 (``function``: what ``flashgen.block_mask`` evaluates, and what references compute), and a
-``digest`` of its canonical form for the manifest.  Until kernels compile mods, a mask mod runs
-through a block mask: ``flashgen.block_mask(document.function({"doc": ids}), B, H, M, N)``.
+``digest`` of its canonical form for the manifest.  Until kernels compile mask mods, one runs
+through the block mask it derives: ``flashgen.block_mask("document", B, H, M, N, mod_tensors={"doc": ids})``.
 """
 from __future__ import annotations
 

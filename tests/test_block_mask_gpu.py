@@ -132,6 +132,38 @@ def test_lists_built_on_the_gpu_equal_those_built_with_numpy():
     assert (cupy.asnumpy(on_gpu.to_dense(cupy.float16)) == on_host.to_dense(np.float16)).all()
 
 
+@pytest.mark.parametrize("dtype,M,N,K", [("f16", 1000, 1000, 64), ("bf16", 129, 700, 128)])
+def test_a_mask_mod_by_name_with_its_tensors_runs_its_own_mask(dtype, M, N, K):
+    """block_mask("document", mod_tensors=...): the mod's declaration, evaluated on the GPU over the ids,
+    is the mask the call runs -- against float64 with the ids' own dense mask."""
+    r = np.random.default_rng(M + K)
+    B, H = 2, 2
+    doc = cupy.asarray(np.sort(r.integers(0, 8, (B, N)), axis=1).astype(np.int32))
+    q, do = randn(r, (B, M, H, K), dtype), randn(r, (B, M, H, K), dtype)
+    k, v = randn(r, (B, N, H, K), dtype), randn(r, (B, N, H, K), dtype)
+    bm = block_mask("document", B, 1, M, N, mod_tensors={"doc": doc})
+    assert bm.device == doc.device.id and 0 < bm.density() < 1
+    out, lse, (dq, dk, dv) = run(q, k, v, do, bm)
+    ids_q, ids_k = doc[:, :M].astype(cupy.int64), doc
+    visible = ids_q[:, None, :, None] == ids_k[:, None, None, :]  # [B, 1, M, N]
+    dense = cupy.where(visible, 0.0, -cupy.inf).astype(cupy.float32)
+    ro, rl, (rdq, rdk, rdv, _) = grouped_reference(q, k, v, do, bias=cupy.broadcast_to(dense, (B, H, M, N)))
+    assert rel_err(out, ro) < FWD_TOL[dtype] and lse_err(lse, rl) < FWD_TOL[dtype]
+    for g, ref in ((dq, rdq), (dk, rdk), (dv, rdv)):
+        assert rel_err(g, ref, zero_scale=np.sqrt(K)) < BWD_TOL[dtype]
+
+
+def test_a_mask_mods_tensors_from_torch_give_the_same_lists():
+    torch = pytest.importorskip("torch")
+    ids = np.sort(np.random.default_rng(3).integers(0, 5, (2, 640)), axis=1).astype(np.int32)
+    from_cupy = block_mask("document", 2, 1, 640, 640, mod_tensors={"doc": cupy.asarray(ids)})
+    from_torch = block_mask("document", 2, 1, 640, 640, mod_tensors={"doc": torch.from_numpy(ids).cuda()})
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "partial_bits"):
+        assert bool((getattr(from_cupy, name) == getattr(from_torch, name)).all()), name
+    with pytest.raises(TypeError, match="mod tensor 'doc' is a host \\(NumPy\\) array"):
+        block_mask("document", 2, 1, 640, 640, mod_tensors={"doc": ids})
+
+
 def test_boolean_mask_arrays_on_the_gpu_and_from_numpy():
     visible = cupy.random.default_rng(0).random((1, 2, 150, 90)) < 0.3
     bm = block_mask(visible, 1, 2, 150, 90, block=(32, 32))

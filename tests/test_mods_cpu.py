@@ -126,13 +126,71 @@ def test_captured_tensors_are_checked_before_anything_runs():
         mod.bind({"doc": ok[:, :31]}, sizes)
 
 
+def same_lists(a, b):
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "partial_bits",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+
+
 def test_a_mask_mod_derives_the_block_mask_of_the_same_mask():
     B, H, M, N = 2, 1, 300, 500
     doc = np.sort(RNG.integers(0, 5, (B, N))).astype(np.int32)
-    from_mod = block_mask(BUILTIN_MODS["document"].function({"doc": doc}), B, H, M, N, device="cpu")
     by_hand = block_mask(lambda b, h, q, k: doc[b, q] == doc[b, k], B, H, M, N, device="cpu")
-    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "partial_bits"):
-        assert np.array_equal(getattr(from_mod, name), getattr(by_hand, name)), name
+    same_lists(block_mask(BUILTIN_MODS["document"].function({"doc": doc}), B, H, M, N, device="cpu"), by_hand)
+    # the mod itself, by its built-in name or as a declaration, its tensors bound by block_mask
+    same_lists(block_mask("document", B, H, M, N, mod_tensors={"doc": doc}, device="cpu"), by_hand)
+    same_lists(block_mask(MaskMod("doc[b, q_idx] == doc[b, kv_idx]", tensors={"doc": "i32[B, N]"}), B, H, M, N,
+                          mod_tensors={"doc": doc}, device="cpu"), by_hand)
+
+
+@pytest.mark.parametrize("M,N,block", [(1, 1, (128, 128)), (7, 129, (16, 32)), (1000, 300, (128, 128))])
+def test_every_builtin_mask_mod_against_its_dense_truth(M, N, block):
+    B, H = 3, 2
+    q, kv = np.arange(M)[:, None], np.arange(N)[None, :]
+    prefix = RNG.integers(0, N + 1, B).astype(np.int32)
+    window = np.array([max(1, M // 3)], dtype=np.int32)
+    cases = {"causal": ({}, np.broadcast_to(kv <= q, (B, H, M, N))),
+             "prefix_lm": ({"prefix": prefix},
+                           np.broadcast_to((kv < prefix[:, None, None, None]) | (kv <= q), (B, H, M, N))),
+             "sliding_window": ({"window": window}, np.broadcast_to((kv <= q) & (q - kv < window[0]), (B, H, M, N)))}
+    # a mod of one's own over the head index and a per-(batch, key) tensor
+    own = MaskMod("kv_idx % (h + 2) != 0 && keep[b, kv_idx]", tensors={"keep": "bool[B, N]"})
+    keep = RNG.random((B, N)) < 0.7
+    own_truth = ((kv % (np.arange(H)[None, :, None, None] + 2)) != 0) & keep[:, None, None, :]
+    for mod, (tensors, truth) in [*cases.items(), (own, ({"keep": keep}, np.broadcast_to(own_truth, (B, H, M, N))))]:
+        bm = block_mask(mod, B, H, M, N, block=block, mod_tensors=tensors, device="cpu")
+        dense = bm.to_dense(np.float32) == 0
+        assert np.array_equal(dense, truth), mod
+
+
+class FakeInt32(list):
+    """Passes a declaration's dtype and shape checks without being a NumPy array (as a GPU array would)."""
+
+    def __init__(self, a):
+        super().__init__(a.tolist())
+        self.dtype, self.shape = a.dtype, a.shape
+
+
+def test_a_mask_mod_in_block_mask_refuses_what_it_cannot_run():
+    B, H, M, N = 2, 1, 16, 32
+    doc = np.zeros((B, N), dtype=np.int32)
+    with pytest.raises(ValueError, match=r"'alibi' is not a built-in mask mod \(causal, document, prefix_lm, "
+                                         r"sliding_window\)"):
+        block_mask("alibi", B, H, M, N, device="cpu")
+    with pytest.raises(ValueError, match="'doc' is not a built-in mask mod"):
+        block_mask("doc", B, H, M, N, device="cpu")
+    with pytest.raises(TypeError, match="a ScoreMod changes scores.*score_mod="):
+        block_mask(BUILTIN_MODS["alibi"], B, H, M, N, device="cpu")
+    with pytest.raises(TypeError, match="mod_tensors go with a mask mod"):
+        block_mask(lambda b, h, q, k: q >= k, B, H, M, N, mod_tensors={"doc": doc}, device="cpu")
+    with pytest.raises(ModError, match=r"captures \['doc'\]; got none"):
+        block_mask("document", B, H, M, N, device="cpu")
+    with pytest.raises(ModError, match=r"declared i32\[B, N\] \(B=2, N=32\); got shape \(2, 16\)"):
+        block_mask("document", B, H, M, N, mod_tensors={"doc": doc[:, :16]}, device="cpu")
+    with pytest.raises(TypeError, match=r"tensor 'doc' must be int32"):
+        block_mask("document", B, H, M, N, mod_tensors={"doc": doc.astype(np.int64)}, device="cpu")
+    with pytest.raises(TypeError, match="with device='cpu' the mod tensors must be NumPy arrays; 'doc' is a FakeInt32"):
+        block_mask("document", B, H, M, N, mod_tensors={"doc": FakeInt32(doc)}, device="cpu")
 
 
 def test_mods_files_load_by_name(tmp_path):

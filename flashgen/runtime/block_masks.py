@@ -156,7 +156,8 @@ class BlockMask:
         return bias, empty
 
 
-def block_mask(mask, B: int, H: int, M: int, N: int, block=(128, 128), *, device=None) -> BlockMask:
+def block_mask(mask, B: int, H: int, M: int, N: int, block=(128, 128), *, device=None,
+               mod_tensors=None) -> BlockMask:
     """A :class:`BlockMask` over [B, H, M, N] scores from ``mask``, built once and reused by every call.
 
     ``mask`` is either ``mask_fn(b, h, q_idx, kv_idx) -> bool array``, called with integer index
@@ -164,14 +165,18 @@ def block_mask(mask, B: int, H: int, M: int, N: int, block=(128, 128), *, device
     module in use (CuPy, or NumPy with ``device="cpu"``; so ``q_idx >= kv_idx`` is causal and
     ``doc[q_idx] == doc[kv_idx]`` a document mask for a ``doc`` array of that module), its result
     broadcastable to [B, H, rows, N]; or a boolean array broadcastable to [B, H, M, N]
-    (True: the key is visible).  B and H may be 1: the mask then serves any batch and head
-    count.  ``block``: (query rows, key columns) per block.
-    ``device``: None for the mask array's own GPU (a CuPy or DLPack array) or else CuPy's current
-    one; an int for that GPU; "cpu" for NumPy on the host."""
+    (True: the key is visible); or a mask mod -- a ``flashgen.mods.MaskMod`` or the name of a
+    built-in one ("document", "prefix_lm", "causal", "sliding_window") -- with its captured tensors
+    in ``mod_tensors`` (checked against its declaration for B, H, M, N before anything runs; CuPy or
+    other DLPack GPU arrays such as torch's, NumPy with ``device="cpu"``).  B and H may be 1: the
+    mask then serves any batch and head count.  ``block``: (query rows, key columns) per block.
+    ``device``: None for the mask's (or the mod tensors') own GPU, else CuPy's current one; an int
+    for that GPU; "cpu" for NumPy on the host."""
     B, H, M, N = (_positive(name, n) for name, n in (("B", B), ("H", H), ("M", M), ("N", N)))
     if not isinstance(block, (tuple, list)) or len(block) != 2:
         raise TypeError(f"block must be (query rows, key columns), e.g. (128, 128); got {block!r}")
     block = (_positive("block's query rows", block[0]), _positive("block's key columns", block[1]))
+    mask, device = _mask_mod_function(mask, mod_tensors, dict(B=B, H=H, M=M, N=N), device)
     xp, device, mask = _placed(mask, device)
     shape = (B, H, M, N)
     with _on(device):
@@ -252,6 +257,42 @@ def _positive(name: str, n) -> int:
 def _on(device: Optional[int]):
     """``device`` made CuPy's current one (nothing for the host)."""
     return contextlib.nullcontext() if device is None else cupy_module().cuda.Device(device)
+
+
+def _mask_mod_function(mask, mod_tensors, sizes, device):
+    """(mask, device): a mask mod (or a built-in's name) as the mask_fn that evaluates its declaration
+    over its bound tensors, on their GPU unless ``device`` says otherwise; any other mask as given."""
+    from flashgen.mods import BUILTIN_MODS, MaskMod, ScoreMod
+
+    if isinstance(mask, str):
+        mask_mods = sorted(n for n, m in BUILTIN_MODS.items() if isinstance(m, MaskMod))
+        if not isinstance(BUILTIN_MODS.get(mask), MaskMod):
+            raise ValueError(f"{mask!r} is not a built-in mask mod ({', '.join(mask_mods)}); pass a MaskMod "
+                             "declaration for one of your own")
+        mod, name = BUILTIN_MODS[mask], mask
+    elif isinstance(mask, MaskMod):
+        mod, name = mask, ""
+    elif isinstance(mask, ScoreMod):
+        raise TypeError("a ScoreMod changes scores, not which keys are visible: pass it to the attention call "
+                        "as score_mod=")
+    else:
+        if mod_tensors is not None:
+            raise TypeError(f"mod_tensors go with a mask mod (a MaskMod or a built-in's name); the mask is a "
+                            f"{type(mask).__name__}")
+        return mask, device
+    tensors = mod.bind(mod_tensors or {}, sizes, name)
+    if device == "cpu":
+        on_gpu = [t for t, x in tensors.items() if not isinstance(x, np.ndarray)]
+        if on_gpu:
+            raise TypeError(f"with device='cpu' the mod tensors must be NumPy arrays; {on_gpu[0]!r} is a "
+                            f"{type(tensors[on_gpu[0]]).__name__} (build on its GPU with device=None)")
+        return mod.function(tensors, xp=np, name=name), device
+    arrays = {t: as_array(x, f"mod tensor {t!r}") for t, x in tensors.items()}
+    devices = {x.device.id for x in arrays.values()} | ({device} if device is not None else set())
+    if len(devices) > 1:
+        raise ValueError(f"the mod tensors and device= name different GPUs ({sorted(devices)}): build the mask "
+                         "where its tensors are")
+    return mod.function(arrays, xp=cupy_module(), name=name), next(iter(devices), None)
 
 
 def _placed(mask, device):
