@@ -400,7 +400,9 @@ def tune(dtypes, head_dims, seqlens, tokens, hidden, repeats, out_path) -> None:
                    "alibi, score - slope[h] * |q_idx - kv_idx|.  flashgen runs its compiled-in ALiBi instances, "
                    "flex the same expression as its score_mod; the other peers take none.")
 @click.option("--all-instances", is_flag=True, help="Also time every flashgen kernel tile (and backward key-split "
-              "policy) that can serve each point, as flashgen[<tile>] (multi-head points only).")
+              "policy) that can serve each point, as flashgen[<tile>] (multi-head points only), and the runtime's "
+              "own choice as flashgen[default], back to back after the interleaved rounds: read them against each "
+              "other (the table's best tile / its default), not against the other columns, whose clocks differ.")
 @click.option("--repeats", type=int, default=30, show_default=True,
               help="Timed calls per implementation and direction, in 10 interleaved rounds.")
 @click.option("--timing", type=click.Choice(["call", "queued"]), default="call", show_default=True,

@@ -571,6 +571,44 @@ def test_all_instances_are_not_timed_at_a_gqa_point(host_bench, monkeypatch):
     assert results[0].note == "instances not timed at GQA points: flashgen tune measures multi-head shapes only"
 
 
+class _NoTensor:
+    """Stands in for a torch tensor where no implementation is asked for (bench_point only views it)."""
+
+    def transpose(self, *dims):
+        return self
+
+    def requires_grad_(self, flag=True):
+        return self
+
+
+def test_all_instances_report_the_best_tile_against_the_default_timed_alike(monkeypatch):
+    """The tiles are timed back to back after the rounds (other clocks than the columns): the runtime's
+    own choice comes with them as flashgen[default], and the table's cell is the best tile over it."""
+    from flashgen import tune
+    from flashgen.bench_table import bench_table
+    from flashgen.runtime import device as device_module
+
+    pool = types.SimpleNamespace(free_all_blocks=lambda: None)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
+        get_default_memory_pool=lambda: pool, cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0))))
+    monkeypatch.setattr(bench, "_inputs", lambda torch, p, sets=3: [[_NoTensor() for _ in range(4)] for _ in range(sets)])
+    monkeypatch.setattr(device_module, "device_info", lambda index: types.SimpleNamespace(name="Fake GPU", cc=90))
+    monkeypatch.setattr("flashgen.runtime.registry.default_registry", lambda: None)
+    ms = {"fwd": {"default": 2.0, "128_64_4": 2.0, "128_128_4": 1.6},
+          "bwd": {"default": 4.0, "128_128_8": 4.0, "64_128_8": 5.0}}
+    monkeypatch.setattr(tune, "measure_choices", lambda p, direction, *a: dict(ms[direction]))
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None, empty_cache=lambda: None),
+                                  nn=types.SimpleNamespace(functional=types.SimpleNamespace(
+                                      scaled_dot_product_attention=None)))
+    results = bench.bench_point(POINT, [], torch, repeats=10, all_instances=True)
+    timed = {(r.impl, r.direction): r.ms for r in results}
+    assert timed == {(f"flashgen[{label}]", d): t for d, times in ms.items() for label, t in times.items()}
+    table = bench_table([POINT], results, [], all_instances=True)
+    assert "best instance / its default" in table
+    rows = [line for line in table.splitlines() if " fwd " in line or " bwd " in line]
+    assert "128_128_4 1.25x" in rows[0] and "128_128_8 1.00x" in rows[1], table
+
+
 def test_plot_keeps_a_gqa_point_apart_from_its_multi_head_twin():
     mha, gqa = bench.Point("f16", 64, False, 16, 32, 1024), bench.Point("f16", 64, False, 16, 32, 1024, 4)
     results = [bench.Result("flashgen", "fwd", mha, 1.0, 400.0), bench.Result("flashgen", "fwd", gqa, 1.0, 350.0),
