@@ -250,7 +250,8 @@ def test_names_that_are_no_built_score_mod_say_what_to_do():
     reg = FakeRegistry([])
     with pytest.raises(UnsupportedError, match="run-time option softcap=c"):
         mod_call("fwd", reg, score_mod="softcap", tensors={})
-    with pytest.raises(ValueError, match="'document' is a mask mod: pass it as a block mask"):
+    with pytest.raises(ValueError, match=r"'document' is a mask mod: pass it as a block mask, "
+                                         r"block_mask=flashgen.block_mask\('document', B, H, M, N, mod_tensors=...\)"):
         mod_call("fwd", reg, score_mod="document", tensors={})
     with pytest.raises(TypeError, match="score_mod must be a mod's name or a flashgen.mods.ScoreMod"):
         mod_call("fwd", reg, score_mod=3, tensors={})

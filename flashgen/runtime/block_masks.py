@@ -265,11 +265,11 @@ def _mask_mod_function(mask, mod_tensors, sizes, device):
     from flashgen.mods import BUILTIN_MODS, MaskMod, ScoreMod
 
     if isinstance(mask, str):
-        mask_mods = sorted(n for n, m in BUILTIN_MODS.items() if isinstance(m, MaskMod))
-        if not isinstance(BUILTIN_MODS.get(mask), MaskMod):
+        mod, name = BUILTIN_MODS.get(mask), mask
+        if not isinstance(mod, MaskMod):
+            mask_mods = sorted(n for n, m in BUILTIN_MODS.items() if isinstance(m, MaskMod))
             raise ValueError(f"{mask!r} is not a built-in mask mod ({', '.join(mask_mods)}); pass a MaskMod "
                              "declaration for one of your own")
-        mod, name = BUILTIN_MODS[mask], mask
     elif isinstance(mask, MaskMod):
         mod, name = mask, ""
     elif isinstance(mask, ScoreMod):

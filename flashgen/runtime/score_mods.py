@@ -91,8 +91,8 @@ def _declaration(score_mod, registry) -> Tuple[str, ScoreMod]:
         raise UnsupportedError("the built-in softcap mod is the run-time option softcap=c of every sm90 kernel: "
                                "pass that instead of score_mod='softcap'")
     if builtin is not None and not isinstance(builtin, ScoreMod):
-        raise ValueError(f"{score_mod!r} is a mask mod: pass it as a block mask, flashgen.block_mask("
-                         f"BUILTIN_MODS[{score_mod!r}].function(tensors), B, H, M, N)")
+        raise ValueError(f"{score_mod!r} is a mask mod: pass it as a block mask, block_mask=flashgen.block_mask("
+                         f"{score_mod!r}, B, H, M, N, mod_tensors=...)")
     if builtin is not None:
         return score_mod, builtin
     if score_mod not in recorded:
