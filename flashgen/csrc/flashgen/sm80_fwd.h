@@ -127,6 +127,9 @@ struct FwdKernel {
   static constexpr int kMinBlocksPerSm = 1;  // occupancy follows from shared memory; registers stay uncapped
   static constexpr float kMaxSlack = 8.f;    // log2 units a row max may rise before O is rescaled (see mainloop)
   static constexpr bool kDropout = kDropout_;  // compiled in: the Philox rounds exist only in these instances
+  // 128-key tiles load K an ldmatrix at a time for S = Q K^T (sm80_common.h: gemm_fine): a whole
+  // k-slice of K beside the next is 64 registers, and with S's 128 accumulators the loop spilled.
+  static constexpr bool kFineS = kBlockN == 128;
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
   static_assert(kBlockM == 16 * kWarps || kBlockM == 32 * kWarps, "one or two 16-row MMA tiles per warp");
@@ -329,8 +332,8 @@ struct FwdKernel {
 
       // S = Q K^T
       clear(tSrS);
-      gemm_ss(mma, tSrS, copy_a, tSsQ, tSrQ, tSrQ_view, copy_b, load_b.partition_S(tile_k((2 * i) % kStages)), tSrK,
-              tSrK_view);
+      gemm_ss_or_fine<kFineS>(mma, tSrS, copy_a, tSsQ, tSrQ, tSrQ_view, copy_b,
+                              load_b.partition_S(tile_k((2 * i) % kStages)), tSrK, tSrK_view);
 
       // Scores reach the log2 domain through `multiplier` (scale_log2, or softcap_out *
       // scale_log2 on tanh's output): folded into the exponent's FMA when positive, so the
