@@ -55,10 +55,11 @@ def test_default_set_sizes_are_what_the_readme_says():
     # + staged O: the unmasked k128 s2 tile's twin, 2 dtypes (the band one is built staged only);
     # + dropout and ALiBi: each 2 dtypes x tiers 64, 128 x band
     assert len(Sm90Fwd.default_set()) == 40 + 10 + 4 + 2 + 8 + 8
-    assert len(Sm90Bwd.default_set()) == 24 + 12 + 4 + 8 + 8  # + bias: 2 dtypes x 2 bands x (64, 128, 128 + softcap)
-    # + sparse: 2 dtypes x tiers 64, 128; + dropout and ALiBi: each 2 dtypes x tiers 64, 128 x band
+    assert len(Sm90Bwd.default_set()) == 24 + 4 + 12 + 4 + 8 + 8  # + 80-query steps: 2 dtypes x 2 bands at 128
+    # + bias: 2 dtypes x 2 bands x (64, 128, 128 + softcap); + sparse: 2 dtypes x tiers 64, 128; + dropout and
+    # ALiBi: each 2 dtypes x tiers 64, 128 x band
     # sm90a: the wgmma families beside example 41; the sm80 ones are not built there (sm90_* serve their calls)
-    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 72 + 56
+    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 76 + 56
     assert len([k for k in default_kernels() if k.runs_on("sm90")]) == 30 + 16 + 28, "plain sm90 cannot build wgmma code"
 
 
@@ -87,14 +88,16 @@ def test_sm90_forward_covers_dtypes_head_dims_and_masks():
 
 def test_sm90_backward_covers_dtypes_head_dims_masks_and_softcap():
     """Head dim 96 runs on the 128 tier (TMA zero-fills the missing columns); each tier keeps the
-    one query-step size whose dQ split and registers work out (the rules say why)."""
+    one query-step size whose dQ split and registers work out (the rules say why), and head dim 128
+    an 80-query one beside it (plain instances only: dQ leaves transposed)."""
     kernels = Sm90Bwd.default_set()
     for dtype in ("f16", "bf16"):
         for band in (False, True):
             for softcap in (False, True):
                 tiles = {(k.max_k, k.block_m, k.block_n) for k in kernels
                          if k.dtype == dtype and k.band == band and k.softcap == softcap}
-                assert tiles == {(64, 128, 128), (128, 64, 128), (256, 64, 64)}
+                assert tiles == {(64, 128, 128), (128, 64, 128), (256, 64, 64)} | (set() if softcap else {(128, 80, 128)})
+    assert all(not (k.bias or k.sparse or k.dropout or k.score_mod) for k in kernels if k.block_m == 80)
     assert all(k.runs_on("sm90a") and not k.runs_on("sm90") for k in kernels)
     assert Sm90Bwd.params_dtype().itemsize == 1152, "the 128-byte-aligned tensor maps round Params up to 128"
 
@@ -125,8 +128,9 @@ def test_sm90_bias_instances_are_the_tiles_the_plain_calls_pick():
 
 
 def test_sm90_alibi_instances_are_the_default_tile_of_each_tier_and_band():
-    """ALiBi is compiled in on tiers 64 and 128, both bands and dtypes, on the tile a plain call of the
-    tier picks first, never beside bias, block-mask lists or soft-capping; its name carries the mod."""
+    """ALiBi is compiled in on tiers 64 and 128, both bands and dtypes, on the first tile of a plain call of
+    the tier that a mod may take (the backward's 80-query tile may not), never beside bias, block-mask
+    lists or soft-capping; its name carries the mod."""
     for cls in (Sm90Fwd, Sm90Bwd):
         modded = [k for k in cls.default_set() if k.score_mod]
         assert {k.score_mod for k in modded} == {"alibi"} and len(modded) == 8
@@ -138,7 +142,8 @@ def test_sm90_alibi_instances_are_the_default_tile_of_each_tier_and_band():
             staged = hasattr(k, "staged_o") and dataclasses.replace(plain, staged_o=True)
             assert plain in cls.default_set() or staged in cls.default_set(), k.name
             first = next(p for p in cls.default_set() if (p.dtype, p.max_k, p.band) == (k.dtype, k.max_k, k.band)
-                         and not (p.bias or p.sparse or getattr(p, "softcap", False) or p.score_mod or p.dropout))
+                         and not (p.bias or p.sparse or getattr(p, "softcap", False) or p.score_mod or p.dropout)
+                         and p.block_m != 80)
             assert (first.block_m, first.block_n, first.stages) == (k.block_m, k.block_n, k.stages)
             assert "_mod_alibi_" in k.name and k.name.replace("_mod_alibi", "") == plain.name
             assert k.cpp_type.endswith(", ScoreMod_alibi>") and plain.cpp_type.endswith(", flashgen::sm90::NoScoreMod>")

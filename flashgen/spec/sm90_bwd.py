@@ -69,7 +69,7 @@ class Sm90Bwd(Sm90Tile):
         "arch": ("sm90a",),
         "dtype": ("f16", "bf16"),
         "max_k": (64, 128, 256),
-        "block_m": (64, 128),
+        "block_m": (64, 80, 128),
         "block_n": (128, 64),
         "stages": (2,),
         "band": (False, True),
@@ -86,6 +86,10 @@ class Sm90Bwd(Sm90Tile):
         Rule("128 queries at head dim 128 need 256 accumulator registers per thread (S, dP, dK, dV); "
              "setmaxnreg gives a consumer 240",
              lambda k: k.max_k == 128 and k.block_m == 128),
+        Rule("80-query steps (dQ leaves transposed) only for the plain head-dim-128 tile: bias, block masks, "
+             "dropout, soft-capping and score mods keep the 64-query step their code is laid out for",
+             lambda k: k.block_m == 80 and (k.max_k != 128 or k.softcap or k.bias or k.sparse or k.dropout
+                                             or k.score_mod)),
         Rule("head dim 256 splits its columns between the two warpgroups of one 64-key, 64-query tile "
              "(BwdKernel::kSplitCols): dK and dV of 64 keys fill a warpgroup's registers at 128 already",
              lambda k: k.max_k == 256 and (k.block_n != 64 or k.block_m != 64)),
@@ -122,8 +126,10 @@ class Sm90Bwd(Sm90Tile):
 
     @property
     def priority(self) -> tuple:
+        # 80-query steps first where built (the plain head-dim-128 tile): fewer steps, each reading K
+        # and V for more queries
         return (tuple(DTYPES).index(self.dtype), self.band, self.softcap, self.bias, self.sparse, self.dropout,
-                self.score_mod, self.max_k, self.block_m, self.stages, self.block_n)
+                self.score_mod, self.max_k, self.block_m % 64 == 0, self.block_m, self.stages, self.block_n)
 
     # `flashgen::sm90::BwdParams`
     ABI = (

@@ -19,10 +19,12 @@
 //   P^T  = exp2(S^T * scale_log2 - lse_log2),   dS^T = P^T * (dP^T - delta)
 //          (with soft-capping S^T is capped first and dS^T carries tanh's derivative)
 //   dV  += P^T dO,  dK += dS^T Q             (wgmma, P^T / dS^T from registers)
-//   dQ   = dS K                              (dS^T through shared memory), added into an
-//                                            fp32 accumulator by a TMA bulk reduce-add that
-//                                            leaves at the top of the next step, beside
-//                                            that step's S^T / dP^T, issued first
+//   dQ   = dS K                              (dS^T through shared memory), issued in the next
+//                                            step (kDqLag) once both warpgroups' halves of dS
+//                                            are in (mbarriers: the warpgroups never wait for
+//                                            each other within a step), and added into an fp32
+//                                            accumulator by a TMA bulk reduce-add that leaves
+//                                            a step later still, beside S^T / dP^T
 // kBias instances add a bias (natural-log units) to the scaled scores before the exp2, as
 // the forward did, and, when the caller wants dbias, write dS (before soft-capping's slope:
 // the gradient of the biased score) for every (query, key) the CTA visits.  A step's bias
@@ -33,8 +35,8 @@
 // Transposing S rather than dQ keeps every per-row softmax quantity a column
 // broadcast (one smem read per column) and dK/dV in registers for the whole
 // CTA.  The dQ product is split between the warpgroups by query rows when a
-// block has 128 of them, else by head-dim columns, so every dQ element gets one
-// add per CTA.  With `deterministic` the CTAs of one (head, query block)
+// block has 128 of them, else by head-dim columns (with 80 queries a step, as
+// dQ^T = K^T dS^T: wgmma's M is 64 rows), so every dQ element gets one add per CTA.  With `deterministic` the CTAs of one (head, query block)
 // add in key-block order (they wait for the part's counter to reach their key
 // block), so results repeat bit for bit.
 // kSparse instances serve a flashgen.block_mask of 128 x 128 blocks (runtime/block_masks.py): the
@@ -44,7 +46,7 @@
 // block's element mask comes with the step's Q and dO: its rows of the mask's partial_bits, into
 // the stage's bits buffer, and zeroes P^T (so dS^T too) where a bit is 0 (consume()).
 // kDropout instances redraw the forward's keep mask (flashgen/dropout.h) for each step, each Philox
-// call once per warpgroup, under the previous step's dQ GEMM: dV += (P^T o mask) dO (scaled by
+// call once per warpgroup, under the dQ GEMM issued in the previous step: dV += (P^T o mask) dO (scaled by
 // 1 / (1 - p) at its store) and dS^T = P^T o (dP^T o mask / (1 - p) - delta), where
 // delta = rowsum(dO * O) already holds because O is the dropped output.
 #pragma once
@@ -150,6 +152,18 @@ struct BwdParams {
   long long mod_stride[kModTensors][kModDims];
 };
 
+// BwdKernel's double-buffered dS tile (queries, keys): queries contiguous, or keys (kKeysContiguous).
+template <class Element, int kQueries, int kKeys, bool kKeysContiguous>
+constexpr auto ds_smem_layout() {
+  auto const shape = cute::Shape<cute::Int<kQueries>, cute::Int<kKeys>, cute::_2>{};
+  if constexpr (kKeysContiguous) {
+    return cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{}, shape);
+  } else {
+    return cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<Element>{}, shape,
+                               cute::Step<cute::_2, cute::_1, cute::_3>{});
+  }
+}
+
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kBand_, bool kSoftcap_,
           bool kBias_, bool kSparse_, bool kDropout_, class ScoreMod_>
 struct BwdKernel {
@@ -185,7 +199,11 @@ struct BwdKernel {
                 "a score mod is built without soft-capping, bias, block-mask lists and dropout");
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
-  static_assert(kBlockN % 64 == 0 && kBlockM % 64 == 0 && kHeadDim % 32 == 0, "wgmma tile shapes");
+  // Steps of 80 queries (head dim 128, no mask): a wgmma's M is 64 rows, so dQ leaves transposed
+  // (kDqTransposed).  Against 64-query steps, the S^T / dP^T GEMMs read a step's K and V from shared
+  // memory once per 80 queries instead of 64, and there are a fifth fewer steps.
+  static constexpr bool kDqTransposed = kBlockM % 64 != 0;
+  static_assert(kBlockN % 64 == 0 && kBlockM % 16 == 0 && kHeadDim % 32 == 0, "wgmma tile shapes");
   // Above head dim 128, dK and dV of 64 keys do not fit one warpgroup's registers: the two
   // warpgroups then share the CTA's 64 keys and split the head dim (kKvCols each), and each
   // computes S^T and dP^T for all of them -- the same two products twice, the price of the split.
@@ -194,6 +212,9 @@ struct BwdKernel {
   static constexpr int kKvCols = kSplitCols ? kHeadDim / kWarpGroups : kHeadDim;
   static_assert(!kSplitCols || (kBlockN == 64 && kBlockM == 64), "the split head dim is laid out for 64 x 64 steps");
   static_assert(!(kSplitCols && kBias), "bias is built up to head dim 128 (spec/sm90_bwd.py): one warpgroup per key");
+  static_assert(!kDqTransposed || (kBlockM == 80 && kHeadDim == 128 && kBlockN == 128 && !kBias && !kSparse &&
+                                    !kSoftcap && !kDropout && !ScoreMod_::kEnabled),
+                "80-query steps are laid out for the plain head-dim-128 tile (spec/sm90_bwd.py)");
   static_assert(!kDropout || (!kSplitCols && !kSoftcap && !kBias && !kSparse),
                 "dropout up to head dim 128, without soft-capping, bias or block-mask lists (spec/sm90_bwd.py)");
   static constexpr int kConsumerThreads = 128 * kWarpGroups;
@@ -212,17 +233,26 @@ struct BwdKernel {
   static constexpr int kBoxesPerRow = kHeadDim / kBoxCols;
 
   // How the warpgroups share dQ = dS K: by 64-row halves of a 128-query block,
-  // else by head-dim columns (each part a whole number of swizzle atoms).
+  // else by head-dim columns (each part a whole number of swizzle atoms); transposed, each
+  // warpgroup's 64 head-dim columns are the M rows of dQ^T = K^T dS^T.
   static constexpr bool kDqSplitRows = kBlockM == 64 * kWarpGroups;
   static constexpr int kDqCols = kDqSplitRows ? kHeadDim : kHeadDim / kWarpGroups;
-  static_assert(kDqSplitRows || (kBlockM == 64 && kDqCols % kBoxCols == 0),
+  static constexpr int kDqRows = kDqSplitRows ? 64 : kBlockM;  // a part's query rows
+  static constexpr int kDqMmaN = kDqTransposed ? kBlockM : kDqCols;  // the dQ product's N (its M: 64)
+  static_assert(kDqSplitRows || ((kBlockM == 64 || (kDqTransposed && kDqCols == 64)) && kDqCols % kBoxCols == 0),
                 "dQ needs 64 query rows per warpgroup or whole swizzle atoms of head-dim columns per warpgroup");
   // dQ leaves through a tile in shared memory (add_dq_tile) where the tile fits beside the rest;
   // the split head dim adds its parts with atomics instead.
   static constexpr bool kDqTile = !kSplitCols;
-  // Named barriers: 0 all consumers, 1 + w warpgroup w's dQ part, kBiasBarrier + w its bias and
-  // dbias tiles, kKeepBarrier + w its keep bits (consume()).
+  // Named barriers, each of one warpgroup w's threads (the warpgroups meet only at the mbarriers
+  // ds_full and ds_free): 1 + w its dQ part, kBiasBarrier + w its bias and dbias tiles,
+  // kKeepBarrier + w its keep bits (consume()).
   static constexpr int kBiasBarrier = 1 + kWarpGroups;
+  // Iteration t of consume()'s loop issues the dQ product of step t - kDqLag.  One step late, no
+  // warpgroup waits for the other's half of dS within a step; but a bias tile loads into the dS
+  // buffer the dQ product two steps back frees, and freed a step later it came too late (the bias
+  // backward 20% slower, H200): bias instances issue a step's dQ in the step.
+  static constexpr int kDqLag = kBias ? 0 : 1;
   static constexpr int kKeepBarrier = kBiasBarrier + kWarpGroups;
 
   using AtomK = std::conditional_t<kSwizzleBytes == 128, cute::GMMA::Layout_K_SW128_Atom<Element>,
@@ -241,10 +271,9 @@ struct BwdKernel {
   using SmemLayoutQt = ColMajorTiles<kBlockM, kStages>;   // Q and dO as B of dK / dV
   using SmemLayoutK = RowMajorTiles<kBlockN, 1>;          // K and V as A of S^T / dP^T
   using SmemLayoutKt = ColMajorTiles<kBlockN, 1>;         // K as B of dQ
-  // dS (queries, keys), queries contiguous (written from the dS^T registers), double-buffered.
-  using SmemLayoutDs = decltype(cute::tile_to_shape(
-      cute::GMMA::Layout_MN_SW128_Atom<Element>{},
-      cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>, cute::_2>{}, cute::Step<cute::_2, cute::_1, cute::_3>{}));
+  // dS (queries, keys), double-buffered, written from the dS^T registers: queries contiguous (the
+  // A operand of dQ = dS K), or, transposed, keys contiguous (the K-major B operand of dQ^T).
+  using SmemLayoutDs = decltype(ds_smem_layout<Element, kBlockM, kBlockN, kDqTransposed>());
 
   // The S^T / dP^T and dK / dV products are tiled over the warpgroups by keys, or (split head
   // dim) each warpgroup runs its own: then every thread indexes them by its rank in its warpgroup.
@@ -258,17 +287,18 @@ struct BwdKernel {
                                  cute::Shape<cute::_64, cute::Int<kKvCols>, cute::Int<kBlockM>>,
                                  cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
       WarpGroups{}));
+  // dQ = dS K: A a warpgroup's 64 rows of dS, B its columns of K (both MN-major); transposed,
+  // dQ^T = K^T dS^T: A its 64 columns of K, B all of dS (keys contiguous: K-major).
   using TiledMmaDq = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::_64, cute::Int<kDqCols>, cute::Int<kBlockN>>,
-                                 cute::GMMA::Major::MN, cute::GMMA::Major::MN>()));
+                                 cute::Shape<cute::_64, cute::Int<kDqMmaN>, cute::Int<kBlockN>>, cute::GMMA::Major::MN,
+                                 kDqTransposed ? cute::GMMA::Major::K : cute::GMMA::Major::MN>()));
 
   // kBias: the bias tile of step t arrives in dS buffer t % 2 (bias_full) once the dQ product two
-  // steps back has read that buffer (ds_free, every consumer thread).  Plain instances derive from
+  // steps back has read that buffer (ds_free).  Plain instances derive from
   // the empty NoBias instead, which takes no room.
   struct BiasBarriers {
     uint64_t bias_full[2];
-    uint64_t ds_free[2];
   };
   struct NoBias {};
   // kSparse: a partial step's rows of the mask's bits, per stage (4 words per query, one per 32
@@ -297,6 +327,8 @@ struct BwdKernel {
     alignas(8) uint64_t kv_full;
     uint64_t full[kStages];
     uint64_t empty[kStages];
+    uint64_t ds_full[2];  // dS buffer b holds both warpgroups' halves of a step's dS (every consumer thread arrives)
+    uint64_t ds_free[2];  // and both warpgroups' dQ products of that step have read it
   };
   static constexpr int kSharedBytes = int(sizeof(SharedStorage)) + 1024;  // +1024: the base is rounded up
   static_assert(kSharedBytes <= 227 * 1024, "K, V, the Q/dO ring and dS exceed the shared memory of a Hopper block");
@@ -475,12 +507,20 @@ struct BwdKernel {
     auto const kv_cols = Shape<Int<kKvCols>, Int<kBlockM>, Int<kStages>>{};
     Tensor tKrQt = thr_kv.partition_fragment_B(local_tile(sQt, kv_cols, make_coord(kSplitCols ? wg : 0, 0, 0)));
     Tensor tVrDoT = thr_kv.partition_fragment_B(local_tile(sDoT, kv_cols, make_coord(kSplitCols ? wg : 0, 0, 0)));
-    // This warpgroup's share of dQ = dS K.
-    Tensor sDsPart = local_tile(sDs, Shape<_64, Int<kBlockN>, _2>{}, make_coord(kDqSplitRows ? wg : 0, 0, 0));
+    // This warpgroup's share of dQ = dS K (transposed: of dQ^T = K^T dS^T).
+    Tensor sDsPart = local_tile(sDs, Shape<Int<kDqRows>, Int<kBlockN>, _2>{}, make_coord(kDqSplitRows ? wg : 0, 0, 0));
     Tensor sKtPart = local_tile(sKt(_, _, 0), Shape<Int<kDqCols>, Int<kBlockN>>{},
                                 make_coord(kDqSplitRows ? 0 : wg, 0));
-    Tensor tQrDs = thr_dq.partition_fragment_A(sDsPart);  // (MMA, 1, MMA_K, 2)
-    Tensor tQrKt = thr_dq.partition_fragment_B(sKtPart);  // (MMA, 1, MMA_K)
+    auto dq_operands = [&]() {
+      if constexpr (kDqTransposed) {
+        return cute::make_tuple(thr_dq.partition_fragment_B(sDsPart), thr_dq.partition_fragment_A(sKtPart));
+      } else {
+        return cute::make_tuple(thr_dq.partition_fragment_A(sDsPart), thr_dq.partition_fragment_B(sKtPart));
+      }
+    };
+    auto dq_fragments = dq_operands();
+    auto& tQrDs = get<0>(dq_fragments);  // (MMA, 1, MMA_K, 2)
+    auto& tQrKt = get<1>(dq_fragments);  // (MMA, 1, MMA_K)
 
     Tensor acc_dk = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kKvCols>>{});
     Tensor acc_dv = partition_fragment_C(mma_kv, Shape<Int<kBlockN>, Int<kKvCols>>{});
@@ -514,7 +554,7 @@ struct BwdKernel {
       warpgroup_gemm_issue<true>(mma_sdp, tPrV, tPrDo(_, _, _, stage), tPrDp);
     };
 
-    // kDropout: step t's keep bits, drawn (draw()) under step t - 1's dQ GEMM, when only the dQ, dK and
+    // kDropout: step t's keep bits, drawn (draw()) in the iteration before, under its dQ GEMM, when only the dQ, dK and
     // dV accumulators hold registers (drawn under the step's own S^T and dP^T GEMMs, beside their
     // accumulators, they spilled at head dim 64).  A thread holds 4 elements of each of its Philox
     // calls (dropout.h), the other 12 are in three other threads of the warpgroup, so the warpgroup
@@ -525,7 +565,7 @@ struct BwdKernel {
     // Register r = 8g + 4a + 2b + y is query 16g + 8a + col0 + y and key row_in_tile + 8b: query group
     // 8g + col0 + y, key group 4 (warp_in_wg / 2) + lane / 8, byte 8a + 2b + keep_shift of its call,
     // so group g's 8 registers read one word, and register r's bit is keep_bit(r) of it shifted.
-    // The words are written after every thread has read the last step's (named barrier 0, before
+    // The words are written after every thread of the warpgroup has read the last step's (dq_barrier(), before
     // the dQ GEMM) and read after all are written (kKeepBarrier + wg); a warp reads 16 distinct
     // words, on 16 banks.
     uint32_t const* keep_words = nullptr;
@@ -551,24 +591,21 @@ struct BwdKernel {
 
     auto head_of = [&](int t) { return head_kv * p.head_group + t / st.m_blocks; };
     auto m_block_of = [&](int t) { return st.m_begin + t % st.m_blocks; };
-    // kSparse: the steps come from the mask's lists, and the last one is kept for its dQ
+    int const kv_col0 = col0 + (kSplitCols ? wg * kKvCols : 0);
+    // kSparse: the steps come from the mask's lists; the last two are kept for their dQ
     SparseWalk walk(p, seq.batch, head_kv, n_block);
-    Step previous{0, -1, -1};
-    if (kSparse ? walk.more() : total > 0) {
-      Barrier::wait(&s.kv_full, 0);
+    if (!(kSparse ? walk.more() : total > 0)) {  // no query block meets these keys: dK = dV = 0
+      store_dkv(p, seq, acc_dk, p.dk_ptr, 0.f, key0 + key_row, kv_col0, head_kv);
+      store_dkv(p, seq, acc_dv, p.dv_ptr, 0.f, key0 + key_row, kv_col0, head_kv);
+      return;
     }
-    if (kDropout && total > 0) {
+    Step sparse_previous{0, -1, -1};  // step t - 1
+    Step sparse_tiled{0, -1, -1};     // step t - 2
+    auto step_at = [&](int t) { return Step{head_of(t), m_block_of(t), -1}; };
+    Barrier::wait(&s.kv_full, 0);
+    if constexpr (kDropout) {
       draw(head_of(0), m_block_of(0) * kBlockM);
     }
-    // Step t - 1's dQ leaves at the top of step t, next to the issue of step t's S^T and dP^T
-    // (issued and waited for in one iteration: across the loop's back edge ptxas serialised
-    // the GEMMs, C7514).
-    auto previous_dq_out = [&](int t) {
-      if (kDqTile && t > 0) {
-        add_dq_tile(p, seq, s, kSparse ? previous.head : head_of(t - 1),
-                    kSparse ? previous.m_block : m_block_of(t - 1), n_block);
-      }
-    };
 
     // kBias: the bias tile of step t and the dbias tile it yields are both staged in shared memory
     // as boxes of 64 query rows x 64 keys (sm90_common.h: kBiasBox), [query][key], 128-byte rows
@@ -636,17 +673,57 @@ struct BwdKernel {
         }
       }
     };
-    for (int t = 0; kSparse ? walk.more() : t < total; ++t) {
+    bool const want_dbias = kBias && p.dbias_ptr != nullptr;
+    // This warpgroup's barrier before a dQ product: the last dQ tile was read by the time the next
+    // is written, and (kDropout) every thread has read this step's keep bits before draw() writes
+    // the next step's.
+    auto dq_barrier = [&]() {
+      if constexpr (kDqTile) {
+        tile_free();
+      }
+      cutlass::arch::NamedBarrier::sync(128, 1 + wg);
+    };
+    auto issue_dq = [&](int ds_buf, auto& acc_dq) {
+      warpgroup_fence_operand(acc_dq);
+      warpgroup_arrive();
+      if constexpr (kDqTransposed) {
+        warpgroup_gemm_issue<true>(mma_dq, tQrKt, tQrDs(_, _, _, ds_buf), acc_dq);
+      } else {
+        warpgroup_gemm_issue<true>(mma_dq, tQrDs(_, _, _, ds_buf), tQrKt, acc_dq);
+      }
+    };
+    auto dq_out = [&](auto const& acc_dq, Step const& of) {
+      if constexpr (kDqTile) {
+        dq_to_tile(s, acc_dq);  // leaves under the next step's S^T and dP^T
+      } else {
+        add_dq_atomic(p, seq, acc_dq, of.head, of.m_block, n_block);
+      }
+    };
+    // Iteration t runs step t and the dQ product of step t - kDqLag: one step late, no warpgroup
+    // waits for the other's half of dS (ds_full), so the warpgroups need not run in step and one's
+    // softmax can run under the other's GEMMs; the last step's dQ then follows the loop.  No GEMM
+    // is issued under a branch (ptxas then serialises them all, C7518): iteration 0 issues a dQ
+    // product of nothing and throws it away, and the loop issues and waits for all its GEMMs in
+    // one iteration (across the back edge ptxas serialised them, C7514).
+    int t = 0;
+    for (;; ++t) {
       int const stage = t % kStages;
       int const buf = t % 2;
-      Step const step = kSparse ? walk.next() : Step{head_of(t), m_block_of(t), -1};
+      Step const step = kSparse ? walk.next() : step_at(t);
+      // The step of this iteration's dQ product (t >= kDqLag), and that of the dQ part in the tile
+      // (t > kDqLag): it leaves now
+      Step const dq_step = !kDqLag ? step : kSparse ? sparse_previous : step_at(t - 1);
+      Step const tiled = kSparse ? (kDqLag ? sparse_tiled : sparse_previous) : step_at(t - 1 - kDqLag);
+      int const dq_buf = (t + 2 - kDqLag) % 2;
       int const head = step.head;
       int const m_block = step.m_block;
       int const query0 = m_block * kBlockM;
-      // The GEMMs go first and run while the last step's dQ leaves.  (With lse, delta and dS
-      // in generic memory accesses, 128-query steps had done better the other way round.)
+      // The GEMMs go first and run while the last dQ part leaves.  (With lse, delta and dS in
+      // generic memory accesses, 128-query steps had done better the other way round.)
       issue_sdp(t);
-      previous_dq_out(t);
+      if (kDqTile && t > kDqLag) {
+        add_dq_tile(p, seq, s, tiled.head, tiled.m_block, n_block);
+      }
       warpgroup_wait<1>();  // S^T
       warpgroup_fence_operand(tSrS);
       if constexpr (kBias) {  // read under this step's dP^T GEMM
@@ -682,7 +759,6 @@ struct BwdKernel {
           return -column_value(lse_log2, r);
         }
       };
-      bool const want_dbias = kBias && p.dbias_ptr != nullptr;
       // kBias: this warpgroup's dQ part is free for the dbias tile once its thread 0 has seen the
       // TMA unit read the last step's dQ part (issued at the top of this step: done by now)
       auto free_dq_part = [&]() {
@@ -797,10 +873,16 @@ struct BwdKernel {
       // and +8 for queries r / 4 * 8 and 8 more, lane l addressing row l % 8 of tile l / 8.
       if constexpr (kBias) {  // every warp of the warpgroup has read its bias here and staged its dbias
         cutlass::arch::NamedBarrier::sync(128, kBiasBarrier + wg);
+      } else if (t >= 2) {  // both warpgroups' dQ products of step t - 2 have read dS buffer `buf`
+        Barrier::wait(&s.ds_free[buf], (t / 2 - 1) & 1);  // (kBias: the producer waited, for the bias tile)
       }
+      // Transposed (keys contiguous), stmatrix.trans stores each tile's columns: lane l addresses
+      // query l % 8 of tile l / 8, its 8 keys from key + 0 or + 8.
       if (!kSplitCols || wg == 0) {
         int const tile = lane / 8;
-        int const key = key_row - lane / 4 + (tile % 2) * 8 + lane % 8;
+        int const key = kDqTransposed ? key_row - lane / 4 + (tile % 2) * 8
+                                      : key_row - lane / 4 + (tile % 2) * 8 + lane % 8;
+        int const query_in_tile = kDqTransposed ? lane % 8 : 0;
         CUTE_UNROLL
         for (int r = 0; r < size(tKrDs); r += 8) {
           uint32_t pairs[4];
@@ -811,10 +893,11 @@ struct BwdKernel {
             pair[1] = tKrDs(r + 2 * j + 1);
             pairs[j] = reinterpret_cast<uint32_t const&>(pair);
           }
-          store_matrix_x4(&sDs((r / 4 + tile / 2) * 8, key, buf), pairs);
+          store_matrix_x4<kDqTransposed>(&sDs((r / 4 + tile / 2) * 8 + query_in_tile, key, buf), pairs);
         }
       }
       cutlass::arch::fence_view_async_shared();
+      Barrier::arrive(&s.ds_full[buf]);  // every thread: its own writes (and, split, the first warpgroup's)
 
       warpgroup_fence_operand(acc_dv);
       warpgroup_fence_operand(acc_dk);
@@ -831,15 +914,13 @@ struct BwdKernel {
       }
       warpgroup_commit_batch();
 
-      // dQ = dS K is issued while dK/dV finish: it only needs both halves of dS in shared memory.
-      if constexpr (kDqTile) {
-        tile_free();  // and, by the time it is written to the dQ tile, the last tile was read
+      // dQ = dS K of step t - kDqLag is issued while dK/dV finish, once both halves of its dS are in.
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<_64, Int<kDqMmaN>>{});
+      dq_barrier();
+      if (t >= kDqLag) {
+        Barrier::wait(&s.ds_full[dq_buf], ((t - kDqLag) / 2) & 1);
       }
-      cutlass::arch::NamedBarrier::sync(kConsumerThreads, 0);
-      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<_64, Int<kDqCols>>{});
-      warpgroup_fence_operand(acc_dq);
-      warpgroup_arrive();
-      warpgroup_gemm_issue<true>(mma_dq, tQrDs(_, _, _, buf), tQrKt, acc_dq);
+      issue_dq(dq_buf, acc_dq);
       warpgroup_wait<1>();  // dK/dV done: this stage's Q and dO can be refilled
       warpgroup_fence_operand(acc_dv);
       warpgroup_fence_operand(acc_dk);
@@ -850,54 +931,76 @@ struct BwdKernel {
       if (want_dbias) {  // under the dQ GEMM
         dbias_out(head, query0);
       }
-      if (kDropout && t + 1 < total) {  // the next step's mask, under the dQ GEMM
+      bool const more = kSparse ? walk.more() : t + 1 < total;
+      if (kDropout && more) {  // the next step's mask, under the dQ GEMM
         draw(head_of(t + 1), m_block_of(t + 1) * kBlockM);
       }
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_dq);
-      if constexpr (kBias) {  // dS buffer `buf` is free for step t + 2's bias tile
-        Barrier::arrive(&s.ds_free[buf]);
-      }
-      if (want_dbias) {  // the whole dbias tile has left before the dQ part is written over
-        cutlass::arch::NamedBarrier::sync(128, kBiasBarrier + wg);
-      }
-      if constexpr (kDqTile) {
-        dq_to_tile(s, acc_dq);  // leaves under the next step's S^T and dP^T
-      } else {
-        add_dq_atomic(p, seq, acc_dq, head, m_block, n_block);
+      if (t >= kDqLag) {
+        Barrier::arrive(&s.ds_free[dq_buf]);  // dS buffer dq_buf is free for the step after next (its bias tile)
+        if (want_dbias) {  // the whole dbias tile has left before the dQ part is written over
+          cutlass::arch::NamedBarrier::sync(128, kBiasBarrier + wg);
+        }
+        dq_out(acc_dq, dq_step);
       }
       if constexpr (kSparse) {
-        previous = step;
+        sparse_tiled = sparse_previous;
+        sparse_previous = step;
+      }
+      if (!more) {
+        break;
       }
     }
-    if (kDqTile && (kSparse ? previous.m_block >= 0 : total > 0)) {
-      add_dq_tile(p, seq, s, kSparse ? previous.head : head_of(total - 1),
-                  kSparse ? previous.m_block : m_block_of(total - 1), n_block);
+    Step const last = kSparse ? sparse_previous : step_at(t);
+    if constexpr (kDqLag == 1) {
+      // The last step's dQ product, and under it the dQ part of the step before and dK, dV out
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<_64, Int<kDqMmaN>>{});
+      Barrier::wait(&s.ds_full[t % 2], (t / 2) & 1);
+      issue_dq(t % 2, acc_dq);
+      if (kDqTile && t >= 1) {
+        Step const before_last = kSparse ? sparse_tiled : step_at(t - 1);
+        add_dq_tile(p, seq, s, before_last.head, before_last.m_block, n_block);
+      }
+      store_dkv(p, seq, acc_dk, p.dk_ptr, p.scale, key0 + key_row, kv_col0, head_kv);
+      store_dkv(p, seq, acc_dv, p.dv_ptr, kDropout ? p.dropout_scale : 1.f, key0 + key_row, kv_col0, head_kv);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_dq);
+      dq_barrier();
+      dq_out(acc_dq, last);
+    } else {
+      store_dkv(p, seq, acc_dk, p.dk_ptr, p.scale, key0 + key_row, kv_col0, head_kv);
+      store_dkv(p, seq, acc_dv, p.dv_ptr, kDropout ? p.dropout_scale : 1.f, key0 + key_row, kv_col0, head_kv);
     }
     if constexpr (kDqTile) {
+      add_dq_tile(p, seq, s, last.head, last.m_block, n_block);
       tile_free();  // the shared memory stays until the TMA unit has read the last tile
     }
-    int const kv_col0 = col0 + (kSplitCols ? wg * kKvCols : 0);
-    store_dkv(p, seq, acc_dk, p.dk_ptr, p.scale, key0 + key_row, kv_col0, head_kv);
-    store_dkv(p, seq, acc_dv, p.dv_ptr, kDropout ? p.dropout_scale : 1.f, key0 + key_row, kv_col0, head_kv);
   }
 
   // The fp32 dQ accumulator of one query block is laid out as the consumers hold it: part
-  // after part (a part is one warpgroup's share, 64 rows x kDqCols columns, see kDqSplitRows),
-  // and within a part the accumulator registers four at a time, thread after thread (quad q
-  // of thread t at floats (q * 128 + t) * 4).  A part then goes to shared memory in
-  // conflict-free 16-byte stores (row-major rows of 64 or 128 floats put 8 rows on the same
+  // after part (a part is one warpgroup's share, kDqRows rows x kDqCols columns, see
+  // kDqSplitRows), and within a part the accumulator registers four at a time, thread after
+  // thread (quad q of thread t at floats (q * 128 + t) * 4).  A part then goes to shared memory
+  // in conflict-free 16-byte stores (row-major rows of 64 or 128 floats put 8 rows on the same
   // banks) and leaves in one contiguous bulk reduce-add.  convert() maps it back.
-  static constexpr int kDqPartFloats = 64 * kDqCols;
+  static constexpr int kDqPartFloats = kDqRows * kDqCols;
   static_assert(kWarpGroups * kDqPartFloats == kBlockM * kHeadDim, "the parts tile the query block's dQ");
 
   // Row and column (in the query block) of the first value of quad q of thread t of part
-  // `part`; the quad holds (row, col), (row, col + 1), (row + 8, col), (row + 8, col + 1).
+  // `part`; the quad holds (row, col), (row, col + 1), (row + 8, col), (row + 8, col + 1) --
+  // transposed (registers of dQ^T), (row, col), (row + 1, col), (row, col + 8), (row + 1, col + 8).
   static __device__ int2 dq_quad_place(int part, int q, int t) {
     int const lane = t % 32;
-    int const row = 16 * (t / 32) + lane / 4 + (kDqSplitRows ? 64 * part : 0);
-    int const col = 8 * q + 2 * (lane % 4) + (kDqSplitRows ? 0 : kDqCols * part);
-    return make_int2(row, col);
+    int const m = 16 * (t / 32) + lane / 4;  // the quad's first value in the part's MMA tile
+    int const n = 8 * q + 2 * (lane % 4);
+    if constexpr (kDqTransposed) {
+      return make_int2(n, m + kDqCols * part);  // dQ^T: the tile's rows are columns of dQ
+    } else if constexpr (kDqSplitRows) {
+      return make_int2(m + 64 * part, n);
+    } else {
+      return make_int2(m, n + kDqCols * part);
+    }
   }
 
   // dQ parts go into the fp32 accumulator after all parts of the key blocks before this one
@@ -1044,10 +1147,11 @@ struct BwdKernel {
         Barrier::init(&s.full[i], 1);
         Barrier::init(&s.empty[i], kConsumerThreads);
       }
-      if constexpr (kBias) {
-        for (int i = 0; i < 2; ++i) {
+      for (int i = 0; i < 2; ++i) {
+        Barrier::init(&s.ds_full[i], kConsumerThreads);
+        Barrier::init(&s.ds_free[i], kConsumerThreads);
+        if constexpr (kBias) {
           Barrier::init(&s.bias_full[i], 1);
-          Barrier::init(&s.ds_free[i], kConsumerThreads);
         }
       }
       cutlass::arch::fence_barrier_init();
@@ -1071,8 +1175,9 @@ struct BwdKernel {
   // grid as prep.  A part at a time: its quads are read in order (coalesced) and put in
   // rows in shared memory (see dq_quad_place), then each thread writes 8 columns of a row.
   static __device__ void convert(BwdParams const& p) {
-    constexpr int kStride = kDqCols + 8;  // padded: a half-warp's float2 stores fall on distinct banks
-    __shared__ alignas(16) float rows[64 * kStride];
+    // padded: a half-warp's float2 stores fall on distinct banks (transposed: a warp's scalar stores)
+    constexpr int kStride = kDqCols + (kDqTransposed ? 4 : 8);
+    __shared__ alignas(16) float rows[kDqRows * kStride];
     int const m_block = blockIdx.x;
     int const head = blockIdx.y;
     Sequence const seq = sequence(p, blockIdx.z);
@@ -1088,12 +1193,20 @@ struct BwdKernel {
       for (int i = threadIdx.x; i < kDqPartFloats / 4; i += kAuxThreads) {
         int2 const place = dq_quad_place(0, i / 128, i % 128);  // within the part
         float4 const a = quads[part * (kDqPartFloats / 4) + i];
-        *reinterpret_cast<float2*>(&rows[place.x * kStride + place.y]) = make_float2(a.x, a.y);
-        *reinterpret_cast<float2*>(&rows[(place.x + 8) * kStride + place.y]) = make_float2(a.z, a.w);
+        float* const at = &rows[place.x * kStride + place.y];
+        if constexpr (kDqTransposed) {
+          at[0] = a.x;
+          at[kStride] = a.y;
+          at[8] = a.z;
+          at[kStride + 8] = a.w;
+        } else {
+          *reinterpret_cast<float2*>(at) = make_float2(a.x, a.y);
+          *reinterpret_cast<float2*>(at + 8 * kStride) = make_float2(a.z, a.w);
+        }
       }
       __syncthreads();
       int2 const origin = dq_quad_place(part, 0, 0);  // the part's first row and column
-      for (int i = threadIdx.x; i < 64 * kDqCols / 8; i += kAuxThreads) {
+      for (int i = threadIdx.x; i < kDqRows * kDqCols / 8; i += kAuxThreads) {
         int const r = i / (kDqCols / 8);
         int const c = i % (kDqCols / 8) * 8;
         int const row = m_block * kBlockM + origin.x + r;
