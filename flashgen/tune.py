@@ -88,6 +88,7 @@ def candidates(registry, device, p: Point, direction: str) -> List[Tuple[str, tu
     # a plain call: the bias and dropout twins, compiled in, take none (their own tiles are not its choices)
     req = Request(family, p.dtype, p.head_dim, p.head_dim, 8, False, False, device,
                   seq_multiples(p.seqlen, p.seqlen, False), band=p.causal, num_keys=min(p.seqlen, KEYS_CAP),
+                  num_queries=min(p.seqlen, KEYS_CAP),
                   compiled_bias=True, compiled_dropout=True)
     found, seen = [], set()
     for b in registry.for_device(family, device):

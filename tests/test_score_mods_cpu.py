@@ -25,7 +25,7 @@ from flashgen.runtime.registry import Registry
 from flashgen.spec import default_kernels, mod_kernels, score_mods
 from flashgen.spec.sm90_bwd import Sm90Bwd
 from flashgen.spec.sm90_fwd import Sm90Fwd
-from test_runtime_cpu import H100, FakeArray, fake_call, qkv, write_build
+from test_runtime_cpu import H100, FakeArray, fake_call, hopper_constants, qkv, write_build
 
 EXAMPLE = Path(__file__).parent / "score_mods_example.py"
 ALIBI = BUILTIN_MODS["alibi"]
@@ -109,14 +109,6 @@ def test_generate_with_a_mods_file_renders_its_instances(tmp_path):
     assert result.exit_code == 1 and "ScoreMod m, line 1, column 8: expected a number" in result.output
 
 
-def meta(spec) -> dict:
-    values = dict(threads_per_block=384, min_blocks_per_sm=1, shared_memory_bytes=200 * 1024, block_m=spec.block_m,
-                  block_n=spec.block_n, max_k=spec.max_k, stages=2, box_cols=64, swizzle_bytes=128, alignment=8,
-                  params_bytes=type(spec).params_dtype().itemsize, aux_threads=128, mask_rows=128,
-                  staged_max_key_blocks=16 if getattr(spec, "staged_o", False) and not spec.band else 0)
-    return {c.name: values[c.name] for c in type(spec).CONSTANTS}
-
-
 def test_the_manifest_records_the_declaration_and_the_registry_reads_it(tmp_path):
     alibi = next(k for k in Sm90Fwd.default_set() if k.score_mod)
     record = manifest.kernel_record(Job(alibi, "sm90a", tmp_path / "x.cu"))
@@ -124,7 +116,7 @@ def test_the_manifest_records_the_declaration_and_the_registry_reads_it(tmp_path
                                    "digest": ALIBI.digest()}
     plain = next(k for k in Sm90Fwd.default_set() if not k.score_mod)
     assert "score_mod" not in manifest.kernel_record(Job(plain, "sm90a", tmp_path / "y.cu"))
-    write_build(tmp_path, [(alibi, {"sm90a": meta(alibi)}), (plain, {"sm90a": meta(plain)})])
+    write_build(tmp_path, [(alibi, {"sm90a": hopper_constants(alibi)}), (plain, {"sm90a": hopper_constants(plain)})])
     data = json.loads((tmp_path / manifest.MANIFEST_NAME).read_text())
     for entry in data["kernels"]:
         if entry["name"] == alibi.name:
@@ -147,7 +139,7 @@ class FakeRegistry:
             rec = None
             if spec.score_mod:
                 rec = dict(score_mods.record(spec.score_mod), **({"digest": digest} if digest else {}))
-            b = SimpleNamespace(spec=spec, name=spec.name, target="sm90a", constants=meta(spec), score_mod=rec)
+            b = SimpleNamespace(spec=spec, name=spec.name, target="sm90a", constants=hopper_constants(spec), score_mod=rec)
             self.by_family.setdefault(spec.FAMILY, []).append(b)
         self.binaries = {(b.name, b.target): b for bs in self.by_family.values() for b in bs}
 

@@ -18,7 +18,7 @@ from flashgen.spec.sm90_bwd import Sm90Bwd
 from flashgen.spec.sm90_fwd import Sm90Fwd
 from flashgen.spec.sm90_tile import MOD_FIELDS
 from philox_reference import keep_mask, philox4x32_10, random_bits
-from test_runtime_cpu import H100, fake_call, write_build
+from test_runtime_cpu import H100, fake_call, hopper_constants, write_build
 from test_sm90_bias_cpu import binary, first
 
 
@@ -179,14 +179,6 @@ def test_selection_matches_dropout_both_ways(cls):
         "built with dropout (compiled in): a call without it takes a kernel without"
 
 
-def tile_constants(spec):
-    known = dict(threads_per_block=384, min_blocks_per_sm=1, shared_memory_bytes=200 * 1024, block_m=spec.block_m,
-                 block_n=spec.block_n, max_k=spec.max_k, stages=spec.stages, box_cols=64, swizzle_bytes=128,
-                 alignment=8, params_bytes=type(spec).params_dtype().itemsize, aux_threads=128, mask_rows=128,
-                 staged_max_key_blocks=16 if getattr(spec, "staged_o", False) and not spec.band else 0)
-    return {c.name: known[c.name] for c in type(spec).CONSTANTS}
-
-
 @pytest.fixture
 def hopper(tmp_path, monkeypatch):
     """A registry of f16 sm90 kernels (both directions' dropout instances) and an H100."""
@@ -196,7 +188,7 @@ def hopper(tmp_path, monkeypatch):
 
     def registry(kernels):
         directory = tmp_path / f"build{len(list(tmp_path.iterdir()))}"
-        write_build(directory, [(k, {"sm90a": tile_constants(k)}) for k in kernels])
+        write_build(directory, [(k, {"sm90a": hopper_constants(k)}) for k in kernels])
         return Registry([directory])
     return registry
 

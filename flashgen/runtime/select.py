@@ -18,8 +18,8 @@ from flashgen.runtime.arch import DeviceInfo
 from flashgen.runtime.registry import KernelBinary, Registry
 from flashgen.runtime.tuning import Choice
 
-# Request.num_keys is capped here: past it, no kernel's choice depends on the length, and the cache
-# of decisions stays small
+# Request.num_keys and num_queries are capped here: past it, no kernel's choice depends on the length,
+# and the cache of decisions stays small
 KEYS_CAP = 1 << 16
 
 
@@ -57,6 +57,9 @@ class Request:
     # declaration asked for, which the kernel's manifest record must carry (runtime/score_mods.py)
     score_mod: str = ""
     score_mod_digest: str = ""
+    # queries per sequence (the longest, with cu_seqlens), at most KEYS_CAP; 0: unknown. Kernels whose
+    # constant ``min_queries`` is nonzero (sm90_bwd's 80-query steps) serve only calls of at least that many
+    num_queries: int = 0
 
 
 def seq_multiples(num_queries: int, num_keys: int, varlen: bool) -> Tuple[int, int]:
@@ -126,6 +129,11 @@ def rejection(binary: KernelBinary, req: Request) -> Optional[str]:
         keys = f"{req.num_keys}{more}" if req.num_keys else "an unknown number"
         return (f"stores O through shared memory, which pays only for tiles of at most {served} key blocks "
                 f"({served * c['block_n']} keys); the call has {keys}")
+    least = c.get("min_queries", 0)
+    if least and req.num_queries < least:
+        queries = f"{req.num_queries}" if req.num_queries else "an unknown number"
+        return (f"takes {c['block_m']}-query steps, which pay only from {least} queries a sequence on; the call "
+                f"has {queries}")
     smem = c["shared_memory_bytes"]
     if smem > req.device.shared_memory_optin:
         return f"needs {smem} B of shared memory; {req.device.name} allows {req.device.shared_memory_optin} B per block"

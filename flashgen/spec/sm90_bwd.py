@@ -41,6 +41,10 @@ a partial block's bit is 0.  The ``sparse_*`` fields point at the lists, ``parti
 A ``dropout`` instance redraws the mask of ``sm90_fwd``'s dropout twin (same ``dropout_*`` fields, the
 rule in ``flashgen/csrc/flashgen/dropout.h``): dV = (P o mask)^T dO / (1 - p) and dS = P o (dP o mask /
 (1 - p) - delta), delta = rowsum(dO * O) of the dropped output O.
+
+An 80-query instance (``block_m`` 80, head dim 128) computes dQ transposed, which changes no field;
+its constant ``min_queries`` (1024) is the fewest queries a sequence of a call it serves (shorter
+calls take the 64-query tile); 0 elsewhere.
 """
 from __future__ import annotations
 
@@ -195,4 +199,5 @@ class Sm90Bwd(Sm90Tile):
     # prep and convert run aux_threads threads; a sparse instance reads mask blocks of mask_rows queries
     # (its block_m-query steps cover them in turn) and block_n keys
     CONSTANTS = tile_constants("flashgen::sm90::BwdParams") + (Constant("aux_threads", "Kernel::kAuxThreads"),
-                                                                Constant("mask_rows", "Kernel::kMaskRows"))
+                                                                Constant("mask_rows", "Kernel::kMaskRows"),
+                                                                Constant("min_queries", "Kernel::kMinQueries"))

@@ -51,4 +51,5 @@ extern "C" __constant__ long long sm90_bwd_bf16_k64_q128x128_s2_band_softcap_sm9
     (long long)(sizeof(flashgen::sm90::BwdParams)),  // params_bytes
     (long long)(Kernel::kAuxThreads),  // aux_threads
     (long long)(Kernel::kMaskRows),  // mask_rows
+    (long long)(Kernel::kMinQueries),  // min_queries
 };

@@ -51,4 +51,5 @@ extern "C" __constant__ long long sm90_bwd_f16_k128_q64x128_s2_band_sm90a_meta[]
     (long long)(sizeof(flashgen::sm90::BwdParams)),  // params_bytes
     (long long)(Kernel::kAuxThreads),  // aux_threads
     (long long)(Kernel::kMaskRows),  // mask_rows
+    (long long)(Kernel::kMinQueries),  // min_queries
 };

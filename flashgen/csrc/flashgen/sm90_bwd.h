@@ -203,6 +203,10 @@ struct BwdKernel {
   // (kDqTransposed).  Against 64-query steps, the S^T / dP^T GEMMs read a step's K and V from shared
   // memory once per 80 queries instead of 64, and there are a fifth fewer steps.
   static constexpr bool kDqTransposed = kBlockM % 64 != 0;
+  // The fewest queries a sequence of a call the runtime may send here (0: any): below 1024 a CTA's
+  // first and last steps weigh more, and 80-query steps ran 2-5% behind 64-query ones at 512
+  // tokens (H200, session 24, both before and after the dQ product moved a step late).
+  static constexpr int kMinQueries = kDqTransposed ? 1024 : 0;
   static_assert(kBlockN % 64 == 0 && kBlockM % 16 == 0 && kHeadDim % 32 == 0, "wgmma tile shapes");
   // Above head dim 128, dK and dV of 64 keys do not fit one warpgroup's registers: the two
   // warpgroups then share the CTA's 64 keys and split the head dim (kKvCols each), and each

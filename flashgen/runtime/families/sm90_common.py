@@ -285,6 +285,7 @@ class OwnKernelFamily(RuntimeFamily):
                        compiled_bias=self.compiled_bias,
                        block_sparse=None if call.block_mask is None else call.block_mask.block,
                        compiled_dropout=self.compiled_dropout, num_keys=min(p.N, KEYS_CAP),
+                       num_queries=min(p.M, KEYS_CAP),
                        score_mod="" if mod is None else mod.name, score_mod_digest="" if mod is None else mod.digest)
 
     def refusal(self, call: Call) -> Optional[str]:
