@@ -22,8 +22,7 @@ from flashgen.spec.sm80_fwd import Sm80Fwd
 from flashgen.spec.sm90_bwd import Sm90Bwd
 from flashgen.spec.sm90_fwd import Sm90Fwd
 from flashgen.spec.sm90_tile import DROPOUT_FIELDS
-from test_runtime_cpu import H100, fake_call, qkv, write_build
-from test_sm90_dropout_cpu import tile_constants as sm90_constants
+from test_runtime_cpu import H100, fake_call, hopper_constants, qkv, write_build
 
 A100 = DeviceInfo(0, "NVIDIA A100-SXM4-80GB", 80, 108, 163 * 1024)
 A10 = DeviceInfo(0, "NVIDIA A10", 86, 72, 99 * 1024)
@@ -199,7 +198,7 @@ def build(tmp_path, monkeypatch):
             monkeypatch.setattr(module, "device_info", lambda index: info)
         kernels = []
         if sm90:
-            kernels += [(k, {"sm90a": sm90_constants(k)}) for cls in (Sm90Fwd, Sm90Bwd) for k in cls.default_set()
+            kernels += [(k, {"sm90a": hopper_constants(k)}) for cls in (Sm90Fwd, Sm90Bwd) for k in cls.default_set()
                         if k.dtype == "f16" and not k.score_mod]
         if sm80:
             kernels += [(k, {"sm80": sm80_constants(k), "sm90": sm80_constants(k)}) for cls in (Sm80Fwd, Sm80Bwd)
