@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashgen.spec.core import DTYPES, Constant, Field, KernelSpec, Rule, cpp_bool, normalize_target, target_cc
-from flashgen.spec.sm90_tile import DROPOUT_FIELDS
+from flashgen.spec.contract import DROPOUT_FIELDS, FORWARD_OUTPUT_FIELDS, FORWARD_SHAPE_FIELDS
 
 KB = 1024
 # Shared memory a CTA may use so that two fit an A100 SM (164 KB) or an H100 SM (228 KB)
@@ -174,23 +174,8 @@ class Sm80Fwd(KernelSpec):
         Field("k_stride_h", "i32"),
         Field("v_stride_m", "i32"),
         Field("v_stride_h", "i32"),
-        Field("out_stride_m", "i32"),
-        Field("out_stride_h", "i32"),
-        Field("lse_stride_b", "i32"),
-        Field("lse_stride_h", "i32"),
-        Field("lse_rows", "i32"),
-        Field("num_queries", "i32"),
-        Field("num_keys", "i32"),
-        Field("num_heads", "i32"),
-        Field("num_sequences", "i32"),
-        Field("head_dim", "i32"),
-        Field("head_group", "i32"),
-        Field("band_lo", "i32"),
-        Field("band_hi", "i32"),
-        Field("band_from_end", "i32"),
-        Field("scale_log2", "f32"),
-        Field("softcap_in", "f32"),
-        Field("softcap_out", "f32"),
+        *FORWARD_OUTPUT_FIELDS,
+        *FORWARD_SHAPE_FIELDS,
         Field("bias_ptr", "ptr"),
         Field("bias_stride_b", "i64"),
         Field("bias_stride_h", "i64"),

@@ -60,8 +60,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashgen.spec.core import DTYPES, Constant, Field, Rule
-from flashgen.spec.sm90_tile import (DROPOUT_FIELDS, MOD_FIELDS, SCORE_MOD_AXIS, SPARSE_POINTER_FIELDS, Sm90Tile,
-                                    score_mod_rules, tile_constants)
+from flashgen.spec.contract import DROPOUT_FIELDS, FORWARD_OUTPUT_FIELDS, FORWARD_SHAPE_FIELDS
+from flashgen.spec.sm90_tile import (MOD_FIELDS, SCORE_MOD_AXIS, SPARSE_POINTER_FIELDS, Sm90Tile, score_mod_rules,
+                                    tile_constants)
 
 
 @dataclass(frozen=True)
@@ -168,25 +169,10 @@ class Sm90Fwd(Sm90Tile):
         Field("out_ptr", "ptr"),
         Field("lse_ptr", "ptr"),
         Field("out_stride_b", "i64"),
-        Field("out_stride_m", "i32"),
-        Field("out_stride_h", "i32"),
-        Field("lse_stride_b", "i32"),
-        Field("lse_stride_h", "i32"),
-        Field("lse_rows", "i32"),
+        *FORWARD_OUTPUT_FIELDS,
         Field("seqstart_q", "ptr"),
         Field("seqstart_k", "ptr"),
-        Field("num_queries", "i32"),
-        Field("num_keys", "i32"),
-        Field("num_heads", "i32"),
-        Field("num_sequences", "i32"),
-        Field("head_dim", "i32"),
-        Field("head_group", "i32"),
-        Field("band_lo", "i32"),
-        Field("band_hi", "i32"),
-        Field("band_from_end", "i32"),
-        Field("scale_log2", "f32"),
-        Field("softcap_in", "f32"),
-        Field("softcap_out", "f32"),
+        *FORWARD_SHAPE_FIELDS,
         Field("bias_batch_step", "i32"),
         Field("bias_head_step", "i32"),
         Field("bias_row_step", "i32"),

@@ -34,12 +34,6 @@ def score_mod_rules(tiers_reason: str) -> tuple:
              lambda k: k.score_mod and k.dropout),
     )
 
-# Both Params structs end with these (flashgen/dropout.h): the Philox key and counter offset (the
-# call's seed and offset, re-filled by every launch of a plan), the keep threshold of 256 and 1 / (1 - p)
-DROPOUT_FIELDS = (Field("dropout_seed", "u64"), Field("dropout_offset", "u64"), Field("dropout_keep", "u32"),
-                  Field("dropout_scale", "f32"))
-
-
 @dataclass(frozen=True)
 class Sm90Tile(KernelSpec):
     arch: str
