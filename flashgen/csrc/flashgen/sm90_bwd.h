@@ -36,7 +36,8 @@
 // broadcast (one smem read per column) and dK/dV in registers for the whole
 // CTA.  The dQ product is split between the warpgroups by query rows when a
 // block has 128 of them, else by head-dim columns (with 80 queries a step, as
-// dQ^T = K^T dS^T: wgmma's M is 64 rows), so every dQ element gets one add per CTA.  With `deterministic` the CTAs of one (head, query block)
+// dQ^T = K^T dS^T: wgmma's M is 64 rows), so every dQ element gets one add per
+// CTA.  With `deterministic` the CTAs of one (head, query block)
 // add in key-block order (they wait for the part's counter to reach their key
 // block), so results repeat bit for bit.
 // kSparse instances serve a flashgen.block_mask of 128 x 128 blocks (runtime/block_masks.py): the
@@ -199,7 +200,7 @@ struct BwdKernel {
                 "a score mod is built without soft-capping, bias, block-mask lists and dropout");
 
   static_assert(sizeof(Element) == 2, "f16 or bf16");
-  // Steps of 80 queries (head dim 128, no mask): a wgmma's M is 64 rows, so dQ leaves transposed
+  // Steps of 80 queries (plain head-dim-128 instances): a wgmma's M is 64 rows, so dQ leaves transposed
   // (kDqTransposed).  Against 64-query steps, the S^T / dP^T GEMMs read a step's K and V from shared
   // memory once per 80 queries instead of 64, and there are a fifth fewer steps.
   static constexpr bool kDqTransposed = kBlockM % 64 != 0;
@@ -255,7 +256,7 @@ struct BwdKernel {
   // Iteration t of consume()'s loop issues the dQ product of step t - kDqLag.  One step late, no
   // warpgroup waits for the other's half of dS within a step; but a bias tile loads into the dS
   // buffer the dQ product two steps back frees, and freed a step later it came too late (the bias
-  // backward 20% slower, H200): bias instances issue a step's dQ in the step.
+  // backward 2-13% slower at head dim 64, H200): bias instances issue a step's dQ in the step.
   static constexpr int kDqLag = kBias ? 0 : 1;
   static constexpr int kKeepBarrier = kBiasBarrier + kWarpGroups;
 
@@ -596,11 +597,14 @@ struct BwdKernel {
     auto head_of = [&](int t) { return head_kv * p.head_group + t / st.m_blocks; };
     auto m_block_of = [&](int t) { return st.m_begin + t % st.m_blocks; };
     int const kv_col0 = col0 + (kSplitCols ? wg * kKvCols : 0);
+    auto store_dk_dv = [&]() {
+      store_dkv(p, seq, acc_dk, p.dk_ptr, p.scale, key0 + key_row, kv_col0, head_kv);
+      store_dkv(p, seq, acc_dv, p.dv_ptr, kDropout ? p.dropout_scale : 1.f, key0 + key_row, kv_col0, head_kv);
+    };
     // kSparse: the steps come from the mask's lists; the last two are kept for their dQ
     SparseWalk walk(p, seq.batch, head_kv, n_block);
-    if (!(kSparse ? walk.more() : total > 0)) {  // no query block meets these keys: dK = dV = 0
-      store_dkv(p, seq, acc_dk, p.dk_ptr, 0.f, key0 + key_row, kv_col0, head_kv);
-      store_dkv(p, seq, acc_dv, p.dv_ptr, 0.f, key0 + key_row, kv_col0, head_kv);
+    if (!(kSparse ? walk.more() : total > 0)) {  // no query block meets these keys: dK = dV = 0 (still clear)
+      store_dk_dv();
       return;
     }
     Step sparse_previous{0, -1, -1};  // step t - 1
@@ -884,8 +888,7 @@ struct BwdKernel {
       // query l % 8 of tile l / 8, its 8 keys from key + 0 or + 8.
       if (!kSplitCols || wg == 0) {
         int const tile = lane / 8;
-        int const key = kDqTransposed ? key_row - lane / 4 + (tile % 2) * 8
-                                      : key_row - lane / 4 + (tile % 2) * 8 + lane % 8;
+        int const key = key_row - lane / 4 + (tile % 2) * 8 + (kDqTransposed ? 0 : lane % 8);
         int const query_in_tile = kDqTransposed ? lane % 8 : 0;
         CUTE_UNROLL
         for (int r = 0; r < size(tKrDs); r += 8) {
@@ -966,15 +969,13 @@ struct BwdKernel {
         Step const before_last = kSparse ? sparse_tiled : step_at(t - 1);
         add_dq_tile(p, seq, s, before_last.head, before_last.m_block, n_block);
       }
-      store_dkv(p, seq, acc_dk, p.dk_ptr, p.scale, key0 + key_row, kv_col0, head_kv);
-      store_dkv(p, seq, acc_dv, p.dv_ptr, kDropout ? p.dropout_scale : 1.f, key0 + key_row, kv_col0, head_kv);
+      store_dk_dv();
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_dq);
       dq_barrier();
       dq_out(acc_dq, last);
     } else {
-      store_dkv(p, seq, acc_dk, p.dk_ptr, p.scale, key0 + key_row, kv_col0, head_kv);
-      store_dkv(p, seq, acc_dv, p.dv_ptr, kDropout ? p.dropout_scale : 1.f, key0 + key_row, kv_col0, head_kv);
+      store_dk_dv();
     }
     if constexpr (kDqTile) {
       add_dq_tile(p, seq, s, last.head, last.m_block, n_block);
