@@ -11,7 +11,7 @@ import pytest
 from flashgen.runtime.families import sm90_common, sm90_fwd
 from flashgen.runtime.select import KEYS_CAP, Request, rejection
 from flashgen.spec.sm90_fwd import Sm90Fwd
-from test_runtime_cpu import H100, FakeArray, fake_call
+from test_runtime_cpu import H100, FakeArray, fake_call, hopper_constants
 
 
 @pytest.fixture(autouse=True)
@@ -20,12 +20,9 @@ def block_cupy(monkeypatch):
 
 
 def binary(spec):
-    """What selection reads of a built kernel; ``staged_max_key_blocks`` as FwdKernel::kServedKeyBlocks
-    computes it (16 for an unmasked staged instance, else 0)."""
-    served = 16 if spec.staged_o and not spec.band else 0
-    return SimpleNamespace(spec=spec, name=spec.name, constants={
-        "max_k": spec.max_k, "alignment": 8, "shared_memory_bytes": 200 * 1024, "block_n": spec.block_n,
-        "staged_max_key_blocks": served})
+    """What selection reads of a built kernel (hopper_constants: ``staged_max_key_blocks`` as
+    FwdKernel::kServedKeyBlocks computes it, 16 for an unmasked staged instance, else 0)."""
+    return SimpleNamespace(spec=spec, name=spec.name, constants=hopper_constants(spec))
 
 
 def first(req, band=False):
