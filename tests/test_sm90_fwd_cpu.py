@@ -1,6 +1,6 @@
 """sm90_fwd's staged-O instances without a GPU: which calls they serve (few key blocks, or any in a
-band instance), that their twins take the rest, and that the family's request carries the call's key
-count (capped) into the selection.  Nothing here imports CuPy."""
+band instance), that the 176-key tile takes the longer unmasked ones, and that the family's request
+carries the call's key count (capped) into the selection.  Nothing here imports CuPy."""
 from __future__ import annotations
 
 import sys
@@ -44,21 +44,29 @@ def test_calls_of_at_most_16_key_blocks_take_the_staged_tile(num_keys):
 
 
 @pytest.mark.parametrize("num_keys", [2049, 8192, KEYS_CAP])
-def test_longer_calls_take_the_twin_with_the_reason(num_keys):
-    assert first(request(num_keys)) == "sm90_fwd_bf16_k128_q128x128_s2_sm90a"
+def test_longer_calls_take_the_176_key_tile_with_the_reason(num_keys):
+    assert first(request(num_keys)) == "sm90_fwd_bf16_k128_q128x176_s2_sm90a"
     why = rejection(STAGED, request(num_keys))
     assert "at most 16 key blocks (2048 keys)" in why and f"the call has {num_keys}" in why
     assert why.endswith(" or more") == (num_keys == KEYS_CAP)
 
 
 def test_an_unknown_key_count_never_takes_a_limited_tile():
-    assert first(request(0)) == "sm90_fwd_bf16_k128_q128x128_s2_sm90a"
+    assert first(request(0)) == "sm90_fwd_bf16_k128_q128x176_s2_sm90a"
     assert "an unknown number" in rejection(STAGED, request(0))
 
 
 @pytest.mark.parametrize("num_keys", [0, 7, 2048, 16384])
 def test_the_band_tile_is_staged_at_every_length(num_keys):
     assert first(request(num_keys, band=True), band=True) == "sm90_fwd_bf16_k128_q128x128_s2_band_staged_o_sm90a"
+
+
+def test_the_176_key_tile_is_head_dim_128s_unmasked_plain_tile_only():
+    wide = [k for k in Sm90Fwd.default_set() if k.block_n == 176]
+    assert {(k.dtype, k.max_k, k.band, k.staged_o, k.bias, k.dropout, k.sparse, k.score_mod, k.stages)
+            for k in wide} == {(d, 128, False, False, False, False, False, "", 2) for d in ("f16", "bf16")}
+    # the band and bias calls keep their 128-key tiles
+    assert first(request(8192, band=True), band=True) == "sm90_fwd_bf16_k128_q128x128_s2_band_staged_o_sm90a"
 
 
 def test_head_dim_64_has_no_staged_tile():

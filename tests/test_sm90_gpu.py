@@ -232,17 +232,40 @@ def test_grouped_query_attention(group, causal):
 @pytest.mark.parametrize("N", [7, 1000, 2048, 2049, 5000])
 @pytest.mark.parametrize("causal", [None, "bottom_right"])
 def test_staged_o_serves_calls_of_few_key_blocks(N, causal):
-    """Head dim 128: the staged-O tile takes calls of at most 16 key blocks (any, with a band), its twin
-    the longer ones; both match the reference (M != N, rows past a block, poisoned outputs)."""
+    """Head dim 128: the staged-O tile takes calls of at most 16 key blocks (any, with a band), the
+    176-key tile the longer unmasked ones; both match the reference (M != N, rows past a block,
+    poisoned outputs)."""
     rng = np.random.default_rng(N)
     q, k, v = (randn(rng, (2, n, 3, 128), "bf16") for n in (333, N, N))
     name = selected(q, k, v, causal=causal)
-    assert name.startswith("sm90_fwd_bf16_k128_q128x128_s2")
-    assert name.endswith("_staged_o_sm90a") == (causal is not None or N <= 2048), name
+    long_unmasked = causal is None and N > 2048
+    assert name == ("sm90_fwd_bf16_k128_q128x176_s2_sm90a" if long_unmasked
+                    else f"sm90_fwd_bf16_k128_q128x128_s2{'_band' if causal else ''}_staged_o_sm90a"), name
     with poisoned_allocations():
         out, lse = flashgen.attention_forward(q, k, v, causal=causal)
     ref_out, ref_lse = reference(q, k, v, causal=causal)
     assert rel_err(out, ref_out) < FWD_TOL["bf16"] and lse_err(lse, ref_lse) < FWD_TOL["bf16"]
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("M, N, H, Hk, K, layout", [
+    (1, 2049, 4, 1, 128, "contiguous"),    # one query, a last key block of 113 keys
+    (129, 2113, 6, 2, 120, "padded"),      # 12 key blocks of 176 and one of 1, head dim below the tier
+    (1000, 4000, 2, 2, 128, "bhsk"),       # heads-major strides
+    (7, 5281, 8, 8, 104, "contiguous"),    # 30 blocks and one key
+])
+def test_the_176_key_tile_serves_long_unmasked_calls(dtype, M, N, H, Hk, K, layout):
+    """The 176-key tile (head dim 128, unmasked, more than 2048 keys) against the float64 reference:
+    partial last key blocks, M != N, grouped-query heads, strided inputs, head dims below 128."""
+    rng = np.random.default_rng(N + M)
+    q = make_input(rng, (2, M, H, K), dtype, layout)
+    k, v = (make_input(rng, (2, N, Hk, K), dtype, layout) for _ in range(2))
+    assert selected(q, k, v) == f"sm90_fwd_{dtype}_k128_q128x176_s2_sm90a"
+    with poisoned_allocations():
+        out, lse = flashgen.attention_forward(q, k, v)
+    ref_out, ref_lse = reference(q, *(cupy.repeat(x, H // Hk, axis=2) for x in (k, v)))
+    assert rel_err(out, ref_out) < FWD_TOL[dtype] and lse_err(lse, ref_lse) < FWD_TOL[dtype]
 
 
 @needs_kernels

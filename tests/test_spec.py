@@ -53,13 +53,13 @@ def test_default_set_sizes_are_what_the_readme_says():
     assert len(sm80) == 30 + 16 + 28
     # + bias: 2 dtypes x (tiers 64, 128 x band, and q192 at 64); + sparse: 2 dtypes x tiers 64, 128;
     # + staged O: the unmasked k128 s2 tile's twin, 2 dtypes (the band one is built staged only);
-    # + dropout and ALiBi: each 2 dtypes x tiers 64, 128 x band
-    assert len(Sm90Fwd.default_set()) == 40 + 10 + 4 + 2 + 8 + 8
+    # + dropout and ALiBi: each 2 dtypes x tiers 64, 128 x band; + the unmasked k128 176-key tile, 2 dtypes
+    assert len(Sm90Fwd.default_set()) == 40 + 10 + 4 + 2 + 8 + 8 + 2
     assert len(Sm90Bwd.default_set()) == 24 + 4 + 12 + 4 + 8 + 8  # + 80-query steps: 2 dtypes x 2 bands at 128
     # + bias: 2 dtypes x 2 bands x (64, 128, 128 + softcap); + sparse: 2 dtypes x tiers 64, 128; + dropout and
     # ALiBi: each 2 dtypes x tiers 64, 128 x band
     # sm90a: the wgmma families beside example 41; the sm80 ones are not built there (sm90_* serve their calls)
-    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 76 + 56
+    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 74 + 60  # example 41, sm90_fwd, sm90_bwd
     assert len([k for k in default_kernels() if k.runs_on("sm90")]) == 30 + 16 + 28, "plain sm90 cannot build wgmma code"
 
 

@@ -45,8 +45,10 @@ bias; a causal mask or a window is folded into the block mask rather than combin
 A ``staged_o`` instance stores O through shared memory (stmatrix, then whole rows in 16-byte stores)
 for tiles of at most 16 key blocks; its constant ``staged_max_key_blocks`` is the most key blocks a
 call may have for the runtime to send it there (0: any, in band instances, whose tiles near the
-diagonal visit few blocks).  Its unmasked twin without the path serves longer calls: the path's code
-slowed the main loop by 2-4% at 4k-16k keys even where it was not taken.
+diagonal visit few blocks).  Longer unmasked calls take a tile without the path (its code slowed the
+main loop by 2-4% at 4k-16k keys even where it was not taken): at head dim 128 the 176-key tile, whose
+longer key blocks mean fewer row-max and rescale rounds (+3-9% over its 128-key twin at 4k-16k keys on
+an H200); the twin stays for the tuning tables.
 
 A ``dropout`` instance drops elements of P after the softmax (the lse and the normalisation are of
 the whole P) and scales O by ``dropout_scale`` = 1 / (1 - p): element (sequence, head, row, key) is
@@ -84,7 +86,7 @@ class Sm90Fwd(Sm90Tile):
         "dtype": ("f16", "bf16"),
         "max_k": (64, 96, 128, 192, 256),
         "block_m": (128, 192),
-        "block_n": (128, 112, 80),
+        "block_n": (128, 112, 80, 176),
         "stages": (2, 3),
         "band": (False, True),
         "bias": (False, True),
@@ -103,7 +105,11 @@ class Sm90Fwd(Sm90Tile):
              + k.bias * (2 * k.stages * k.block_m * k.block_n + 1024) > 227 * 1024),
         Rule("one key-tile width per head-dim tier: 128 up to head dim 128, else the widest whose two "
              "K/V stages fit beside the Q tile (112 for 192, 80 for 256)",
-             lambda k: k.block_n != {192: 112, 256: 80}.get(k.max_k, 128)),
+             lambda k: k.block_n != {192: 112, 256: 80}.get(k.max_k, 128) and k.block_n != 176),
+        Rule("176 keys only on head dim 128's plain unmasked two-stage tile, the one long calls take: "
+             "fewer row-max and rescale rounds per key where the key loop is long",
+             lambda k: k.block_n == 176 and (k.max_k != 128 or k.band or k.bias or k.sparse or k.dropout
+                                             or bool(k.score_mod) or k.staged_o or k.stages != 2)),
         # bias: only the tiles the priority order picks, on three tiers (each instance is a build job)
         Rule("bias on tiers 64 and 128 only: 96 runs on 128 (TMA zero-fills); 192 and 256 leave no room for a "
              "bias ring beside their K/V rings, and such calls stay on example 41",
@@ -157,9 +163,10 @@ class Sm90Fwd(Sm90Tile):
         # the smallest head-dim tier that fits, then the default tile (tuning tables pick per bucket):
         # 192 query rows where they exist (head dim 64: +5-15% from 512 to 16k tokens on an H200,
         # within noise of 128 for causal 1k), two stages (a third never won by more than noise)
-        # and the staged-O tile before its twin (it refuses calls of more key blocks than it serves)
+        # the staged-O tile before its twins (it refuses calls of more key blocks than it serves), then
+        # the widest key tile (head dim 128's 176-key tile for long unmasked calls)
         return (tuple(DTYPES).index(self.dtype), self.band, self.bias, self.sparse, self.dropout, self.score_mod,
-                self.max_k, -self.block_m, self.stages, self.block_n, not self.staged_o)
+                self.max_k, -self.block_m, self.stages, not self.staged_o, -self.block_n)
 
     # `flashgen::sm90::FwdParams`
     ABI = (
