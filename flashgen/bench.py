@@ -81,7 +81,11 @@ class Result:
         return dict(asdict(self), point=asdict(self.point))
 
 
-def default_grid(dtypes=("f16", "bf16"), head_dims=(64, 128), hidden=2048, tokens=16384,
+# The bench's default head dims: the two that most models use, and 256, the largest tier (issue 16).
+HEAD_DIMS = (64, 128, 256)
+
+
+def default_grid(dtypes=("f16", "bf16"), head_dims=HEAD_DIMS, hidden=2048, tokens=16384,
                  seqlens=(512, 1024, 2048, 4096, 8192, 16384), groups=(1,), masks=(), score_mods=()) -> List[Point]:
     """Every combination, with ``hidden // head_dim`` query heads and ``tokens // seqlen`` batches.
     A group that does not divide a head dim's head count is left out for that head dim only

@@ -8,6 +8,7 @@ from typing import List, Optional
 
 import click
 
+from flashgen.bench import HEAD_DIMS as GRID_HEAD_DIMS
 from flashgen.errors import FlashgenError
 from flashgen.spec import FAMILIES, default_kernels
 from flashgen.spec.core import KernelSpec, normalize_target, target_cc
@@ -324,11 +325,15 @@ def list_(family, arch, dtype, max_k, kernels_glob, build_dir, as_json) -> None:
         sys.exit(1)
 
 
-def _grid_options(command):
-    """The benchmark grid (bench.default_grid), shared by tune and bench."""
+def _grid_options(head_dims):
+    """The benchmark grid (bench.default_grid), shared by tune and bench; ``head_dims``: the default."""
+    return lambda command: _with_grid_options(command, head_dims)
+
+
+def _with_grid_options(command, head_dims):
     options = [
         click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["f16", "bf16"]), default=("f16", "bf16")),
-        click.option("--head-dim", "head_dims", multiple=True, type=int, default=(64, 128)),
+        click.option("--head-dim", "head_dims", multiple=True, type=int, default=head_dims, show_default=True),
         click.option("--seqlen", "seqlens", multiple=True, type=int, default=(512, 1024, 2048, 4096, 8192, 16384)),
         click.option("--tokens", type=int, default=16384, show_default=True, help="batch x seqlen"),
         click.option("--hidden", type=int, default=2048, show_default=True, help="heads x head dim"),
@@ -339,7 +344,7 @@ def _grid_options(command):
 
 
 @main.command()
-@_grid_options
+@_grid_options(head_dims=(64, 128))  # the tiers with several tiles to choose from
 @click.option("--repeats", type=int, default=10, show_default=True)
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Where to write the table [default: tuning-<gpu>-sm<cc>.json]; an existing table for this "
@@ -375,7 +380,7 @@ def tune(dtypes, head_dims, seqlens, tokens, hidden, repeats, out_path) -> None:
 
 
 @main.command()
-@_grid_options
+@_grid_options(head_dims=GRID_HEAD_DIMS)
 @click.option("--impl", "impls", multiple=True, type=click.Choice(["flashgen", "flashgen-torch", "fa4", "sdpa-flash",
                                                                    "sdpa-efficient", "sdpa-cudnn", "flex"]),
               default=("flashgen", "flashgen-torch", "fa4", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"),

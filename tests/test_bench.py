@@ -14,7 +14,7 @@ from flashgen.cli import main
 
 def test_default_grid_is_the_issue_grid():
     grid = bench.default_grid()
-    assert len(grid) == 2 * 2 * 2 * 6  # dtypes x head dims x causal x seqlens
+    assert len(grid) == 2 * 3 * 2 * 6  # dtypes x head dims (64, 128, 256) x causal x seqlens
     for p in grid:
         assert p.batch * p.seqlen == 16384 and p.heads * p.head_dim == 2048
 
