@@ -124,7 +124,7 @@ def test_every_instance(binary):
 
 
 @needs_sm90
-@pytest.mark.parametrize("K", [128, 256])  # the dQ tile's bulk reduce-add, the split head dim's atomics
+@pytest.mark.parametrize("K", [128, 192, 256])  # the dQ tile's bulk reduce-add, the split head dim's atomics
 @pytest.mark.parametrize("causal", [None, "top_left"])
 def test_deterministic_mode_repeats_bit_for_bit(causal, K):
     """Many key blocks add into the same dQ rows; with deterministic=True they do so in key-block
@@ -186,7 +186,8 @@ def test_falls_back_where_the_family_has_no_kernel():
     assert selected_backward(wide, wide, wide, attn_bias=bias).startswith("mem_eff_bwd")
     assert selected_backward(wide, wide, wide, dropout_p=0.1).startswith("mem_eff_bwd"), "dropout up to 128"
     assert selected_backward(*(x.astype(cupy.float32) for x in (q, k, v))).startswith("mem_eff_bwd")
-    assert selected_backward(*(randn(rng, (1, 64, 2, 136), "f16") for _ in range(3))).startswith("sm90_bwd_f16_k256")
+    assert selected_backward(*(randn(rng, (1, 64, 2, 136), "f16") for _ in range(3))).startswith("sm90_bwd_f16_k192")
+    assert selected_backward(*(randn(rng, (1, 64, 2, 200), "f16") for _ in range(3))).startswith("sm90_bwd_f16_k256")
     big = randn(rng, (1, 64, 2, 264), "f16")
     assert selected_backward(big, big, big).startswith("mem_eff_bwd")
     odd = randn(rng, (1, 130, 2, 68), "f16")[..., :60]  # row stride 136 elements: not 16-byte aligned

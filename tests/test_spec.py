@@ -55,11 +55,12 @@ def test_default_set_sizes_are_what_the_readme_says():
     # + staged O: the unmasked k128 s2 tile's twin, 2 dtypes (the band one is built staged only);
     # + dropout and ALiBi: each 2 dtypes x tiers 64, 128 x band; + the unmasked k128 176-key tile, 2 dtypes
     assert len(Sm90Fwd.default_set()) == 40 + 10 + 4 + 2 + 8 + 8 + 2
-    assert len(Sm90Bwd.default_set()) == 24 + 4 + 12 + 4 + 8 + 8  # + 80-query steps: 2 dtypes x 2 bands at 128
+    # + 80-query steps: 2 dtypes x 2 bands at 128; + the split head dim at 192: 2 dtypes x band x softcap
+    assert len(Sm90Bwd.default_set()) == 24 + 4 + 12 + 4 + 8 + 8 + 8
     # + bias: 2 dtypes x 2 bands x (64, 128, 128 + softcap); + sparse: 2 dtypes x tiers 64, 128; + dropout and
     # ALiBi: each 2 dtypes x tiers 64, 128 x band
     # sm90a: the wgmma families beside example 41; the sm80 ones are not built there (sm90_* serve their calls)
-    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 74 + 60  # example 41, sm90_fwd, sm90_bwd
+    assert len([k for k in default_kernels() if k.runs_on("sm90a")]) == 68 + 74 + 68  # example 41, sm90_fwd, sm90_bwd
     assert len([k for k in default_kernels() if k.runs_on("sm90")]) == 30 + 16 + 28, "plain sm90 cannot build wgmma code"
 
 
@@ -96,7 +97,8 @@ def test_sm90_backward_covers_dtypes_head_dims_masks_and_softcap():
             for softcap in (False, True):
                 tiles = {(k.max_k, k.block_m, k.block_n) for k in kernels
                          if k.dtype == dtype and k.band == band and k.softcap == softcap}
-                assert tiles == {(64, 128, 128), (128, 64, 128), (256, 64, 64)} | (set() if softcap else {(128, 80, 128)})
+                assert tiles == ({(64, 128, 128), (128, 64, 128), (192, 64, 64), (256, 64, 64)}
+                                 | (set() if softcap else {(128, 80, 128)}))
     assert all(not (k.bias or k.sparse or k.dropout or k.score_mod) for k in kernels if k.block_m == 80)
     assert all(k.runs_on("sm90a") and not k.runs_on("sm90") for k in kernels)
     assert Sm90Bwd.params_dtype().itemsize == 1152, "the 128-byte-aligned tensor maps round Params up to 128"

@@ -74,7 +74,7 @@ class Sm90Bwd(Sm90Tile):
     AXES = {
         "arch": ("sm90a",),
         "dtype": ("f16", "bf16"),
-        "max_k": (64, 128, 256),
+        "max_k": (64, 128, 192, 256),
         "block_m": (64, 80, 128),
         "block_n": (128, 64),
         "stages": (2,),
@@ -96,15 +96,15 @@ class Sm90Bwd(Sm90Tile):
              "dropout, soft-capping and score mods keep the 64-query step their code is laid out for",
              lambda k: k.block_m == 80 and (k.max_k != 128 or k.softcap or k.bias or k.sparse or k.dropout
                                              or k.score_mod)),
-        Rule("head dim 256 splits its columns between the two warpgroups of one 64-key, 64-query tile "
-             "(BwdKernel::kSplitCols): dK and dV of 64 keys fill a warpgroup's registers at 128 already",
-             lambda k: k.max_k == 256 and (k.block_n != 64 or k.block_m != 64)),
-        Rule("64-key CTAs are for the split head dim only: below 256 two warpgroups of 64 keys each "
+        Rule("head dims 192 and 256 split their columns between the two warpgroups of one 64-key, 64-query "
+             "tile (BwdKernel::kSplitCols): dK and dV of 64 keys fill a warpgroup's registers at 128 already",
+             lambda k: k.max_k > 128 and (k.block_n != 64 or k.block_m != 64)),
+        Rule("64-key CTAs are for the split head dim only: up to 128 two warpgroups of 64 keys each "
              "share one K/V load",
-             lambda k: k.block_n == 64 and k.max_k != 256),
+             lambda k: k.block_n == 64 and k.max_k <= 128),
         Rule("bias up to head dim 128 (as in the forward): the split head dim would load and write a step's "
              "bias twice, once per warpgroup; such calls stay on example 41",
-             lambda k: k.bias and k.max_k == 256),
+             lambda k: k.bias and k.max_k > 128),
         Rule("no soft-capping with bias at head dim 64: tanh's slope beside a 128-query step's bias and dbias "
              "spills 284 bytes; such calls run on the 128 tier's instance (TMA reads zeros past head dim 64)",
              lambda k: k.bias and k.softcap and k.max_k == 64),
@@ -120,7 +120,7 @@ class Sm90Bwd(Sm90Tile):
         Rule("sparse without bias: such calls stay on the dense fallback", lambda k: k.sparse and k.bias),
         # dropout: the forward's twins (each tier has one tile here)
         Rule("dropout up to head dim 128, as in the forward: the split head dim would draw each mask twice",
-             lambda k: k.dropout and k.max_k == 256),
+             lambda k: k.dropout and k.max_k > 128),
         Rule("dropout without soft-capping, bias or block-mask lists: the forward's twins have none; such calls "
              "stay on example 41", lambda k: k.dropout and (k.softcap or k.bias or k.sparse)),
         # score mods: one instance per dtype, tier and band (each mod's instances are build jobs)

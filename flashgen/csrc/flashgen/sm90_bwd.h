@@ -233,7 +233,9 @@ struct BwdKernel {
   static constexpr int kMinBlocksPerSm = 1;
   static constexpr int kAuxThreads = 128;  // prep and convert
 
-  static constexpr int kSwizzleBytes = kHeadDim % 64 == 0 ? 128 : 64;
+  // 128-byte swizzle atoms are 64 columns: a warpgroup's part of a split head dim must be whole
+  // atoms (192's 96 columns take the 64-byte swizzle's 32-column atoms)
+  static constexpr int kSwizzleBytes = kKvCols % 64 == 0 ? 128 : 64;
   static constexpr int kBoxCols = kSwizzleBytes / sizeof(Element);
   static constexpr int kBoxesPerRow = kHeadDim / kBoxCols;
 
