@@ -1,7 +1,8 @@
 """sm90_bwd's 80-query instances without a GPU: which calls they serve (head dim 128, no bias, mask
 lists, dropout, soft-capping or mod; sequences of at least ``min_queries`` queries), that the 64-query
-tile takes the rest with the reason, and that the family's request carries the call's query count
-(capped) into the selection.  Nothing here imports CuPy."""
+tile takes the rest with the reason, that the family's request carries the call's query count
+(capped) into the selection, and which split-head-dim tier a head dim above 128 takes.  Nothing here
+imports CuPy."""
 from __future__ import annotations
 
 import sys
@@ -78,3 +79,11 @@ def test_the_family_request_carries_the_calls_query_count(M, expected, monkeypat
     monkeypatch.setattr(sm90_common, "device_info", lambda index: H100)
     q, k, v = FakeArray((1, M, 2, 128)), FakeArray((1, 5, 2, 128)), FakeArray((1, 5, 2, 128))
     assert sm90_bwd.RUNTIME.request(fake_call("bwd", arrays=(q, k, v))).num_queries == expected
+
+
+@pytest.mark.parametrize("K, tier", [(136, 192), (160, 192), (192, 192), (200, 256), (256, 256)])
+def test_head_dims_above_128_take_the_smallest_split_tier(K, tier):
+    """Head dims 136-192 run on the 192 tier (on 256 a quarter of the work was zero padding)."""
+    for band in (False, True):
+        suffix = "_band" if band else ""
+        assert first(request(4096, band=band, K=K)) == f"sm90_bwd_bf16_k{tier}_q64x64_s2{suffix}_sm90a"
