@@ -326,11 +326,8 @@ def list_(family, arch, dtype, max_k, kernels_glob, build_dir, as_json) -> None:
 
 
 def _grid_options(head_dims):
-    """The benchmark grid (bench.default_grid), shared by tune and bench; ``head_dims``: the default."""
-    return lambda command: _with_grid_options(command, head_dims)
-
-
-def _with_grid_options(command, head_dims):
+    """The benchmark grid's options (bench.default_grid), shared by tune and bench, with ``head_dims``
+    as the default head dims."""
     options = [
         click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["f16", "bf16"]), default=("f16", "bf16")),
         click.option("--head-dim", "head_dims", multiple=True, type=int, default=head_dims, show_default=True),
@@ -338,9 +335,12 @@ def _with_grid_options(command, head_dims):
         click.option("--tokens", type=int, default=16384, show_default=True, help="batch x seqlen"),
         click.option("--hidden", type=int, default=2048, show_default=True, help="heads x head dim"),
     ]
-    for option in reversed(options):
-        command = option(command)
-    return command
+
+    def decorate(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+    return decorate
 
 
 @main.command()
