@@ -162,9 +162,9 @@ class Sm90Fwd(Sm90Tile):
     def priority(self) -> tuple:
         # the smallest head-dim tier that fits, then the default tile (tuning tables pick per bucket):
         # 192 query rows where they exist (head dim 64: +5-15% from 512 to 16k tokens on an H200,
-        # within noise of 128 for causal 1k), two stages (a third never won by more than noise)
-        # the staged-O tile before its twins (it refuses calls of more key blocks than it serves), then
-        # the widest key tile (head dim 128's 176-key tile for long unmasked calls)
+        # within noise of 128 for causal 1k), two stages (a third never won by more than noise), the
+        # staged-O tile before its twins (it refuses calls of more key blocks than it serves), then the
+        # widest key tile (head dim 128's 176-key tile for long unmasked calls)
         return (tuple(DTYPES).index(self.dtype), self.band, self.bias, self.sparse, self.dropout, self.score_mod,
                 self.max_k, -self.block_m, self.stages, not self.staged_o, -self.block_n)
 
