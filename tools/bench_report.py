@@ -3,15 +3,23 @@
     FLASHGEN_TUNING=<table> flashgen bench --json docs/bench_h200.json --plot docs/bench_h200.png  # on the GPU
     flashgen bench --group 4 --group 8 --seqlen 2048 --seqlen 8192 \\
         --impl flashgen --impl flashgen-torch --impl fa4 --impl sdpa-cudnn --json docs/bench_h200_gqa.json
-    python tools/bench_report.py docs/bench_h200.json docs/bench_h200_repeat.json \\
-        <table> docs/bench_h200_gqa.json [flashgen-torch runs ...] > BENCHMARKS.md
+    python tools/bench_report.py --update BENCHMARKS.md docs/bench_h200.json docs/bench_h200_repeat.json \\
+        <table> docs/bench_h200_gqa.json [flashgen-torch runs ...]
 
 The second JSON (an independent run of the same code) gives the run-to-run
 noise; the tuning table (the one the runs used) gives what tuning changed.
+Without ``--update`` the report goes to standard output.  With it, the file's own
+sections (a "## " heading this report does not write: a session's measurements,
+the bias, dropout and block-mask studies) are kept, each after the generated
+section it followed, and the file is replaced atomically.
 """
+import contextlib
+import io
 import json
+import os
 import statistics
 import sys
+import tempfile
 from collections import defaultdict
 
 IMPLS = ["flashgen", "sdpa-efficient", "sdpa-flash", "sdpa-cudnn", "fa4"]
@@ -211,9 +219,9 @@ FLASHGEN_KERNEL_PATH=build/kernels FLASHGEN_TUNING={table_path} \\
 flashgen bench --group 4 --group 8 --seqlen 2048 --seqlen 8192 \\
     --impl flashgen --impl flashgen-torch --impl fa4 --impl sdpa-cudnn --json docs/bench_h200_gqa.json
 flashgen bench --impl flashgen --impl flashgen-torch --timing queued --json docs/bench_h200_torch_queued.json
-python tools/bench_report.py docs/bench_h200.json docs/bench_h200_repeat.json \\
+python tools/bench_report.py --update BENCHMARKS.md docs/bench_h200.json docs/bench_h200_repeat.json \\
     {table_path} docs/bench_h200_gqa.json docs/bench_h200_torch_queued.json \\
-    docs/bench_h200_torch_queued_repeat.json docs/bench_h200_torch_call.json > BENCHMARKS.md
+    docs/bench_h200_torch_queued_repeat.json docs/bench_h200_torch_call.json
 ```
 
 (The table named is the one these runs used, written by `flashgen tune` on this
@@ -317,5 +325,65 @@ buckets beat the priority order by more than 1% and are in
               f"({ms['default'] / ms[m['chosen']] - 1:+.0%})")
 
 
+def sections(text: str):
+    """[(heading, text)] of a markdown file, split at its "## " lines; the part before the first is
+    the heading None."""
+    parts, heading, lines = [], None, []
+    for line in text.splitlines(keepends=True):
+        if line.startswith("## "):
+            parts.append((heading, "".join(lines)))
+            heading, lines = line.strip(), []
+        lines.append(line)
+    parts.append((heading, "".join(lines)))
+    return parts
+
+
+# The sections main() writes (some only when given their runs): regenerated, never kept
+GENERATED_EXACT = {"## Forward", "## Backward", "## Tuning table"}
+GENERATED_PREFIXES = ("## Forward (sm90_fwd)", "## Backward (sm90_bwd)", "## Against sdpa-efficient",
+                      "## Through flashgen.torch", "## flashgen.torch against flashgen on CuPy arrays",
+                      "## Grouped-query attention (", "## Per-call host overhead")
+
+
+def merge(generated: str, old: str) -> str:
+    """The generated report with the old file's hand-written sections put back: each after the
+    generated section it followed there (or after the preamble), those whose generated section is
+    gone at the end.  The old file's generated sections are dropped, also those this run did not
+    write (no GQA run given, say)."""
+    new_parts = sections(generated)
+    produced = {h for h, _ in new_parts}
+    kept, anchor = defaultdict(list), None
+    for heading, text in sections(old):
+        if heading is None or heading in produced or heading in GENERATED_EXACT or heading.startswith(GENERATED_PREFIXES):
+            anchor = heading
+        else:
+            kept[anchor].append(text.rstrip("\n") + "\n\n")
+    out = []
+    for heading, text in new_parts:  # every section ends in one blank line
+        out.append(text.rstrip("\n") + "\n\n")
+        out.extend(kept.pop(heading, []))
+    for texts in kept.values():
+        out.extend(texts)
+    return "".join(out).rstrip("\n") + "\n"
+
+
+def update(path: str, args) -> None:
+    """Regenerate ``path`` in place, keeping its hand-written sections; written atomically."""
+    with open(path) as f:
+        old = f.read()
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):
+        main(*args)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".bench_report.")
+    with os.fdopen(fd, "w") as f:
+        f.write(merge(report.getvalue(), old))
+    os.replace(tmp, path)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1:2] == ["--update"]:
+        if len(sys.argv) < 6:
+            raise SystemExit("usage: bench_report.py --update BENCHMARKS.md RUN REPEAT TABLE [GQA [TORCH RUNS ...]]")
+        update(sys.argv[2], sys.argv[3:])
+    else:
+        main(*sys.argv[1:])

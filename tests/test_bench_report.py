@@ -1,0 +1,71 @@
+"""tools/bench_report.py --update: the regenerated report keeps the file's hand-written sections."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_report.py"
+spec = importlib.util.spec_from_file_location("bench_report", TOOL)
+bench_report = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench_report)
+
+OLD = """# Benchmarks
+
+old intro
+
+## Forward
+
+old forward table
+
+## Forward history
+
+kept A
+
+## Session notes
+
+kept B
+
+## Grouped-query attention (docs/bench_h200_gqa.json)
+
+old gqa
+
+## Bias study
+
+kept C
+"""
+NEW = """# Benchmarks
+
+new intro
+
+## Forward
+
+new forward table
+
+## Tuning table
+
+new tuning
+"""
+
+
+def test_hand_written_sections_follow_their_generated_section_and_orphans_go_last():
+    merged = bench_report.merge(NEW, OLD)
+    headings = [line for line in merged.splitlines() if line.startswith("## ")]
+    # "Bias study" followed the GQA section, which this run did not write (dropped): it goes last
+    assert headings == ["## Forward", "## Forward history", "## Session notes", "## Tuning table", "## Bias study"]
+    assert "new forward table" in merged and "old forward table" not in merged and "old gqa" not in merged
+    assert "new intro" in merged and "old intro" not in merged
+    assert all(text in merged for text in ("kept A", "kept B", "kept C", "new tuning"))
+
+
+def test_merging_again_changes_nothing():
+    once = bench_report.merge(NEW, OLD)
+    assert bench_report.merge(NEW, once) == once
+
+
+def test_update_replaces_the_file_whole(tmp_path, monkeypatch):
+    path = tmp_path / "BENCHMARKS.md"
+    path.write_text(OLD)
+    monkeypatch.setattr(bench_report, "main", lambda *args: print(NEW, end=""))
+    bench_report.update(str(path), [])
+    assert path.read_text() == bench_report.merge(NEW, OLD)
+    assert [p.name for p in tmp_path.iterdir()] == ["BENCHMARKS.md"]  # no temporary file left behind
