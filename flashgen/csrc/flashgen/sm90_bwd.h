@@ -914,8 +914,8 @@ struct BwdKernel {
       cutlass::arch::fence_view_async_shared();
       Barrier::arrive(&s.ds_full[buf]);  // every thread: its own writes (and, split, the first warpgroup's)
 
-      // dV = P^T dO and dK = dS^T Q from this warpgroup's registers; dQ = dS K of step t - kDqLag
-      // once both halves of its dS are in (kDkLast: the order).
+      // dV = P^T dO and dK = dS^T Q from this warpgroup's registers, dQ = dS K of step t - kDqLag
+      // once both halves of its dS are in: kDkLast issues dV, dQ, dK, else dV and dK, then dQ.
       auto dv_gemms = [&]() {
         CUTE_UNROLL
         for (int k = 0; k < size<2>(tVrP); ++k) {
