@@ -65,7 +65,9 @@ def test_merging_again_changes_nothing():
 def test_update_replaces_the_file_whole(tmp_path, monkeypatch):
     path = tmp_path / "BENCHMARKS.md"
     path.write_text(OLD)
+    mode = path.stat().st_mode
     monkeypatch.setattr(bench_report, "main", lambda *args: print(NEW, end=""))
     bench_report.update(str(path), [])
     assert path.read_text() == bench_report.merge(NEW, OLD)
+    assert path.stat().st_mode == mode  # ordinary permissions, not a temporary file's 0600
     assert [p.name for p in tmp_path.iterdir()] == ["BENCHMARKS.md"]  # no temporary file left behind

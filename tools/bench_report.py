@@ -11,16 +11,17 @@ noise; the tuning table (the one the runs used) gives what tuning changed.
 Without ``--update`` the report goes to standard output.  With it, the file's own
 sections (a "## " heading this report does not write: a session's measurements,
 the bias, dropout and block-mask studies) are kept, each after the generated
-section it followed, and the file is replaced atomically.
+section it followed, and the file is replaced atomically (flashgen.atomic: flashgen installed,
+or PYTHONPATH=. from the repository's root).
 """
 import contextlib
 import io
 import json
-import os
 import statistics
 import sys
-import tempfile
 from collections import defaultdict
+
+from flashgen.atomic import atomic_write_text
 
 IMPLS = ["flashgen", "sdpa-efficient", "sdpa-flash", "sdpa-cudnn", "fa4"]
 
@@ -374,10 +375,7 @@ def update(path: str, args) -> None:
     report = io.StringIO()
     with contextlib.redirect_stdout(report):
         main(*args)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".bench_report.")
-    with os.fdopen(fd, "w") as f:
-        f.write(merge(report.getvalue(), old))
-    os.replace(tmp, path)
+    atomic_write_text(path, merge(report.getvalue(), old))
 
 
 if __name__ == "__main__":
