@@ -71,3 +71,14 @@ def test_update_replaces_the_file_whole(tmp_path, monkeypatch):
     assert path.read_text() == bench_report.merge(NEW, OLD)
     assert path.stat().st_mode == mode  # ordinary permissions, not a temporary file's 0600
     assert [p.name for p in tmp_path.iterdir()] == ["BENCHMARKS.md"]  # no temporary file left behind
+
+
+def test_every_section_the_report_writes_is_known_as_generated(capsys):
+    """GENERATED_* name the headings main() prints: a heading added there without them would be kept
+    from the old file as hand-written and appear twice after an update."""
+    docs = TOOL.parents[1] / "docs"
+    bench_report.main(*(str(docs / name) for name in (
+        "bench_h200.json", "bench_h200_repeat.json", "tuning_h200_runs.json", "bench_h200_gqa.json",
+        "bench_h200_torch_queued.json", "bench_h200_torch_queued_repeat.json", "bench_h200_torch_call.json")))
+    headings = [h for h, _ in bench_report.sections(capsys.readouterr().out) if h is not None]
+    assert len(headings) >= 10 and all(bench_report.is_generated(h) for h in headings), headings

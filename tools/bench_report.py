@@ -346,6 +346,10 @@ GENERATED_PREFIXES = ("## Forward (sm90_fwd)", "## Backward (sm90_bwd)", "## Aga
                       "## Grouped-query attention (", "## Per-call host overhead")
 
 
+def is_generated(heading: str) -> bool:
+    return heading in GENERATED_EXACT or heading.startswith(GENERATED_PREFIXES)
+
+
 def merge(generated: str, old: str) -> str:
     """The generated report with the old file's hand-written sections put back: each after the
     generated section it followed there (or after the preamble), those whose generated section is
@@ -355,7 +359,7 @@ def merge(generated: str, old: str) -> str:
     produced = {h for h, _ in new_parts}
     kept, anchor = defaultdict(list), None
     for heading, text in sections(old):
-        if heading is None or heading in produced or heading in GENERATED_EXACT or heading.startswith(GENERATED_PREFIXES):
+        if heading is None or heading in produced or is_generated(heading):
             anchor = heading
         else:
             kept[anchor].append(text.rstrip("\n") + "\n\n")
