@@ -18,7 +18,9 @@
 //   S^T  = K Q^T,  dP^T = V dO^T            (wgmma, both operands in shared memory)
 //   P^T  = exp2(S^T * scale_log2 - lse_log2),   dS^T = P^T * (dP^T - delta)
 //          (with soft-capping S^T is capped first and dS^T carries tanh's derivative)
-//   dV  += P^T dO,  dK += dS^T Q             (wgmma, P^T / dS^T from registers)
+//   dV  += P^T dO,  dK += dS^T Q             (wgmma, P^T / dS^T from registers; at head dim 256
+//                                            from shared memory, each warpgroup having made
+//                                            S^T and dP^T of half of the step's queries)
 //   dQ   = dS K                              (dS^T through shared memory), issued in the next
 //                                            step (kDqLag) once both warpgroups' halves of dS
 //                                            are in (mbarriers: the warpgroups never wait for
@@ -211,11 +213,16 @@ struct BwdKernel {
   static constexpr int kMinQueries = kDqTransposed ? 1024 : 0;
   static_assert(kBlockN % 64 == 0 && kBlockM % 16 == 0 && kHeadDim % 32 == 0, "wgmma tile shapes");
   // Above head dim 128, dK and dV of 64 keys do not fit one warpgroup's registers: the two
-  // warpgroups then share the CTA's 64 keys and split the head dim (kKvCols each), and each
-  // computes S^T and dP^T for all of them -- the same two products twice, the price of the split.
+  // warpgroups then share the CTA's 64 keys and split the head dim (kKvCols each).  At head dim
+  // 192 each computes S^T and dP^T for all of them -- the same two products twice.  At 256
+  // (kShareSdp) each computes them for half of a step's queries (kSdpQueries) and writes its half
+  // of P^T and dS^T to shared memory, where both warpgroups' dV / dK products read all of them
+  // (ds_full): 9-17% faster there, 4-10% slower at 192 (H200).
   static constexpr bool kSplitCols = kHeadDim > 128;
+  static constexpr bool kShareSdp = kSplitCols && kHeadDim == 256;
   static constexpr int kWarpGroups = kSplitCols ? 2 : kBlockN / 64;
   static constexpr int kKvCols = kSplitCols ? kHeadDim / kWarpGroups : kHeadDim;
+  static constexpr int kSdpQueries = kShareSdp ? kBlockM / 2 : kBlockM;
   static_assert(!kSplitCols || (kBlockN == 64 && kBlockM == 64), "the split head dim is laid out for 64 x 64 steps");
   static_assert(!(kSplitCols && kBias), "bias is built up to head dim 128 (spec/sm90_bwd.py): one warpgroup per key");
   static_assert(!kDqTransposed || (kBlockM == 80 && kHeadDim == 128 && kBlockN == 128 && !kBias && !kSparse &&
@@ -287,19 +294,25 @@ struct BwdKernel {
   // dS (queries, keys), double-buffered, written from the dS^T registers: queries contiguous (the
   // A operand of dQ = dS K), or, transposed, keys contiguous (the K-major B operand of dQ^T).
   using SmemLayoutDs = decltype(ds_smem_layout<Element, kBlockM, kBlockN, kDqTransposed>());
+  static_assert(!kShareSdp || (kBlockM == 64 && !kDqTransposed), "one swizzle atom of queries per key row (consume())");
 
   // The S^T / dP^T and dK / dV products are tiled over the warpgroups by keys, or (split head
   // dim) each warpgroup runs its own: then every thread indexes them by its rank in its warpgroup.
   using WarpGroups = cute::Layout<cute::Shape<cute::Int<kSplitCols ? 1 : kWarpGroups>, cute::_1, cute::_1>>;
   using TiledMmaSdP = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::_64, cute::Int<kBlockM>, cute::Int<kHeadDim>>>(),
+                                 cute::Shape<cute::_64, cute::Int<kSdpQueries>, cute::Int<kHeadDim>>>(),
       WarpGroups{}));
-  using TiledMmaKV = decltype(cute::make_tiled_mma(
-      cute::GMMA::rs_op_selector<Element, Element, float,
-                                 cute::Shape<cute::_64, cute::Int<kKvCols>, cute::Int<kBlockM>>,
-                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
-      WarpGroups{}));
+  // dV += P^T dO and dK += dS^T Q: P^T and dS^T from registers, or (kShareSdp) from shared memory
+  static constexpr auto kv_op() {
+    using Shape = cute::Shape<cute::_64, cute::Int<kKvCols>, cute::Int<kBlockM>>;
+    if constexpr (kShareSdp) {
+      return cute::GMMA::ss_op_selector<Element, Element, float, Shape, cute::GMMA::Major::K, cute::GMMA::Major::MN>();
+    } else {
+      return cute::GMMA::rs_op_selector<Element, Element, float, Shape, cute::GMMA::Major::K, cute::GMMA::Major::MN>();
+    }
+  }
+  using TiledMmaKV = decltype(cute::make_tiled_mma(kv_op(), WarpGroups{}));
   // dQ = dS K: A a warpgroup's 64 rows of dS, B its columns of K (both MN-major); transposed,
   // dQ^T = K^T dS^T: A its 64 columns of K, B all of dS (keys contiguous: K-major).
   using TiledMmaDq = decltype(cute::make_tiled_mma(
@@ -326,9 +339,15 @@ struct BwdKernel {
     uint32_t keep[kWarpGroups][2 * kBlockM];
   };
   struct NoKeep {};
+  // kShareSdp: a step's P^T, double-buffered like dS (the same ds_full / ds_free barriers).
+  struct SplitP {
+    alignas(1024) Element p[2 * kBlockM * kBlockN];
+  };
+  struct NoSplitP {};
   struct SharedStorage : std::conditional_t<kBias, BiasBarriers, NoBias>,
                          std::conditional_t<kSparse, SparseBits, NoSparse>,
-                         std::conditional_t<kDropout, KeepBits, NoKeep> {
+                         std::conditional_t<kDropout, KeepBits, NoKeep>,
+                         std::conditional_t<kShareSdp, SplitP, NoSplitP> {
     alignas(1024) Element k[kBlockN * kHeadDim];
     alignas(1024) Element v[kBlockN * kHeadDim];
     alignas(1024) Element q[kStages * kBlockM * kHeadDim];
@@ -514,8 +533,11 @@ struct BwdKernel {
 
     Tensor tSrK = thr_sdp.partition_fragment_A(sK(_, _, 0));  // (MMA, MMA_M, MMA_K)
     Tensor tPrV = thr_sdp.partition_fragment_A(sV(_, _, 0));
-    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);           // (MMA, MMA_N, MMA_K, stages)
-    Tensor tPrDo = thr_sdp.partition_fragment_B(sDo);
+    // This warpgroup's queries of a step (all of them unless kShareSdp) as B of S^T and dP^T.
+    auto const sdp_queries = Shape<Int<kSdpQueries>, Int<kHeadDim>, Int<kStages>>{};
+    int const query_half = kShareSdp ? wg * kSdpQueries : 0;  // its first query within the step
+    Tensor tSrQ = thr_sdp.partition_fragment_B(local_tile(sQ, sdp_queries, make_coord(kShareSdp ? wg : 0, 0, 0)));
+    Tensor tPrDo = thr_sdp.partition_fragment_B(local_tile(sDo, sdp_queries, make_coord(kShareSdp ? wg : 0, 0, 0)));
     // This warpgroup's head-dim columns of Q and dO for dK and dV (all of them unless split).
     auto const kv_cols = Shape<Int<kKvCols>, Int<kBlockM>, Int<kStages>>{};
     Tensor tKrQt = thr_kv.partition_fragment_B(local_tile(sQt, kv_cols, make_coord(kSplitCols ? wg : 0, 0, 0)));
@@ -540,8 +562,10 @@ struct BwdKernel {
     clear(acc_dk);
     clear(acc_dv);
     // P^T and dS^T as A operands (keys x queries): the accumulator registers in the same
-    // order, grouped per 16 queries (2 x 2 x 2 values: query + 1, key + 8, query + 8).
-    using OperandLayout = Layout<Shape<Shape<_2, _2, _2>, _1, Int<kBlockM / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
+    // order, grouped per 16 queries (2 x 2 x 2 values: query + 1, key + 8, query + 8).  kShareSdp: they
+    // are this warpgroup's half of them, bound for shared memory, and the A operands are read there.
+    using OperandLayout =
+        Layout<Shape<Shape<_2, _2, _2>, _1, Int<kSdpQueries / 16>>, Stride<Stride<_1, _2, _4>, _0, _8>>;
     Tensor tVrP = make_tensor<Element>(OperandLayout{});
     Tensor tKrDs = make_tensor<Element>(OperandLayout{});
 
@@ -553,9 +577,9 @@ struct BwdKernel {
     int const key0 = n_block * kBlockN;
     int const total = p.head_group * st.m_blocks;
 
-    Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-    Tensor tPrDp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-    static_assert(size(tSrS) == kBlockM / 2, "one 64-key wgmma tile per warpgroup");
+    Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kSdpQueries>>{});
+    Tensor tPrDp = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kSdpQueries>>{});
+    static_assert(size(tSrS) == kSdpQueries / 2, "one 64-key wgmma tile per warpgroup");
     // Step t's S^T and dP^T, two commit groups (the softmax waits for S^T alone).
     auto issue_sdp = [&](int t) {
       int const stage = t % kStages;
@@ -753,8 +777,8 @@ struct BwdKernel {
                                      key0 < query0 + kBlockM - 1 + seq.band_lo));
       auto hidden = [&](int r, int col) {  // bitwise ors: a select per element, no branches
         int const key = key0 + key_row + ((r / 2) % 2) * 8;
-        return (key >= seq.num_keys) |
-               (kBand & ((key > query0 + col + seq.band_hi) | (key < query0 + col + seq.band_lo)));
+        int const query = query0 + query_half + col;
+        return (key >= seq.num_keys) | (kBand & ((key > query + seq.band_hi) | (key < query + seq.band_lo)));
       };
       // Register r's column value of lse or delta.  A thread's columns come in adjacent pairs
       // (col0 is even) shared by registers 4g .. 4g + 3: one 8-byte load per pair, at r = 4g.
@@ -765,8 +789,8 @@ struct BwdKernel {
         }
         return r % 2 ? pair.y : pair.x;
       };
-      float const* lse_log2 = s.lse_log2[stage];
-      float const* delta = s.delta[stage];
+      float const* lse_log2 = s.lse_log2[stage] + query_half;
+      float const* delta = s.delta[stage] + query_half;
       // The exponent's offset for register r: -lse_log2 of its query, plus (kBias) its bias in log2 units.
       auto offset = [&](int r) {
         if constexpr (kBias) {
@@ -793,7 +817,7 @@ struct BwdKernel {
         for (int r = 0; r < size(tSrS); ++r) {
           int const col = (r / 4) * 8 + col0 + r % 2;
           int const key = min(key0 + key_row + ((r / 2) % 2) * 8, seq.num_keys - 1);
-          int const query = min(query0 + col, seq.num_queries - 1);
+          int const query = min(query0 + query_half + col, seq.num_queries - 1);
           float const score = tSrS(r) * p.scale;
           float const prob = exp2_approx(fmaf(ScoreMod::apply(p, score, seq.index, head, query, key), kLog2e,
                                               offset(r)));
@@ -882,10 +906,10 @@ struct BwdKernel {
           tKrDs(r) = static_cast<Element>(ds * static_cast<float>(tKrDs(r)));
         }
       }
-      // dS^T -> dS in shared memory, for the dQ product (with a split head dim both warpgroups
-      // hold all of dS^T: the first writes it).  The registers are 8 x 8 tiles (8 keys, 8
-      // adjacent queries) in the order stmatrix takes them, and a key's 8 queries are one
-      // 16-byte chunk of sDs: one stmatrix stores registers r .. r + 7, the tiles of keys +0
+      // dS^T -> dS in shared memory, for the dQ product (kShareSdp: P^T too, each warpgroup
+      // its half of the queries, for both warpgroups' dK and dV products).  The registers are 8 x 8
+      // tiles (8 keys, 8 adjacent queries) in the order stmatrix takes them, and a key's 8 queries
+      // are one 16-byte chunk of sDs: one stmatrix stores registers r .. r + 7, the tiles of keys +0
       // and +8 for queries r / 4 * 8 and 8 more, lane l addressing row l % 8 of tile l / 8.
       if constexpr (kBias) {  // every warp of the warpgroup has read its bias here and staged its dbias
         cutlass::arch::NamedBarrier::sync(128, kBiasBarrier + wg);
@@ -894,40 +918,56 @@ struct BwdKernel {
       }
       // Transposed (keys contiguous), stmatrix.trans stores each tile's columns: lane l addresses
       // query l % 8 of tile l / 8, its 8 keys from key + 0 or + 8.
-      if (!kSplitCols || wg == 0) {
+      auto store_keys_by_queries = [&](auto const& values, auto& to) {
         int const tile = lane / 8;
         int const key = key_row - lane / 4 + (tile % 2) * 8 + (kDqTransposed ? 0 : lane % 8);
-        int const query_in_tile = kDqTransposed ? lane % 8 : 0;
+        int const query_in_tile = query_half + (kDqTransposed ? lane % 8 : 0);
         CUTE_UNROLL
-        for (int r = 0; r < size(tKrDs); r += 8) {
+        for (int r = 0; r < size(values); r += 8) {
           uint32_t pairs[4];
           CUTE_UNROLL
           for (int j = 0; j < 4; ++j) {
             cutlass::Array<Element, 2> pair;
-            pair[0] = tKrDs(r + 2 * j);
-            pair[1] = tKrDs(r + 2 * j + 1);
+            pair[0] = values(r + 2 * j);
+            pair[1] = values(r + 2 * j + 1);
             pairs[j] = reinterpret_cast<uint32_t const&>(pair);
           }
-          store_matrix_x4<kDqTransposed>(&sDs((r / 4 + tile / 2) * 8 + query_in_tile, key, buf), pairs);
+          store_matrix_x4<kDqTransposed>(&to((r / 4 + tile / 2) * 8 + query_in_tile, key, buf), pairs);
         }
+      };
+      if (!kSplitCols || kShareSdp || wg == 0) {  // (split, not shared: both hold all of dS^T, the first writes it)
+        store_keys_by_queries(tKrDs, sDs);
+      }
+      if constexpr (kShareSdp) {
+        Tensor sP = make_tensor(make_smem_ptr(s.p), SmemLayoutDs{});
+        store_keys_by_queries(tVrP, sP);
       }
       cutlass::arch::fence_view_async_shared();
-      Barrier::arrive(&s.ds_full[buf]);  // every thread: its own writes (and, split, the first warpgroup's)
+      Barrier::arrive(&s.ds_full[buf]);  // every thread: its own writes (split, not shared: the first warpgroup's)
 
       // dV = P^T dO and dK = dS^T Q from this warpgroup's registers, dQ = dS K of step t - kDqLag
       // once both halves of its dS are in: kDkLast issues dV, dQ, dK, else dV and dK, then dQ.
-      auto dv_gemms = [&]() {
-        CUTE_UNROLL
-        for (int k = 0; k < size<2>(tVrP); ++k) {
-          cute::gemm(mma_kv, tVrP(_, _, k), tVrDoT(_, _, k, stage), acc_dv);
+      // kShareSdp: P^T and dS^T of both warpgroups' queries, from shared memory: the bytes of sP and
+      // sDs seen as (keys, queries), queries contiguous, the K-major A operands (a 64-query step is
+      // one 128-byte swizzle atom wide, so a key's row of queries lies as in SmemLayoutDs)
+      auto kv_gemms = [&](auto const& a_registers, auto const& b, auto& acc, bool ds) {
+        if constexpr (kShareSdp) {
+          using KeysByQueries = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Element>{},
+                                                        Shape<Int<kBlockN>, Int<kBlockM>, _2>{}));
+          Tensor a = thr_kv.partition_fragment_A(make_tensor(make_smem_ptr(ds ? s.ds : s.p), KeysByQueries{}));
+          CUTE_UNROLL
+          for (int k = 0; k < size<2>(a); ++k) {
+            cute::gemm(mma_kv, a(_, _, k, buf), b(_, _, k, stage), acc);
+          }
+        } else {
+          CUTE_UNROLL
+          for (int k = 0; k < size<2>(a_registers); ++k) {
+            cute::gemm(mma_kv, a_registers(_, _, k), b(_, _, k, stage), acc);
+          }
         }
       };
-      auto dk_gemms = [&]() {
-        CUTE_UNROLL
-        for (int k = 0; k < size<2>(tKrDs); ++k) {
-          cute::gemm(mma_kv, tKrDs(_, _, k), tKrQt(_, _, k, stage), acc_dk);
-        }
-      };
+      auto dv_gemms = [&]() { kv_gemms(tVrP, tVrDoT, acc_dv, false); };
+      auto dk_gemms = [&]() { kv_gemms(tKrDs, tKrQt, acc_dk, true); };
       auto release_stage = [&]() {  // dK and dV done: this stage's Q and dO can be refilled
         warpgroup_fence_operand(acc_dk);
         warpgroup_fence_operand(tKrDs);
@@ -939,6 +979,9 @@ struct BwdKernel {
       if constexpr (!kDkLast) {
         warpgroup_fence_operand(acc_dk);
         warpgroup_fence_operand(tKrDs);
+      }
+      if constexpr (kShareSdp) {  // both warpgroups' halves of P^T and dS^T are in shared memory
+        Barrier::wait(&s.ds_full[buf], (t / 2) & 1);
       }
       warpgroup_arrive();
       dv_gemms();
