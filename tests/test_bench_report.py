@@ -66,7 +66,7 @@ def test_update_replaces_the_file_whole(tmp_path, monkeypatch):
     path = tmp_path / "BENCHMARKS.md"
     path.write_text(OLD)
     mode = path.stat().st_mode
-    monkeypatch.setattr(bench_report, "main", lambda *args: print(NEW, end=""))
+    monkeypatch.setattr(bench_report, "main", lambda *args, **options: print(NEW, end=""))
     bench_report.update(str(path), [])
     assert path.read_text() == bench_report.merge(NEW, OLD)
     assert path.stat().st_mode == mode  # ordinary permissions, not a temporary file's 0600
@@ -79,6 +79,33 @@ def test_every_section_the_report_writes_is_known_as_generated(capsys):
     docs = TOOL.parents[1] / "docs"
     bench_report.main(*(str(docs / name) for name in (
         "bench_h200.json", "bench_h200_repeat.json", "tuning_h200_runs.json", "bench_h200_gqa.json",
-        "bench_h200_torch_queued.json", "bench_h200_torch_queued_repeat.json", "bench_h200_torch_call.json")))
+        "bench_h200_torch_queued.json", "bench_h200_torch_queued_repeat.json", "bench_h200_torch_call.json")),
+        queued_path=str(docs / "fwd_d64_h100_s27_queued_tuned.json"))
     headings = [h for h, _ in bench_report.sections(capsys.readouterr().out) if h is not None]
     assert len(headings) >= 10 and all(bench_report.is_generated(h) for h in headings), headings
+
+
+def test_the_queued_section_reads_each_peer_against_flashgen(tmp_path, capsys):
+    def result(impl, direction, ms, causal):
+        point = {"dtype": "bf16", "head_dim": 64, "causal": causal, "batch": 32, "heads": 32, "seqlen": 512,
+                 "group": 1, "mask": "", "score_mod": ""}
+        return {"impl": impl, "direction": direction, "point": point, "ms": ms, "tflops": 1.0 / ms, "spread": 0.02}
+    run = {"device": "NVIDIA H100 80GB HBM3", "timing": "queued",
+           "results": [result("flashgen", "fwd", 0.2, True), result("sdpa-cudnn", "fwd", 0.1, True),
+                       result("flashgen", "bwd", 0.3, False), result("sdpa-cudnn", "bwd", 0.6, False)]}
+    path = tmp_path / "queued.json"
+    path.write_text(bench_report.json.dumps(run))
+    bench_report.queued_section(str(path))
+    out = capsys.readouterr().out
+    assert "- Forward: flashgen / sdpa-cudnn 0.50 to 0.50." in out
+    assert "- Backward: flashgen / sdpa-cudnn 2.00 to 2.00." in out
+    assert "| fwd | bf16 | 64 | yes | 32 x 512 | 5 | 10 | 0.50 | 2% |" in out
+    assert "fa4" not in out.split("\n\n", 2)[2]  # no fa4 column where the run had none
+
+
+def test_options_come_out_of_the_argument_list():
+    argv = ["--queued", "q.json", "run.json", "--update", "B.md", "repeat.json", "table.json"]
+    assert bench_report.take_option(argv, "--update") == "B.md"
+    assert bench_report.take_option(argv, "--queued") == "q.json"
+    assert bench_report.take_option(argv, "--queued") == ""
+    assert argv == ["run.json", "repeat.json", "table.json"]

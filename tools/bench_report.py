@@ -3,8 +3,9 @@
     FLASHGEN_TUNING=<table> flashgen bench --json docs/bench_h200.json --plot docs/bench_h200.png  # on the GPU
     flashgen bench --group 4 --group 8 --seqlen 2048 --seqlen 8192 \\
         --impl flashgen --impl flashgen-torch --impl fa4 --impl sdpa-cudnn --json docs/bench_h200_gqa.json
-    python tools/bench_report.py --update BENCHMARKS.md docs/bench_h200.json docs/bench_h200_repeat.json \\
-        <table> docs/bench_h200_gqa.json [flashgen-torch runs ...]
+    flashgen bench --timing queued --json docs/bench_h200_queued.json  # the short points' GPU time
+    python tools/bench_report.py --update BENCHMARKS.md [--queued docs/bench_h200_queued.json] \\
+        docs/bench_h200.json docs/bench_h200_repeat.json <table> docs/bench_h200_gqa.json [flashgen-torch runs ...]
 
 The second JSON (an independent run of the same code) gives the run-to-run
 noise; the tuning table (the one the runs used) gives what tuning changed.
@@ -194,7 +195,35 @@ def gqa_section(path: str) -> None:
               f"{fmt(ratio(got, b='sdpa-cudnn'))} | {fmt(ratio(got, b='fa4'))} |")
 
 
-def main(path: str, repeat_path: str, table_path: str, gqa_path: str = "", *adapter_paths: str) -> None:
+def queued_section(path: str) -> None:
+    """The grid again with ``--timing queued``: each round's calls back to back, so a call's time is the
+    GPU's.  Below about 0.3 ms a lone call's timing (the main run) moves 14-49% between rounds (session
+    27, H100); queued it moves 1-6%, so these are the figures that decide the short points."""
+    data, cells = load(path)
+    peers = [i for i in ("sdpa-cudnn", "fa4", "sdpa-flash") if any(i in v for v in cells.values())]
+    print(f"\n## GPU time: the grid with queued calls ({path})\n")
+    print(f"`flashgen bench --timing queued` on {data['device']}: a round's calls are issued back to back after "
+          "one untimed call, each between its own CUDA events, so a call's time is the GPU's and host work is "
+          "hidden, as in a training loop.\n")
+    for direction in ("fwd", "bwd"):
+        keys = [k for k in cells if k[0] == direction]
+        print(f"- {'Forward' if direction == 'fwd' else 'Backward'}: " + "; ".join(
+            f"flashgen / {peer} {span(ratio(cells[k], b=peer) for k in keys)}" for peer in peers) + ".")
+    print("\n| dir | dtype | hdim | causal | B x S | flashgen | " + " | ".join(peers) + " | " +
+          " | ".join(f"flashgen / {peer}" for peer in peers) + " | noise |")
+    print("|---" * (7 + 2 * len(peers)) + "|")
+    for key in sorted(cells):
+        direction, dtype, hd, causal = key[:4]
+        got = cells[key]
+        vals = " | ".join(f"{got[i]['tflops']:.0f}" if got.get(i, {}).get("tflops") else "-" for i in ["flashgen"] + peers)
+        spreads = [got[i]["spread"] for i in ["flashgen"] + peers if got.get(i, {}).get("spread")]
+        print(f"| {direction} | {dtype} | {hd} | {'yes' if causal else 'no'} | {shape(key)} | {vals} | " +
+              " | ".join(fmt(ratio(got, b=peer)) for peer in peers) +
+              f" | {f'{max(spreads):.0%}' if spreads else '-'} |")
+
+
+def main(path: str, repeat_path: str, table_path: str, gqa_path: str = "", *adapter_paths: str,
+         queued_path: str = "") -> None:
     data, cells = load(path)
     repeat_data, repeat = load(repeat_path)
     table = json.load(open(table_path))
@@ -297,6 +326,8 @@ Lowest flashgen / efficient ratio of the two runs: forward {fmt(worst['fwd'])}, 
         adapter_section(adapter_paths)
     if gqa_path:
         gqa_section(gqa_path)
+    if queued_path:
+        queued_section(queued_path)
     print("\n## Per-call host overhead and import time\n")
     print("A tiny problem (1 x 128 x 1 x 64, f16), wall time per call over 500 back-to-back calls, median of")
     print("9 rounds with the implementations interleaved; flashgen's calls repeat one signature and take the")
@@ -343,7 +374,7 @@ def sections(text: str):
 GENERATED_EXACT = {"## Forward", "## Backward", "## Tuning table"}
 GENERATED_PREFIXES = ("## Forward (sm90_fwd)", "## Backward (sm90_bwd)", "## Against sdpa-efficient",
                       "## Through flashgen.torch", "## flashgen.torch against flashgen on CuPy arrays",
-                      "## Grouped-query attention (", "## Per-call host overhead")
+                      "## Grouped-query attention (", "## Per-call host overhead", "## GPU time: the grid with queued")
 
 
 def is_generated(heading: str) -> bool:
@@ -372,20 +403,37 @@ def merge(generated: str, old: str) -> str:
     return "".join(out).rstrip("\n") + "\n"
 
 
-def update(path: str, args) -> None:
+def update(path: str, args, queued_path: str = "") -> None:
     """Regenerate ``path`` in place, keeping its hand-written sections; written atomically."""
     with open(path) as f:
         old = f.read()
     report = io.StringIO()
     with contextlib.redirect_stdout(report):
-        main(*args)
+        main(*args, queued_path=queued_path)
     atomic_write_text(path, merge(report.getvalue(), old))
 
 
+def take_option(argv: list, name: str) -> str:
+    """The value of ``name VALUE`` anywhere in ``argv`` (removed from it), or ''."""
+    if name not in argv:
+        return ""
+    i = argv.index(name)
+    if i + 1 == len(argv):
+        raise SystemExit(f"{name} needs a file")
+    value = argv[i + 1]
+    del argv[i:i + 2]
+    return value
+
+
+USAGE = "usage: bench_report.py [--update BENCHMARKS.md] [--queued QUEUED_RUN] RUN REPEAT TABLE [GQA [TORCH RUNS ...]]"
+
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--update"]:
-        if len(sys.argv) < 6:
-            raise SystemExit("usage: bench_report.py --update BENCHMARKS.md RUN REPEAT TABLE [GQA [TORCH RUNS ...]]")
-        update(sys.argv[2], sys.argv[3:])
+    argv = sys.argv[1:]
+    queued = take_option(argv, "--queued")
+    target = take_option(argv, "--update")
+    if len(argv) < 3:
+        raise SystemExit(USAGE)
+    if target:
+        update(target, argv, queued)
     else:
-        main(*sys.argv[1:])
+        main(*argv, queued_path=queued)
