@@ -128,6 +128,30 @@ def test_every_instance(binary):
 
 
 @needs_sm90
+@pytest.mark.parametrize("binary", PLAIN_KERNELS, ids=[b.name for b in PLAIN_KERNELS])
+@pytest.mark.parametrize("keys", ["rising", "falling"])
+def test_rows_whose_max_moves_far_between_key_blocks(binary, keys):
+    """Keys scaled up along the sequence ("rising": each key block raises a row's max by several units,
+    so the softmax rescales O and the row sum again and again) or down ("falling": the first block
+    holds the max and later blocks keep it as their reference)."""
+    spec = binary.spec
+    rng = np.random.default_rng(13)
+    M, N, K = 300, 1000, spec.max_k
+    growth = 1 + 0.03 * np.arange(N)
+    factor = growth if keys == "rising" else growth[::-1]
+    q, v = randn(rng, (2, M, 3, K), spec.dtype), randn(rng, (2, N, 3, K), spec.dtype)
+    k = cupy.asarray((rng.standard_normal((2, N, 3, K)) * factor[None, :, None, None]).astype(np.float32))
+    k = k.astype(q.dtype)
+    causal = "bottom_right" if spec.band else None
+    bias = make_bias(rng, spec.dtype, 2, 3, M, N, "") if spec.bias else None
+    call = validate.forward_call(q, k, v, {"causal": causal, "attn_bias": bias}, flashgen.attention_forward)
+    with poisoned_allocations():
+        out, lse = sm90_fwd.RUNTIME.launch(call, binary)
+    ref_out, ref_lse = reference(q, k, v, bias=bias, causal=causal)
+    assert rel_err(out, ref_out) < FWD_TOL[spec.dtype] and lse_err(lse, ref_lse) < FWD_TOL[spec.dtype]
+
+
+@needs_sm90
 @pytest.mark.parametrize("K", [64, 256])
 def test_lse_feeds_the_backward(K):
     """The forward's lse layout is the one both backward families read."""
