@@ -81,8 +81,10 @@ def test_every_section_the_report_writes_is_known_as_generated(capsys):
         "bench_h200.json", "bench_h200_repeat.json", "tuning_h200_runs.json", "bench_h200_gqa.json",
         "bench_h200_torch_queued.json", "bench_h200_torch_queued_repeat.json", "bench_h200_torch_call.json")),
         queued_path=str(docs / "fwd_d64_h100_s27_queued_tuned.json"))
-    headings = [h for h, _ in bench_report.sections(capsys.readouterr().out) if h is not None]
+    out = capsys.readouterr().out
+    headings = [h for h, _ in bench_report.sections(out) if h is not None]
     assert len(headings) >= 10 and all(bench_report.is_generated(h) for h in headings), headings
+    assert "--queued " + str(docs / "fwd_d64_h100_s27_queued_tuned.json") in out  # the command block says how
 
 
 def test_the_queued_section_reads_each_peer_against_flashgen(tmp_path, capsys):

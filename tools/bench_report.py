@@ -238,6 +238,8 @@ def main(path: str, repeat_path: str, table_path: str, gqa_path: str = "", *adap
     vs_cudnn = {k: ratio(v, b="sdpa-cudnn") for k, v in cells.items()}
     vs_fa4 = {k: ratio(v, b="fa4") for k, v in cells.items()}
     clearly = [(r, k) for r, k in below if r < 0.995]  # slower in both runs by more than the medians' drift
+    queued_run = f"\nflashgen bench --timing queued --json {queued_path}" if queued_path else ""
+    queued_option = f" --queued {queued_path}" if queued_path else ""
     print(f"""# Benchmarks
 
 Device: **{data['device']}**.  One run, every implementation side by side:
@@ -248,8 +250,8 @@ FLASHGEN_KERNEL_PATH=build/kernels FLASHGEN_TUNING={table_path} \\
     flashgen bench --json docs/bench_h200.json --plot docs/bench_h200.png
 flashgen bench --group 4 --group 8 --seqlen 2048 --seqlen 8192 \\
     --impl flashgen --impl flashgen-torch --impl fa4 --impl sdpa-cudnn --json docs/bench_h200_gqa.json
-flashgen bench --impl flashgen --impl flashgen-torch --timing queued --json docs/bench_h200_torch_queued.json
-python tools/bench_report.py --update BENCHMARKS.md docs/bench_h200.json docs/bench_h200_repeat.json \\
+flashgen bench --impl flashgen --impl flashgen-torch --timing queued --json docs/bench_h200_torch_queued.json{queued_run}
+python tools/bench_report.py --update BENCHMARKS.md{queued_option} docs/bench_h200.json docs/bench_h200_repeat.json \\
     {table_path} docs/bench_h200_gqa.json docs/bench_h200_torch_queued.json \\
     docs/bench_h200_torch_queued_repeat.json docs/bench_h200_torch_call.json
 ```
