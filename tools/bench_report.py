@@ -173,6 +173,28 @@ def adapter_section(paths) -> None:
                   f"{own:.1f} us, {own / data[cupy]:.2f}x the CuPy path's {data[cupy]:.1f} us")
 
 
+def tflops_cells(got, impls) -> str:
+    """A table row's TFLOP/s cells, '-' where an implementation has no timing at this point."""
+    return " | ".join(f"{got[i]['tflops']:.0f}" if got.get(i, {}).get("tflops") else "-" for i in impls)
+
+
+def point_table(cells, shape_header: str, impls, peers: dict, noise: bool = False) -> None:
+    """One row per point: each of ``impls``' TFLOP/s, flashgen / each peer (``peers``: impl -> the
+    name in the header) and, with ``noise``, the largest spread of round medians among ``impls``."""
+    print(f"\n| dir | dtype | hdim | causal | {shape_header} | " + " | ".join(impls) + " | " +
+          " | ".join(f"flashgen / {name}" for name in peers.values()) + (" | noise |" if noise else " |"))
+    print("|---" * (5 + len(impls) + len(peers) + noise) + "|")
+    for key in sorted(cells):
+        d, dtype, hd, causal = key[:4]
+        got = cells[key]
+        row = (f"| {d} | {dtype} | {hd} | {'yes' if causal else 'no'} | {shape(key)} | {tflops_cells(got, impls)} | " +
+               " | ".join(fmt(ratio(got, b=peer)) for peer in peers) + " |")
+        if noise:
+            spreads = [got[i]["spread"] for i in impls if got.get(i, {}).get("spread")]
+            row += f" {f'{max(spreads):.0%}' if spreads else '-'} |"
+        print(row)
+
+
 def gqa_section(path: str) -> None:
     """Grouped-query points (``flashgen bench --group``) from a run of their own."""
     data, cells = load(path)
@@ -184,15 +206,7 @@ def gqa_section(path: str) -> None:
         keys = [k for k in cells if k[0] == direction]
         print(f"- {direction}: flashgen / cudnn {span(ratio(cells[k], b='sdpa-cudnn') for k in keys)}, "
               f"flashgen / fa4 {span(ratio(cells[k], b='fa4') for k in keys)}")
-    print("\n| dir | dtype | hdim | causal | B x S, heads | " + " | ".join(impls) +
-          " | flashgen / cudnn | flashgen / fa4 |")
-    print("|---" * (7 + len(impls)) + "|")
-    for key in sorted(cells):
-        d, dtype, hd, causal = key[:4]
-        got = cells[key]
-        vals = " | ".join(f"{got[i]['tflops']:.0f}" if got.get(i, {}).get("tflops") else "-" for i in impls)
-        print(f"| {d} | {dtype} | {hd} | {'yes' if causal else 'no'} | {shape(key)} | {vals} | "
-              f"{fmt(ratio(got, b='sdpa-cudnn'))} | {fmt(ratio(got, b='fa4'))} |")
+    point_table(cells, "B x S, heads", impls, {"sdpa-cudnn": "cudnn", "fa4": "fa4"})
 
 
 def queued_section(path: str) -> None:
@@ -209,17 +223,7 @@ def queued_section(path: str) -> None:
         keys = [k for k in cells if k[0] == direction]
         print(f"- {'Forward' if direction == 'fwd' else 'Backward'}: " + "; ".join(
             f"flashgen / {peer} {span(ratio(cells[k], b=peer) for k in keys)}" for peer in peers) + ".")
-    print("\n| dir | dtype | hdim | causal | B x S | flashgen | " + " | ".join(peers) + " | " +
-          " | ".join(f"flashgen / {peer}" for peer in peers) + " | noise |")
-    print("|---" * (7 + 2 * len(peers)) + "|")
-    for key in sorted(cells):
-        direction, dtype, hd, causal = key[:4]
-        got = cells[key]
-        vals = " | ".join(f"{got[i]['tflops']:.0f}" if got.get(i, {}).get("tflops") else "-" for i in ["flashgen"] + peers)
-        spreads = [got[i]["spread"] for i in ["flashgen"] + peers if got.get(i, {}).get("spread")]
-        print(f"| {direction} | {dtype} | {hd} | {'yes' if causal else 'no'} | {shape(key)} | {vals} | " +
-              " | ".join(fmt(ratio(got, b=peer)) for peer in peers) +
-              f" | {f'{max(spreads):.0%}' if spreads else '-'} |")
+    point_table(cells, "B x S", ["flashgen"] + peers, {peer: peer for peer in peers}, noise=True)
 
 
 def main(path: str, repeat_path: str, table_path: str, gqa_path: str = "", *adapter_paths: str,
@@ -318,7 +322,7 @@ Lowest flashgen / efficient ratio of the two runs: forward {fmt(worst['fwd'])}, 
         for key in sorted(k for k in cells if k[0] == direction):
             _, dtype, hd, causal = key[:4]
             got = cells[key]
-            vals = " | ".join(f"{got[i]['tflops']:.0f}" if got.get(i, {}).get("tflops") else "-" for i in IMPLS)
+            vals = tflops_cells(got, IMPLS)
             spreads = [got[i]["spread"] for i in ("flashgen", "sdpa-efficient") if got.get(i, {}).get("spread")]
             print(f"| {dtype} | {hd} | {'yes' if causal else 'no'} | {shape(key)} | {vals} | {fmt(ratios[key])} | "
                   f"{fmt(vs_flash[key])} | {fmt(vs_cudnn[key])} | {fmt(vs_fa4[key])} | "
