@@ -4,6 +4,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_report.py"
 spec = importlib.util.spec_from_file_location("bench_report", TOOL)
 bench_report = importlib.util.module_from_spec(spec)
@@ -106,8 +108,10 @@ def test_the_queued_section_reads_each_peer_against_flashgen(tmp_path, capsys):
 
 
 def test_options_come_out_of_the_argument_list():
-    argv = ["--queued", "q.json", "run.json", "--update", "B.md", "repeat.json", "table.json"]
-    assert bench_report.take_option(argv, "--update") == "B.md"
-    assert bench_report.take_option(argv, "--queued") == "q.json"
-    assert bench_report.take_option(argv, "--queued") == ""
-    assert argv == ["run.json", "repeat.json", "table.json"]
+    args = bench_report.parse_args(["--queued", "q.json", "run.json", "--update", "B.md", "repeat.json", "table.json"])
+    assert args.update == "B.md"
+    assert args.queued == "q.json"
+    assert args.runs == ["run.json", "repeat.json", "table.json"]
+    assert bench_report.parse_args(["run.json", "repeat.json", "table.json"]).queued == ""
+    with pytest.raises(SystemExit):  # a run, its repeat and the table are the least the report needs
+        bench_report.parse_args(["--update", "B.md", "run.json", "repeat.json"])

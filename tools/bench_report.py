@@ -15,6 +15,7 @@ the bias, dropout and block-mask studies) are kept, each after the generated
 section it followed, and the file is replaced atomically (flashgen.atomic: flashgen installed,
 or PYTHONPATH=. from the repository's root).
 """
+import argparse
 import contextlib
 import io
 import json
@@ -419,27 +420,22 @@ def update(path: str, args, queued_path: str = "") -> None:
     atomic_write_text(path, merge(report.getvalue(), old))
 
 
-def take_option(argv: list, name: str) -> str:
-    """The value of ``name VALUE`` anywhere in ``argv`` (removed from it), or ''."""
-    if name not in argv:
-        return ""
-    i = argv.index(name)
-    if i + 1 == len(argv):
-        raise SystemExit(f"{name} needs a file")
-    value = argv[i + 1]
-    del argv[i:i + 2]
-    return value
+def parse_args(argv):
+    """The command line: options anywhere among the runs (RUN REPEAT TABLE [GQA [TORCH RUNS ...]])."""
+    parser = argparse.ArgumentParser(description="Write BENCHMARKS.md from flashgen bench --json runs.")
+    parser.add_argument("--update", metavar="BENCHMARKS.md", default="",
+                        help="regenerate this file in place, keeping its hand-written sections")
+    parser.add_argument("--queued", metavar="QUEUED_RUN", default="", help="the grid timed with --timing queued")
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="RUN REPEAT TABLE [GQA [TORCH RUNS ...]]")
+    args = parser.parse_intermixed_args(argv)
+    if len(args.runs) < 3:
+        parser.error("needs at least a run, its repeat run and the tuning table")
+    return args
 
-
-USAGE = "usage: bench_report.py [--update BENCHMARKS.md] [--queued QUEUED_RUN] RUN REPEAT TABLE [GQA [TORCH RUNS ...]]"
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    queued = take_option(argv, "--queued")
-    target = take_option(argv, "--update")
-    if len(argv) < 3:
-        raise SystemExit(USAGE)
-    if target:
-        update(target, argv, queued)
+    args = parse_args(sys.argv[1:])
+    if args.update:
+        update(args.update, args.runs, args.queued)
     else:
-        main(*argv, queued_path=queued)
+        main(*args.runs, queued_path=args.queued)
