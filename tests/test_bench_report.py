@@ -115,3 +115,24 @@ def test_options_come_out_of_the_argument_list():
     assert bench_report.parse_args(["run.json", "repeat.json", "table.json"]).queued == ""
     with pytest.raises(SystemExit):  # a run, its repeat and the table are the least the report needs
         bench_report.parse_args(["--update", "B.md", "run.json", "repeat.json"])
+
+
+def test_the_standing_table_counts_points_at_or_above_a_peer_in_every_run(capsys):
+    """Issue 16's bar: a point counts only where flashgen is at or above the peer in each run, and a
+    point a run lacks is left out of the count rather than passed."""
+    def cells(ms_by_seqlen):  # seqlen -> (flashgen, cudnn, fa4) ms, head dim 64, unmasked forward
+        out = {}
+        for seqlen, times in ms_by_seqlen.items():
+            key = ("fwd", "bf16", 64, False, seqlen, 16384 // seqlen, 32, 1)
+            out[key] = {impl: {"ms": ms} for impl, ms in zip(("flashgen", "sdpa-cudnn", "fa4"), times)}
+        return out
+    run = cells({512: (1.0, 1.2, 0.5), 1024: (1.0, 1.0, 2.0), 2048: (1.0, 1.1, 1.1)})
+    repeat = cells({512: (1.0, 1.1, 0.5), 1024: (1.0, 0.9, 2.0), 2048: (1.0, 1.1, 1.1)})
+    queued = cells({512: (1.0, 1.5, 1.5), 1024: (1.0, 1.0, 1.0)})  # 2048 missing
+    bench_report.standing_table("fwd", [("run", run), ("repeat", repeat), ("queued", queued)])
+    out = capsys.readouterr().out
+    assert "| / cudnn (run, repeat, queued) | / fa4 (run, repeat, queued) |" in out
+    # cudnn: 512 passes everywhere, 1024 fails in the repeat (0.90); fa4: 512 fails (0.50), 1024 passes
+    assert "| 64 | no | 1.00-1.20, 0.90-1.10, 1.00-1.50 | 0.50-2.00, 0.50-2.00, 1.00-1.50 | 1/2 | 1/2 |" in out
+    bench_report.standing_table("bwd", [("run", run)])  # no backward points: a header and no rows
+    assert "| 64 |" not in capsys.readouterr().out

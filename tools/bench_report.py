@@ -27,51 +27,6 @@ from flashgen.atomic import atomic_write_text
 
 IMPLS = ["flashgen", "sdpa-efficient", "sdpa-flash", "sdpa-cudnn", "fa4"]
 
-FWD_NEXT_STEPS = """Two steps behind these numbers (issue 16, same-run A/B against the cubins
-before each).  (1) Block t's S = QK^T is issued with block t-1's P V and its
-softmax runs while P V is on the tensor cores, the consumer warpgroups taking
-turns to issue (named barriers), the producer a register-donating warpgroup for
-every tier: median +10% (0.98-1.19x per point).  (2) A persistent grid, one CTA
-per SM, the producer loading the next tile while the consumers finish the last,
-work units query blocks fastest (L2 sharing) and, under a causal mask, pairs of
-query blocks j and last-j (equal work): median +3%, up to +16% at short and
-causal points.  Tried and not kept: all tiles ordered by causal length (lost L2
-sharing, -5 to -16% unmasked), a per-round rotation (-30% causal at 16k);
-earlier, a one-block software pipeline with one producer warp (15-25% slower).
-Behind cuDNN: short sequences (512-2k, where cuDNN's forward is at its best) and
-unmasked head dim 128.  Next: O through shared memory with a TMA store, and the
-short causal points."""
-
-BWD_NEXT_STEPS = """The step behind these numbers (issue 16): ncu on the head-dim-64 backward
-showed the consumers queued at the LSU.  lse, delta and the dS and dQ tiles were
-read and written with generic loads and stores: the kernel found its shared
-storage by rounding an address as an integer, and cute's swizzled pointers are
-integers too.  Now the storage pointer stays a shared-memory pointer, lse and
-delta come as 8-byte shared loads (one per column pair), dS goes out by
-stmatrix (four 8x8 tiles per instruction), and a step's S^T/dP^T are issued
-before the last dQ's bulk add at every tile (the other order had won at 128-query
-steps only while the accesses were generic).  Same-run A/B against the cubins
-before (bf16): head dim 64 +13% to +35%, head dim 128 +4% to +14%; no head-dim-64 or
-128 kernel spills.  Tried and not kept: half of the exponentials as a cubic on
-the FMA pipe (-5% to +1%).  Earlier steps: dQ parts written in register order
-and added at the top of the next step (+3% to +18%), grouped-query band calls
-ordered key block by key block (+6% to +32% at causal GQA points).  Still
-behind: cuDNN at unmasked head dim 128 from 2k tokens (0.96-0.99x in one run or
-the other), FlashAttention-4 from 4k-8k tokens (0.82-0.98x, worst unmasked head
-dim 128 at 16k).  Each step still runs S/dP -> softmax -> dK/dV -> dQ in order
-within a warpgroup and both warpgroups meet at a barrier before dQ (it needs both
-halves of dS), so their softmaxes coincide and leave the tensor cores idle.
-Next: dQ of step t issued in step t+1 after an mbarrier says both halves of dS
-are in, so the warpgroups can take turns as in the forward.  The prep and convert
-kernels take about 70 and 54 us per call at 16k tokens (bandwidth: O, dO and a
-zeroed fp32 accumulator in, the accumulator out), 18-26% of a 512-token backward
-now (475-677 us in this run).
-Outside this grid, head dims 136-256 run on a split-head-dim tile (two
-warpgroups share 64 keys, both compute S and dP, dQ by atomics): at 256, 136-171
-TFLOP/s from 1k to 16k tokens against FlashAttention-2's 137-253 (measured
-before these steps)."""
-
-
 def load(path):
     """The run and its results by point: (direction, dtype, head dim, causal, seqlen, batch, heads,
     group).  Files written before GQA points existed have no group: they are multi-head (group 1),
@@ -196,6 +151,29 @@ def point_table(cells, shape_header: str, impls, peers: dict, noise: bool = Fals
         print(row)
 
 
+def standing_table(direction: str, runs) -> None:
+    """Issue 16's bar per head dim and mask: flashgen / cuDNN and / FlashAttention-4, lowest to
+    highest over the points, in each run (``runs``: [(name, cells)], the queued run's GPU time
+    beside the lone-call runs', which count host work), and how many points are at or above the
+    peer in every run."""
+    names = ", ".join(name for name, _ in runs)
+    print(f"\nflashgen / peer per head dim and mask ({names}), and the points at or above the peer in every run:\n")
+    print(f"| hdim | causal | / cudnn ({names}) | / fa4 ({names}) | >= cudnn | >= fa4 |")
+    print("|---" * 6 + "|")
+    groups = sorted({(k[2], k[3]) for k in runs[0][1] if k[0] == direction and k[7] == 1})
+    for hd, causal in groups:
+        cells = []
+        counts = []
+        for peer in ("sdpa-cudnn", "fa4"):
+            per_run = [{k: ratio(v, b=peer) for k, v in run.items() if k[0] == direction and k[2:4] == (hd, causal)
+                        and k[7] == 1} for _, run in runs]
+            cells.append(", ".join(span(r.values()).replace(" to ", "-") for r in per_run))
+            points = [k for k in per_run[0] if all(r.get(k) is not None for r in per_run)]
+            counts.append(f"{sum(all(r[k] >= 1 for r in per_run) for k in points)}/{len(points)}")
+        print(f"| {hd} | {'yes' if causal else 'no'} | {cells[0]} | {cells[1]} | {counts[0]} | {counts[1]} |")
+    print()
+
+
 def gqa_section(path: str) -> None:
     """Grouped-query points (``flashgen bench --group``) from a run of their own."""
     data, cells = load(path)
@@ -289,7 +267,8 @@ cuDNN and FlashAttention-4 are the bars for the Hopper families.
 
 ![TFLOP/s vs seqlen](docs/bench_h200.png)
 """)
-    for direction, family, next_steps in (("fwd", "sm90_fwd", FWD_NEXT_STEPS), ("bwd", "sm90_bwd", BWD_NEXT_STEPS)):
+    runs = [("run", cells), ("repeat", repeat)] + ([("queued", load(queued_path)[1])] if queued_path else [])
+    for direction, family in (("fwd", "sm90_fwd"), ("bwd", "sm90_bwd")):
         keys = [k for k in cells if k[0] == direction]
         name = "Forward" if direction == "fwd" else "Backward"
         behind = sorted((lower(vs_flash[k], ratio(repeat.get(k, {}), b="sdpa-flash")), k)
@@ -303,7 +282,7 @@ cuDNN and FlashAttention-4 are the bars for the Hopper families.
                 print(f"- {k[1]} head dim {k[2]}{' causal' if k[3] else ''} {shape(k)}: {r:.3f}")
         else:
             print(f"No {name.lower()} point is behind FlashAttention-2 in either run.")
-        print("\n" + next_steps + "\n")
+        standing_table(direction, runs)
     worst = {d: min((lower(ratios[k], repeat_ratios.get(k)) for k in cells if k[0] == d and ratios[k] is not None),
                     default=None) for d in ("fwd", "bwd")}
     print(f"""## Against sdpa-efficient (the example-41 kernels)
