@@ -1,9 +1,14 @@
 """Fixtures shared by the test modules."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 
+from flashgen.runtime.registry import Registry
 from flashgen.toolchain import probe_toolchain
+
+from runtime_fakes import BWD_SMEM, FWD_SMEM, constants, write_build
 
 
 @pytest.fixture(scope="session")
@@ -13,3 +18,36 @@ def toolchain():
     if not report.ok():
         pytest.skip("no complete toolchain: " + "; ".join(m.message for _, m in report.missing()))
     return report.toolchain()
+
+
+# --- the runtime's host-side tests (tests/runtime_fakes.py); a module that must never import CuPy
+# takes the first two with pytestmark = pytest.mark.usefixtures("cupy_is_never_imported", "block_cupy")
+
+@pytest.fixture(scope="module")
+def cupy_is_never_imported():
+    # Other test modules may have imported CuPy at collection (on GPU machines); this one must not.
+    before = sys.modules.get("cupy")
+    yield
+    assert sys.modules.get("cupy") is before
+    if before is None:
+        assert "cupy" not in sys.modules
+
+
+@pytest.fixture
+def block_cupy(monkeypatch):
+    """`import cupy` raises ImportError inside every test, even where CuPy is installed."""
+    monkeypatch.setitem(sys.modules, "cupy", None)
+
+
+@pytest.fixture(scope="module")
+def kernel_dir(tmp_path_factory):
+    """A build directory of runtime_fakes' kernel set, for sm80 and sm90."""
+    d = tmp_path_factory.mktemp("kernels")
+    specs = {**BWD_SMEM, **FWD_SMEM}
+    write_build(d, [(s, {t: constants(s, smem) for t in ("sm80", "sm90")}) for s, smem in specs.items()])
+    return d
+
+
+@pytest.fixture(scope="module")
+def reg(kernel_dir):
+    return Registry([kernel_dir])

@@ -151,7 +151,7 @@ def bwd_kernels():
     (192, (128, 128), None), (128, (64, 128), None), (64, (128, 64), None)])
 def test_selection_matches_the_mask_block_with_mask_rows_from_the_cubin(K, block, expected):
     from flashgen.runtime.select import Request, rejection
-    from test_runtime_cpu import H100
+    from runtime_fakes import H100
 
     req = Request("sm90_bwd", "f16", K, K, 8, False, False, H100, compiled_bias=True, block_sparse=block)
     kernels = bwd_kernels()
@@ -164,7 +164,7 @@ def test_selection_matches_the_mask_block_with_mask_rows_from_the_cubin(K, block
 
 
 def test_sm90_bwd_takes_block_masks_it_reads_and_says_why_not_otherwise(monkeypatch):
-    import test_runtime_cpu as helpers
+    import runtime_fakes as helpers
     from flashgen.runtime.families import serving, sm90_bwd, sm90_common
 
     monkeypatch.setattr(sm90_common, "device_info", lambda index: helpers.H100)
@@ -189,7 +189,7 @@ def test_sm90_bwd_takes_block_masks_it_reads_and_says_why_not_otherwise(monkeypa
 
 
 def test_a_sparse_backward_is_never_launched_on_calls_it_cannot_run():
-    import test_runtime_cpu as helpers
+    import runtime_fakes as helpers
     from flashgen.runtime.families import sm90_bwd
 
     kernels = {b.name: b for b in bwd_kernels()}

@@ -134,8 +134,8 @@ def test_sparse_instances_are_the_mask_block_tiles_of_tiers_64_and_128():
 # --- which block-mask calls sm90_fwd takes -----------------------------------------------------
 
 def _runtime_helpers():
-    """test_runtime_cpu's fakes (imported here: that module imports nothing of CuPy either)."""
-    import test_runtime_cpu as helpers
+    """tests/runtime_fakes.py (imported here: it imports nothing of CuPy either)."""
+    import runtime_fakes as helpers
 
     return helpers
 

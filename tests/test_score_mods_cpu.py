@@ -1,6 +1,6 @@
 """Score mods compiled into the Hopper kernels, without a GPU: the generated functors, the instances a
 mods file adds (names, generate --mods), what the manifest records, selection by name and digest,
-the "not built" error and the checks of captured tensors.  Nothing here imports CuPy (test_runtime_cpu's
+the "not built" error and the checks of captured tensors.  Nothing here imports CuPy (tests/runtime_fakes.py's
 fakes stand in for arrays)."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from flashgen.runtime.registry import Registry
 from flashgen.spec import default_kernels, mod_kernels, score_mods
 from flashgen.spec.sm90_bwd import Sm90Bwd
 from flashgen.spec.sm90_fwd import Sm90Fwd
-from test_runtime_cpu import H100, FakeArray, fake_call, hopper_constants, qkv, write_build
+from runtime_fakes import H100, FakeArray, fake_call, hopper_constants, qkv, write_build
 
 EXAMPLE = Path(__file__).parent / "score_mods_example.py"
 ALIBI = BUILTIN_MODS["alibi"]

@@ -2,7 +2,7 @@
 build and why the others are pruned, which one serves a bias call on each faked 8.x/9.0 device (and
 that a call no bias instance takes is refused with the reason, for example 41), the launch guard,
 the Params fields a bias fills, and where a bias's pointer sits in a launch plan.  Nothing here
-imports CuPy (test_runtime_cpu's fakes stand in for arrays); tests/test_sm80_bias_layout.py checks
+imports CuPy (tests/runtime_fakes.py's fakes stand in for arrays); tests/test_sm80_bias_layout.py checks
 the kernels' fragment addressing, tests/test_sm80_bias_gpu.py the results."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from flashgen.spec import sm80_bwd as bwd_spec
 from flashgen.spec import sm80_fwd as fwd_spec
 from flashgen.spec.sm80_bwd import Sm80Bwd
 from flashgen.spec.sm80_fwd import Sm80Fwd
-from test_runtime_cpu import A100, H100, RTX3090, RTX4090, FakeArray, fake_call, qkv, write_build
+from runtime_fakes import A100, H100, RTX3090, RTX4090, FakeArray, fake_call, qkv, write_build
 
 SM86_OPTIN = 101376
 

@@ -1,6 +1,6 @@
 """The Ampere backward (sm80_bwd) without a GPU: its spec and pruning, instances, targets,
 selection on faked 8.x devices (sm80's 163 KB, sm86/sm89's 99 KB of opt-in shared memory), its
-refusals and its place in dispatch.  Nothing here imports CuPy (test_runtime_cpu's fakes stand
+refusals and its place in dispatch.  Nothing here imports CuPy (tests/runtime_fakes.py's fakes stand
 in for arrays)."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from flashgen.runtime.families import sm80_bwd, sm90_common
 from flashgen.runtime.registry import Registry
 from flashgen.runtime.select import Request, Selector
 from flashgen.spec.sm80_bwd import A100_SHARED, SM86_SHARED, Sm80Bwd, shared_bytes
-from test_runtime_cpu import A100, H100, RTX3090, RTX4090, T4, FakeArray, qkv, write_build
+from runtime_fakes import A100, H100, RTX3090, RTX4090, T4, FakeArray, qkv, write_build
 
 SM86_OPTIN = 101376  # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm86/sm89: 99 KB
 

@@ -22,7 +22,7 @@ from flashgen.spec.sm80_fwd import Sm80Fwd
 from flashgen.spec.sm90_bwd import Sm90Bwd
 from flashgen.spec.sm90_fwd import Sm90Fwd
 from flashgen.spec.contract import DROPOUT_FIELDS
-from test_runtime_cpu import H100, fake_call, hopper_constants, qkv, write_build
+from runtime_fakes import H100, fake_call, hopper_constants, qkv, write_build
 
 A100 = DeviceInfo(0, "NVIDIA A100-SXM4-80GB", 80, 108, 163 * 1024)
 A10 = DeviceInfo(0, "NVIDIA A10", 86, 72, 99 * 1024)

@@ -1,6 +1,6 @@
 """The Ampere forward (sm80_fwd) without a GPU: its spec, instances, targets, selection on faked
 devices, its refusals, and the FLASHGEN_FAMILIES switch that forces families for tests and
-benchmarks.  Nothing here imports CuPy (test_runtime_cpu's fakes stand in for arrays)."""
+benchmarks.  Nothing here imports CuPy (tests/runtime_fakes.py's fakes stand in for arrays)."""
 from __future__ import annotations
 
 import sys
@@ -17,7 +17,7 @@ from flashgen.runtime.select import Request, Selector
 from flashgen.spec import FAMILIES
 from flashgen.spec.sm80_fwd import CTA_SHARED_BUDGET, Sm80Fwd, ring_slots
 from flashgen.spec.sm80_fwd import shared_bytes as spec_shared_bytes
-from test_runtime_cpu import A100, H100, RTX3090, RTX4090, T4, FakeArray, qkv, write_build
+from runtime_fakes import A100, H100, RTX3090, RTX4090, T4, FakeArray, qkv, write_build
 
 SM86_OPTIN = 101376  # cudaDevAttrMaxSharedMemoryPerBlockOptin on sm86/sm89: 99 KB
 

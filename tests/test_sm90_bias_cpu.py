@@ -1,7 +1,7 @@
 """The Hopper families' compiled-in attention bias without a GPU: which instances serve a bias call,
 that a bias instance is never launched without a bias (nor a plain one with one), and how the bias
 reaches the kernels (its tensor map and steps, dbias's row pitch).  Nothing here imports CuPy
-(test_runtime_cpu's fakes stand in for arrays)."""
+(tests/runtime_fakes.py's fakes stand in for arrays)."""
 from __future__ import annotations
 
 import sys
@@ -14,7 +14,7 @@ from flashgen.runtime.families import sm90_bwd, sm90_common, sm90_fwd
 from flashgen.runtime.select import Request, rejection
 from flashgen.spec.sm90_bwd import Sm90Bwd
 from flashgen.spec.sm90_fwd import Sm90Fwd
-from test_runtime_cpu import H100, FakeArray, fake_call
+from runtime_fakes import H100, FakeArray, fake_call
 
 
 @pytest.fixture(autouse=True)

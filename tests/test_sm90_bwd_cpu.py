@@ -13,7 +13,7 @@ import pytest
 from flashgen.runtime.families import sm90_bwd, sm90_common
 from flashgen.runtime.select import KEYS_CAP, Request, rejection
 from flashgen.spec.sm90_bwd import Sm90Bwd
-from test_runtime_cpu import H100, FakeArray, fake_call, hopper_constants
+from runtime_fakes import H100, FakeArray, fake_call, hopper_constants
 
 
 @pytest.fixture(autouse=True)

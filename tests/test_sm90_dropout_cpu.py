@@ -18,7 +18,7 @@ from flashgen.spec.sm90_bwd import Sm90Bwd
 from flashgen.spec.sm90_fwd import Sm90Fwd
 from flashgen.spec.sm90_tile import MOD_FIELDS
 from philox_reference import keep_mask, philox4x32_10, random_bits
-from test_runtime_cpu import H100, fake_call, hopper_constants, write_build
+from runtime_fakes import H100, fake_call, hopper_constants, write_build
 from test_sm90_bias_cpu import binary, first
 
 

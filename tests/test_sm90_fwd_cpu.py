@@ -11,7 +11,7 @@ import pytest
 from flashgen.runtime.families import sm90_common, sm90_fwd
 from flashgen.runtime.select import KEYS_CAP, Request, rejection
 from flashgen.spec.sm90_fwd import Sm90Fwd
-from test_runtime_cpu import H100, FakeArray, fake_call, hopper_constants
+from runtime_fakes import H100, FakeArray, fake_call, hopper_constants
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ from flashgen.bench import default_grid
 from flashgen.runtime import plans, tuning
 from flashgen.runtime.registry import Registry
 from flashgen.runtime.select import Selector, num_splits_key
-from test_runtime_cpu import (  # noqa: F401 (fixture helpers, not fixtures)
+from runtime_fakes import (  # noqa: F401 (fixture helpers, not fixtures)
     BWD_SMEM, F16_K64, F16_K64_DROP, F16_K128, F16_K128_BIG, FWD_SMEM, H100, K64, K128_BIG, RTX3090, constants, req,
     write_build,
 )
