@@ -357,100 +357,6 @@ def test_bench_ratio_of_the_adapter_is_blank_where_it_failed(monkeypatch):
     assert header[-1] == "fg-torch/fg" and fwd[-3:] == ["400", "-", "-"]
 
 
-def test_bench_compare_finds_the_point_a_change_slowed(tmp_path):
-    """tools/bench_compare.py: a point slower in every new run than the old runs' spread is listed first."""
-    import importlib.util
-    import json
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("bench_compare", Path(__file__).parents[1] / "tools/bench_compare.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-
-    def run(name, slow_point_tflops, noise):
-        points = [{"dtype": "bf16", "head_dim": 128, "causal": c, "seqlen": 4096} for c in (False, True)]
-        results = [{"impl": "flashgen", "direction": "fwd", "point": points[0], "tflops": slow_point_tflops},
-                   {"impl": "flashgen", "direction": "fwd", "point": points[1], "tflops": 300 + noise},
-                   {"impl": "sdpa-cudnn", "direction": "fwd", "point": points[0], "tflops": 1.0}]
-        path = tmp_path / name
-        path.write_text(json.dumps({"results": results}))
-        return tool.load(str(path), "flashgen")
-
-    old = [run("o1", 500, 0), run("o2", 505, 3)]
-    new = [run("n1", 450, 1), run("n2", 452, 2)]
-    rows = tool.compare(new, old)
-    assert [round(r[0], 3) for r in rows] == [round(451 / 502.5, 3), round(301.5 / 301.5, 3)]
-    slowest, spread, point, direction = rows[0]
-    assert (point["causal"], direction) == (False, "fwd") and slowest < 1 - spread
-
-
-def _bench_report():
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("bench_report", Path(__file__).parents[1] / "tools/bench_report.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
-
-
-def _report(tmp_path, capsys, fa4_tflops):
-    """tools/bench_report.py on two points (each fwd and bwd), fa4 at the points in ``fa4_tflops``
-    (seqlen -> TFLOP/s), an import note at the others; returns the output and each table's rows as
-    {column: cell} per (direction, seqlen)."""
-    import json
-
-    results = []
-    for seqlen in (512, 1024):
-        point = {"dtype": "bf16", "head_dim": 128, "causal": False, "batch": 16384 // seqlen, "heads": 16,
-                 "seqlen": seqlen}
-        for direction in ("fwd", "bwd"):
-            for impl, tflops in (("flashgen", 400), ("sdpa-efficient", 200), ("sdpa-flash", 320),
-                                 ("sdpa-cudnn", 500), ("fa4", fa4_tflops.get(seqlen))):
-                note = "" if tflops else "ModuleNotFoundError: No module named 'flash_attn'"
-                results.append({"impl": impl, "direction": direction, "point": point, "tflops": tflops,
-                                "ms": 100 / tflops if tflops else None, "note": note, "spread": 0.01,
-                                "compile_s": (12.5 if direction == "fwd" else 31.0) if tflops and impl == "fa4"
-                                else None})
-    run = {"device": "Fake GPU", "overhead_us": {"flashgen.attention_forward": 9.0}, "import_ms": {},
-           "results": results}
-    paths = [tmp_path / name for name in ("run.json", "repeat.json", "table.json")]
-    for path, data in zip(paths, (run, run, {"measured": {"points": [], "command": "tune", "repeats": 10},
-                                             "entries": []})):
-        path.write_text(json.dumps(data))
-    _bench_report().main(*map(str, paths))
-    output = capsys.readouterr().out
-    rows = {}
-    for direction, section in (("fwd", "## Forward\n"), ("bwd", "## Backward\n")):
-        lines = output.split(section)[1].strip().split("\n\n")[0].splitlines()
-        header = [c.strip() for c in lines[0].strip("|").split("|")]
-        for line in lines[2:]:
-            cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|"))))
-            rows[(direction, int(cells["B x S"].split(" x ")[1]))] = cells
-    return output, rows
-
-
-def test_bench_report_has_fa4_columns_and_ratios(tmp_path, capsys):
-    output, rows = _report(tmp_path, capsys, {512: 500, 1024: 320})
-    for direction in ("fwd", "bwd"):
-        assert (rows[(direction, 512)]["fa4"], rows[(direction, 512)]["flashgen / fa4"]) == ("500", "0.80")
-        assert (rows[(direction, 1024)]["fa4"], rows[(direction, 1024)]["flashgen / fa4"]) == ("320", "1.25")
-        assert rows[(direction, 512)]["flashgen / cudnn"] == "0.80"
-    assert output.count("flashgen / fa4: 0.80 to 1.25.") == 2  # the forward and backward summaries
-    assert "first calls took 12.5 s to 31.0 s" in output
-
-
-def test_bench_report_shows_dashes_where_fa4_is_missing(tmp_path, capsys):
-    output, rows = _report(tmp_path, capsys, {512: 500})
-    assert (rows[("fwd", 1024)]["fa4"], rows[("fwd", 1024)]["flashgen / fa4"]) == ("-", "-")
-    assert output.count("flashgen / fa4: 0.80 to 0.80.") == 2
-    output, rows = _report(tmp_path, capsys, {})
-    assert all((r["fa4"], r["flashgen / fa4"]) == ("-", "-") for r in rows.values()) and len(rows) == 4
-    assert output.count("flashgen / cudnn: 0.80 to 0.80; flashgen / fa4: -.") == 2
-    assert "fa4 (FlashAttention-4) has no timing in this run: ModuleNotFoundError: No module named 'flash_attn'." \
-        in output
-
-
 # Grouped-query points (--group): k and v with heads // group heads, everything else as before.
 
 GQA = bench.Point("f16", 8, False, 2, 8, 16, 4)  # 8 query heads, 2 k/v heads
@@ -671,68 +577,6 @@ def test_bench_accepts_a_group_that_fits_one_head_dim(monkeypatch):
     assert {(row[1], row[2]) for row in rows[2:]} == {("64", "32/1")}
 
 
-def test_bench_report_gives_a_gqa_point_its_own_row(tmp_path, capsys):
-    """A GQA point and its multi-head twin (same B x S) get their own rows; a peer without a GQA
-    kernel there (sdpa-efficient) leaves dashes, not a crash; an old file without groups pairs up."""
-    import json
-
-    def point(group=None):
-        p = {"dtype": "bf16", "head_dim": 128, "causal": False, "batch": 16, "heads": 16, "seqlen": 1024}
-        return p if group is None else dict(p, group=group)
-
-    def results(mha_point):
-        rows = []
-        for p, efficient in ((mha_point, 200), (point(4), None)):
-            for direction in ("fwd", "bwd"):
-                for impl, tflops in (("flashgen", 400 if p is mha_point else 500), ("sdpa-efficient", efficient),
-                                     ("sdpa-flash", 320), ("sdpa-cudnn", 500)):
-                    rows.append({"impl": impl, "direction": direction, "point": p, "tflops": tflops,
-                                 "ms": 100 / tflops if tflops else None, "spread": 0.01,
-                                 "note": "" if tflops else "at GQA 16/4 heads: RuntimeError: No available kernel"})
-        return rows
-
-    runs = [{"device": "Fake GPU", "overhead_us": {}, "import_ms": {}, "results": results(mha)}
-            for mha in (point(1), point())]  # the repeat run: written before --group
-    paths = [tmp_path / name for name in ("run.json", "repeat.json", "table.json")]
-    for path, data in zip(paths, runs + [{"measured": {"points": [], "command": "tune", "repeats": 10},
-                                          "entries": []}]):
-        path.write_text(json.dumps(data))
-    _bench_report().main(*map(str, paths))
-    output = capsys.readouterr().out
-    table = output.split("## Forward\n")[1].strip().split("\n\n")[0].splitlines()
-    header = [c.strip() for c in table[0].strip("|").split("|")]
-    rows = {cells["B x S"]: cells for cells in (dict(zip(header, (c.strip() for c in line.strip("|").split("|"))))
-                                                for line in table[2:])}
-    assert set(rows) == {"16 x 1024", "16 x 1024, 16/4 heads"}
-    assert (rows["16 x 1024"]["flashgen"], rows["16 x 1024"]["flashgen / efficient"]) == ("400", "2.00")
-    assert (rows["16 x 1024, 16/4 heads"]["flashgen"], rows["16 x 1024, 16/4 heads"]["sdpa-efficient"],
-            rows["16 x 1024, 16/4 heads"]["flashgen / efficient"]) == ("500", "-", "-")
-    assert "moved each implementation's median by 0.0% (median)" in output  # the old repeat file paired up
-
-
-def test_bench_compare_pairs_old_files_without_group_and_keeps_gqa_apart(tmp_path):
-    import importlib.util
-    import json
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("bench_compare", Path(__file__).parents[1] / "tools/bench_compare.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    base = {"dtype": "bf16", "head_dim": 128, "causal": False, "batch": 4, "heads": 16, "seqlen": 4096}
-
-    def run(name, points):
-        path = tmp_path / name
-        path.write_text(json.dumps({"results": [{"impl": "flashgen", "direction": "fwd", "point": p, "tflops": t}
-                                                for p, t in points]}))
-        return tool.load(str(path), "flashgen")
-
-    old = run("old.json", [(base, 400)])  # before --group: no group field
-    new = run("new.json", [(dict(base, group=1), 380), (dict(base, group=4), 500)])
-    rows = tool.compare([new], [old])
-    assert [(round(r[0], 3), r[2]["group"]) for r in rows] == [(0.95, 1)]  # the GQA point has no old twin
-    assert len(new) == 2
-
-
 def test_tune_resumes_a_table_written_before_points_had_a_group(monkeypatch, tmp_path):
     """Point's new field must not make `flashgen tune` re-measure what an older table holds."""
     import json
@@ -762,30 +606,6 @@ def test_tune_resumes_a_table_written_before_points_had_a_group(monkeypatch, tmp
     out.write_text(json.dumps(data))
     tune.tune(points, 3, lambda line: None, "flashgen tune", out)
     assert len(measured) == 2 * len(points)  # nothing measured again
-
-
-def test_bench_report_adapter_section_ratios_per_timing_and_own_host_cost(tmp_path, capsys):
-    """The adapter runs: flashgen-torch / flashgen per direction and run, named with the run's
-    timing, and the adapter's host cost net of the no-op op, against the CuPy path's."""
-    import json
-
-    point = {"dtype": "bf16", "head_dim": 128, "causal": False, "batch": 8, "heads": 16, "seqlen": 2048}
-    paths = []
-    for name, timing, torch_ms in (("queued.json", "queued", (1.0, 2.04)), ("call.json", "call", (1.25, 2.5))):
-        results = [{"impl": impl, "direction": d, "point": point, "tflops": 1.0, "ms": ms, "note": "", "spread": 0.0}
-                   for d, cupy_ms, torch_d in (("fwd", 1.0, torch_ms[0]), ("bwd", 2.0, torch_ms[1]))
-                   for impl, ms in (("flashgen", cupy_ms), ("flashgen-torch", torch_d))]
-        overhead = {"flashgen.attention_forward": 20.0, "flashgen.attention_backward": 30.0,
-                    "flashgen.torch forward": 40.0, "flashgen.torch backward (autograd.grad)": 120.0,
-                    "no-op torch op forward": 10.0, "no-op torch op backward (autograd.grad)": 75.0}
-        (tmp_path / name).write_text(json.dumps({"timing": timing, "overhead_us": overhead, "results": results}))
-        paths.append(str(tmp_path / name))
-    _bench_report().adapter_section(paths)
-    out = capsys.readouterr().out
-    assert f"- {paths[0]} (queued), bwd: 0.98 to 0.98, median 0.980" in out
-    assert f"- {paths[1]} (call), fwd: 0.80 to 0.80, median 0.800" in out
-    assert "- forward: flashgen.torch 40.0 us - no-op op 10.0 us = 30.0 us, 1.50x the CuPy path's 20.0 us" in out
-    assert "= 45.0 us, 1.50x the CuPy path's 30.0 us" in out
 
 
 def test_adapter_cost_ratios_subtract_the_no_op_op_and_divide_by_the_cupy_call():

@@ -1,7 +1,9 @@
-"""tools/bench_report.py --update: the regenerated report keeps the file's hand-written sections."""
+"""tools/bench_report.py: its tables and ratios (fa4, GQA rows, the adapter and standing sections) and, with
+--update, the regenerated report keeping the file's hand-written sections."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -98,7 +100,7 @@ def test_the_queued_section_reads_each_peer_against_flashgen(tmp_path, capsys):
            "results": [result("flashgen", "fwd", 0.2, True), result("sdpa-cudnn", "fwd", 0.1, True),
                        result("flashgen", "bwd", 0.3, False), result("sdpa-cudnn", "bwd", 0.6, False)]}
     path = tmp_path / "queued.json"
-    path.write_text(bench_report.json.dumps(run))
+    path.write_text(json.dumps(run))
     bench_report.queued_section(str(path))
     out = capsys.readouterr().out
     assert "- Forward: flashgen / sdpa-cudnn 0.50 to 0.50." in out
@@ -136,3 +138,117 @@ def test_the_standing_table_counts_points_at_or_above_a_peer_in_every_run(capsys
     assert "| 64 | no | 1.00-1.20, 0.90-1.10, 1.00-1.50 | 0.50-2.00, 0.50-2.00, 1.00-1.50 | 1/2 | 1/2 |" in out
     bench_report.standing_table("bwd", [("run", run)])  # no backward points: a header and no rows
     assert "| 64 |" not in capsys.readouterr().out
+
+
+def _report(tmp_path, capsys, fa4_tflops):
+    """tools/bench_report.py on two points (each fwd and bwd), fa4 at the points in ``fa4_tflops``
+    (seqlen -> TFLOP/s), an import note at the others; returns the output and each table's rows as
+    {column: cell} per (direction, seqlen)."""
+    results = []
+    for seqlen in (512, 1024):
+        point = {"dtype": "bf16", "head_dim": 128, "causal": False, "batch": 16384 // seqlen, "heads": 16,
+                 "seqlen": seqlen}
+        for direction in ("fwd", "bwd"):
+            for impl, tflops in (("flashgen", 400), ("sdpa-efficient", 200), ("sdpa-flash", 320),
+                                 ("sdpa-cudnn", 500), ("fa4", fa4_tflops.get(seqlen))):
+                note = "" if tflops else "ModuleNotFoundError: No module named 'flash_attn'"
+                results.append({"impl": impl, "direction": direction, "point": point, "tflops": tflops,
+                                "ms": 100 / tflops if tflops else None, "note": note, "spread": 0.01,
+                                "compile_s": (12.5 if direction == "fwd" else 31.0) if tflops and impl == "fa4"
+                                else None})
+    run = {"device": "Fake GPU", "overhead_us": {"flashgen.attention_forward": 9.0}, "import_ms": {},
+           "results": results}
+    paths = [tmp_path / name for name in ("run.json", "repeat.json", "table.json")]
+    for path, data in zip(paths, (run, run, {"measured": {"points": [], "command": "tune", "repeats": 10},
+                                             "entries": []})):
+        path.write_text(json.dumps(data))
+    bench_report.main(*map(str, paths))
+    output = capsys.readouterr().out
+    rows = {}
+    for direction, section in (("fwd", "## Forward\n"), ("bwd", "## Backward\n")):
+        lines = output.split(section)[1].strip().split("\n\n")[0].splitlines()
+        header = [c.strip() for c in lines[0].strip("|").split("|")]
+        for line in lines[2:]:
+            cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|"))))
+            rows[(direction, int(cells["B x S"].split(" x ")[1]))] = cells
+    return output, rows
+
+
+def test_bench_report_has_fa4_columns_and_ratios(tmp_path, capsys):
+    output, rows = _report(tmp_path, capsys, {512: 500, 1024: 320})
+    for direction in ("fwd", "bwd"):
+        assert (rows[(direction, 512)]["fa4"], rows[(direction, 512)]["flashgen / fa4"]) == ("500", "0.80")
+        assert (rows[(direction, 1024)]["fa4"], rows[(direction, 1024)]["flashgen / fa4"]) == ("320", "1.25")
+        assert rows[(direction, 512)]["flashgen / cudnn"] == "0.80"
+    assert output.count("flashgen / fa4: 0.80 to 1.25.") == 2  # the forward and backward summaries
+    assert "first calls took 12.5 s to 31.0 s" in output
+
+
+def test_bench_report_shows_dashes_where_fa4_is_missing(tmp_path, capsys):
+    output, rows = _report(tmp_path, capsys, {512: 500})
+    assert (rows[("fwd", 1024)]["fa4"], rows[("fwd", 1024)]["flashgen / fa4"]) == ("-", "-")
+    assert output.count("flashgen / fa4: 0.80 to 0.80.") == 2
+    output, rows = _report(tmp_path, capsys, {})
+    assert all((r["fa4"], r["flashgen / fa4"]) == ("-", "-") for r in rows.values()) and len(rows) == 4
+    assert output.count("flashgen / cudnn: 0.80 to 0.80; flashgen / fa4: -.") == 2
+    assert "fa4 (FlashAttention-4) has no timing in this run: ModuleNotFoundError: No module named 'flash_attn'." \
+        in output
+
+
+def test_bench_report_gives_a_gqa_point_its_own_row(tmp_path, capsys):
+    """A GQA point and its multi-head twin (same B x S) get their own rows; a peer without a GQA
+    kernel there (sdpa-efficient) leaves dashes, not a crash; an old file without groups pairs up."""
+    def point(group=None):
+        p = {"dtype": "bf16", "head_dim": 128, "causal": False, "batch": 16, "heads": 16, "seqlen": 1024}
+        return p if group is None else dict(p, group=group)
+
+    def results(mha_point):
+        rows = []
+        for p, efficient in ((mha_point, 200), (point(4), None)):
+            for direction in ("fwd", "bwd"):
+                for impl, tflops in (("flashgen", 400 if p is mha_point else 500), ("sdpa-efficient", efficient),
+                                     ("sdpa-flash", 320), ("sdpa-cudnn", 500)):
+                    rows.append({"impl": impl, "direction": direction, "point": p, "tflops": tflops,
+                                 "ms": 100 / tflops if tflops else None, "spread": 0.01,
+                                 "note": "" if tflops else "at GQA 16/4 heads: RuntimeError: No available kernel"})
+        return rows
+
+    runs = [{"device": "Fake GPU", "overhead_us": {}, "import_ms": {}, "results": results(mha)}
+            for mha in (point(1), point())]  # the repeat run: written before --group
+    paths = [tmp_path / name for name in ("run.json", "repeat.json", "table.json")]
+    for path, data in zip(paths, runs + [{"measured": {"points": [], "command": "tune", "repeats": 10},
+                                          "entries": []}]):
+        path.write_text(json.dumps(data))
+    bench_report.main(*map(str, paths))
+    output = capsys.readouterr().out
+    table = output.split("## Forward\n")[1].strip().split("\n\n")[0].splitlines()
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    rows = {cells["B x S"]: cells for cells in (dict(zip(header, (c.strip() for c in line.strip("|").split("|"))))
+                                                for line in table[2:])}
+    assert set(rows) == {"16 x 1024", "16 x 1024, 16/4 heads"}
+    assert (rows["16 x 1024"]["flashgen"], rows["16 x 1024"]["flashgen / efficient"]) == ("400", "2.00")
+    assert (rows["16 x 1024, 16/4 heads"]["flashgen"], rows["16 x 1024, 16/4 heads"]["sdpa-efficient"],
+            rows["16 x 1024, 16/4 heads"]["flashgen / efficient"]) == ("500", "-", "-")
+    assert "moved each implementation's median by 0.0% (median)" in output  # the old repeat file paired up
+
+
+def test_bench_report_adapter_section_ratios_per_timing_and_own_host_cost(tmp_path, capsys):
+    """The adapter runs: flashgen-torch / flashgen per direction and run, named with the run's
+    timing, and the adapter's host cost net of the no-op op, against the CuPy path's."""
+    point = {"dtype": "bf16", "head_dim": 128, "causal": False, "batch": 8, "heads": 16, "seqlen": 2048}
+    paths = []
+    for name, timing, torch_ms in (("queued.json", "queued", (1.0, 2.04)), ("call.json", "call", (1.25, 2.5))):
+        results = [{"impl": impl, "direction": d, "point": point, "tflops": 1.0, "ms": ms, "note": "", "spread": 0.0}
+                   for d, cupy_ms, torch_d in (("fwd", 1.0, torch_ms[0]), ("bwd", 2.0, torch_ms[1]))
+                   for impl, ms in (("flashgen", cupy_ms), ("flashgen-torch", torch_d))]
+        overhead = {"flashgen.attention_forward": 20.0, "flashgen.attention_backward": 30.0,
+                    "flashgen.torch forward": 40.0, "flashgen.torch backward (autograd.grad)": 120.0,
+                    "no-op torch op forward": 10.0, "no-op torch op backward (autograd.grad)": 75.0}
+        (tmp_path / name).write_text(json.dumps({"timing": timing, "overhead_us": overhead, "results": results}))
+        paths.append(str(tmp_path / name))
+    bench_report.adapter_section(paths)
+    out = capsys.readouterr().out
+    assert f"- {paths[0]} (queued), bwd: 0.98 to 0.98, median 0.980" in out
+    assert f"- {paths[1]} (call), fwd: 0.80 to 0.80, median 0.800" in out
+    assert "- forward: flashgen.torch 40.0 us - no-op op 10.0 us = 30.0 us, 1.50x the CuPy path's 20.0 us" in out
+    assert "= 45.0 us, 1.50x the CuPy path's 30.0 us" in out
