@@ -139,7 +139,18 @@ class CudaOnlyTensor:
 
 # === backends: the same case builders make fake or real arrays ===============================
 
-class CpuBackend:
+class HostInputs:
+    """What both backends hand over as host memory where device arrays belong."""
+
+    def torch_cpu(self, shape):
+        torch = pytest.importorskip("torch")
+        return torch.zeros(shape, dtype=torch.float16)
+
+    def dlpack_cpu(self, shape):
+        return DLPackProducer(1)
+
+
+class CpuBackend(HostInputs):
     name = "cpu"
     extra = {"registry": Registry([])}  # validation must not need a kernel
 
@@ -177,13 +188,6 @@ class CpuBackend:
     def other_device(self):
         return 1
 
-    def torch_cpu(self, shape):
-        torch = pytest.importorskip("torch")
-        return torch.zeros(shape, dtype=torch.float16)
-
-    def dlpack_cpu(self, shape):
-        return DLPackProducer(1)
-
     def block_mask(self, shape, device=0):
         """A causal block mask for [B, H, M, N] = ``shape`` on GPU ``device`` (None: the host); built
         with NumPy and then said to be on the device (validation reads only its shape and device)."""
@@ -194,7 +198,7 @@ def causal_mask(b, h, q, kv):
     return q >= kv
 
 
-class GpuBackend:
+class GpuBackend(HostInputs):
     name = "gpu"
     extra: dict = {}
 
@@ -254,13 +258,6 @@ class GpuBackend:
         if self.cp.cuda.runtime.getDeviceCount() < 2:
             pytest.skip("needs a second GPU")
         return 1
-
-    def torch_cpu(self, shape):
-        torch = pytest.importorskip("torch")
-        return torch.zeros(shape, dtype=torch.float16)
-
-    def dlpack_cpu(self, shape):
-        return DLPackProducer(1)
 
     def block_mask(self, shape, device=0):
         if device is None:
