@@ -101,7 +101,7 @@ def test_the_queued_section_reads_each_peer_against_flashgen(tmp_path, capsys):
                        result("flashgen", "bwd", 0.3, False), result("sdpa-cudnn", "bwd", 0.6, False)]}
     path = tmp_path / "queued.json"
     path.write_text(json.dumps(run))
-    bench_report.queued_section(str(path))
+    bench_report.queued_section(str(path), bench_report.load(str(path)))
     out = capsys.readouterr().out
     assert "- Forward: flashgen / sdpa-cudnn 0.50 to 0.50." in out
     assert "- Backward: flashgen / sdpa-cudnn 2.00 to 2.00." in out

@@ -188,11 +188,12 @@ def gqa_section(path: str) -> None:
     point_table(cells, "B x S, heads", impls, {"sdpa-cudnn": "cudnn", "fa4": "fa4"})
 
 
-def queued_section(path: str) -> None:
+def queued_section(path: str, run) -> None:
     """The grid again with ``--timing queued``: each round's calls back to back, so a call's time is the
     GPU's.  Below about 0.3 ms a lone call's timing (the main run) moves 14-49% between rounds (session
-    27, H100); queued it moves 1-6%, so these are the figures that decide the short points."""
-    data, cells = load(path)
+    27, H100); queued it moves 1-6%, so these are the figures that decide the short points.  ``run``:
+    load(path), which main() also reads for the standing tables."""
+    data, cells = run
     peers = [i for i in ("sdpa-cudnn", "fa4", "sdpa-flash") if any(i in v for v in cells.values())]
     print(f"\n## GPU time: the grid with queued calls ({path})\n")
     print(f"`flashgen bench --timing queued` on {data['device']}: a round's calls are issued back to back after "
@@ -267,7 +268,8 @@ cuDNN and FlashAttention-4 are the bars for the Hopper families.
 
 ![TFLOP/s vs seqlen](docs/bench_h200.png)
 """)
-    runs = [("run", cells), ("repeat", repeat)] + ([("queued", load(queued_path)[1])] if queued_path else [])
+    queued = load(queued_path) if queued_path else None
+    runs = [("run", cells), ("repeat", repeat)] + ([("queued", queued[1])] if queued else [])
     for direction, family in (("fwd", "sm90_fwd"), ("bwd", "sm90_bwd")):
         keys = [k for k in cells if k[0] == direction]
         name = "Forward" if direction == "fwd" else "Backward"
@@ -312,8 +314,8 @@ Lowest flashgen / efficient ratio of the two runs: forward {fmt(worst['fwd'])}, 
         adapter_section(adapter_paths)
     if gqa_path:
         gqa_section(gqa_path)
-    if queued_path:
-        queued_section(queued_path)
+    if queued:
+        queued_section(queued_path, queued)
     print("\n## Per-call host overhead and import time\n")
     print("A tiny problem (1 x 128 x 1 x 64, f16), wall time per call over 500 back-to-back calls, median of")
     print("9 rounds with the implementations interleaved; flashgen's calls repeat one signature and take the")
