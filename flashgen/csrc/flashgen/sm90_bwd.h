@@ -259,9 +259,18 @@ struct BwdKernel {
   // dQ leaves through a tile in shared memory (add_dq_tile) where the tile fits beside the rest;
   // the split head dim adds its parts with atomics instead.
   static constexpr bool kDqTile = !kSplitCols;
+  // Where the tile is used, warp 1 + w of the producer warpgroup hands warpgroup w's dQ parts to the TMA
+  // unit (reduce_dq): the consumers arrive on dq_full once a part is written and wait on dq_free (the
+  // last part read) before the next, so no consumer meets the others at a barrier or waits for the
+  // TMA unit (ncu, session 26: 15% of the head-dim-128 backward's stall samples sat at the two
+  // barriers around a part; FA4 issues its reduce from a warp of its own).  Bias instances stage
+  // dbias in the part's memory, ordered within the warpgroup, and keep issuing from its thread 0;
+  // so do the 128-query steps with a score mod or soft-capping, at the edge of 240 registers, which
+  // the waits pushed over (ALiBi: 0 -> 216 bytes of spills).
+  static constexpr bool kDqReduceWarps = kDqTile && !kBias && !(kBlockM == 128 && (kSoftcap || ScoreMod_::kEnabled));
   // Named barriers, each of one warpgroup w's threads (the warpgroups meet only at the mbarriers
-  // ds_full and ds_free): 1 + w its dQ part, kBiasBarrier + w its bias and dbias tiles,
-  // kKeepBarrier + w its keep bits (consume()).
+  // ds_full and ds_free): 1 + w its dQ part (with kDqReduceWarps only the keep bits' order),
+  // kBiasBarrier + w its bias and dbias tiles, kKeepBarrier + w its keep bits (consume()).
   static constexpr int kBiasBarrier = 1 + kWarpGroups;
   // Iteration t of consume()'s loop issues the dQ product of step t - kDqLag.  One step late, no
   // warpgroup waits for the other's half of dS within a step; but a bias tile loads into the dS
@@ -361,6 +370,8 @@ struct BwdKernel {
     uint64_t empty[kStages];
     uint64_t ds_full[2];  // dS buffer b holds both warpgroups' halves of a step's dS (every consumer thread arrives)
     uint64_t ds_free[2];  // and both warpgroups' dQ products of that step have read it
+    uint64_t dq_full[kWarpGroups];  // kDqReduceWarps: warpgroup w's dQ part is in the tile (its 128 threads arrive)
+    uint64_t dq_free[kWarpGroups];  // and the TMA unit has read it (its reduce warp arrives)
   };
   static constexpr int kSharedBytes = int(sizeof(SharedStorage)) + 1024;  // +1024: the base is rounded up
   static_assert(kSharedBytes <= 227 * 1024, "K, V, the Q/dO ring and dS exceed the shared memory of a Hopper block");
@@ -714,14 +725,23 @@ struct BwdKernel {
       }
     };
     bool const want_dbias = kBias && p.dbias_ptr != nullptr;
-    // This warpgroup's barrier before a dQ part is stored: the last dQ tile was read by the time the next
-    // is written, and (kDropout) every thread has read this step's keep bits before draw() writes
-    // the next step's.
-    auto dq_barrier = [&]() {
-      if constexpr (kDqTile) {
-        tile_free();
+    // Before dQ part `part` (counted from 0; < 0: none this step) is stored: the last part was read by
+    // the time the next is written, and (kDropout) every thread of the warpgroup has read this step's
+    // keep bits before draw() writes the next step's.
+    auto dq_barrier = [&](int part) {
+      if constexpr (kDqReduceWarps) {
+        if (part > 0) {
+          Barrier::wait(&s.dq_free[wg], (part - 1) & 1);
+        }
+        if constexpr (kDropout) {
+          cutlass::arch::NamedBarrier::sync(128, 1 + wg);
+        }
+      } else {
+        if constexpr (kDqTile) {
+          tile_free();
+        }
+        cutlass::arch::NamedBarrier::sync(128, 1 + wg);
       }
-      cutlass::arch::NamedBarrier::sync(128, 1 + wg);
     };
     auto issue_dq = [&](int ds_buf, auto& acc_dq) {
       warpgroup_fence_operand(acc_dq);
@@ -735,6 +755,9 @@ struct BwdKernel {
     auto dq_out = [&](auto const& acc_dq, Step const& of) {
       if constexpr (kDqTile) {
         dq_to_tile(s, acc_dq);  // leaves under the next step's S^T and dP^T
+        if constexpr (kDqReduceWarps) {
+          Barrier::arrive(&s.dq_full[wg]);
+        }
       } else {
         add_dq_atomic(p, seq, acc_dq, of.head, of.m_block, n_block);
       }
@@ -761,7 +784,7 @@ struct BwdKernel {
       // The GEMMs go first and run while the last dQ part leaves.  (With lse, delta and dS in
       // generic memory accesses, 128-query steps had done better the other way round.)
       issue_sdp(t);
-      if (kDqTile && t > kDqLag) {
+      if (kDqTile && !kDqReduceWarps && t > kDqLag) {
         add_dq_tile(p, seq, s, tiled.head, tiled.m_block, n_block);
       }
       warpgroup_wait<1>();  // S^T
@@ -991,7 +1014,7 @@ struct BwdKernel {
       warpgroup_commit_batch();
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<_64, Int<kDqMmaN>>{});
       if constexpr (!kDkLast) {
-        dq_barrier();
+        dq_barrier(t - kDqLag);
       }
       if (t >= kDqLag) {
         Barrier::wait(&s.ds_full[dq_buf], ((t - kDqLag) / 2) & 1);
@@ -1003,7 +1026,7 @@ struct BwdKernel {
         warpgroup_arrive();
         dk_gemms();
         warpgroup_commit_batch();
-        dq_barrier();
+        dq_barrier(t - kDqLag);
       }
       warpgroup_wait<1>();  // dV and (kDkLast) dQ or dK
       warpgroup_fence_operand(acc_dv);
@@ -1049,19 +1072,19 @@ struct BwdKernel {
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<_64, Int<kDqMmaN>>{});
       Barrier::wait(&s.ds_full[t % 2], (t / 2) & 1);
       issue_dq(t % 2, acc_dq);
-      if (kDqTile && t >= 1) {
+      if (kDqTile && !kDqReduceWarps && t >= 1) {
         Step const before_last = kSparse ? sparse_tiled : step_at(t - 1);
         add_dq_tile(p, seq, s, before_last.head, before_last.m_block, n_block);
       }
       store_dk_dv();
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_dq);
-      dq_barrier();
+      dq_barrier(t);
       dq_out(acc_dq, last);
     } else {
       store_dk_dv();
     }
-    if constexpr (kDqTile) {
+    if constexpr (kDqTile && !kDqReduceWarps) {
       add_dq_tile(p, seq, s, last.head, last.m_block, n_block);
       tile_free();  // the shared memory stays until the TMA unit has read the last tile
     }
@@ -1128,20 +1151,46 @@ struct BwdKernel {
     int const part = threadIdx.x / 128;
     cutlass::arch::NamedBarrier::sync(128, 1 + part);  // this warpgroup's 128 threads
     if (threadIdx.x % 128 == 0) {
-      long long const block_row0 = workspace_row0<kBlockM>(p, seq, head) + m_block * kBlockM;
-      DqOrder const order(p, seq, block_row0, m_block, n_block);
-      bool const ordered = !kSparse && p.deterministic;  // the runtime never asks a sparse instance
-      if (ordered) {
-        order.wait_turn();
-        fence_proxy_async_global();  // the acquire, before the TMA unit's adds
-      }
-      bulk_reduce_add(p.dq_accum_ptr + block_row0 * kHeadDim + part * kDqPartFloats, s.dq + part * kDqPartFloats,
-                      kDqPartFloats * int(sizeof(float)));
-      if (ordered) {
-        bulk_wait_all();             // the adds are done ...
-        fence_proxy_async_global();  // ... and ordered before the release
-        order.done();
-      }
+      reduce_dq_part(p, seq, s, head, m_block, n_block, part);
+    }
+  }
+
+  // Part `part` of the tile as one bulk reduce-add into query block m_block's accumulator (in turn
+  // when deterministic); one thread issues it.
+  static __device__ void reduce_dq_part(BwdParams const& p, Sequence const& seq, SharedStorage& s, int head,
+                                        int m_block, int n_block, int part) {
+    long long const block_row0 = workspace_row0<kBlockM>(p, seq, head) + m_block * kBlockM;
+    DqOrder const order(p, seq, block_row0, m_block, n_block);
+    bool const ordered = !kSparse && p.deterministic;  // the runtime never asks a sparse instance
+    if (ordered) {
+      order.wait_turn();
+      fence_proxy_async_global();  // the acquire, before the TMA unit's adds
+    }
+    bulk_reduce_add(p.dq_accum_ptr + block_row0 * kHeadDim + part * kDqPartFloats, s.dq + part * kDqPartFloats,
+                    kDqPartFloats * int(sizeof(float)));
+    if (ordered) {
+      bulk_wait_all();             // the adds are done ...
+      fence_proxy_async_global();  // ... and ordered before the release
+      order.done();
+    }
+  }
+
+  // kDqReduceWarps: lane 0 of the reduce warp of warpgroup `part` walks the steps as the consumers do
+  // and sends each of that warpgroup's dQ parts on once it is in the tile (dq_full), then frees the
+  // tile once the TMA unit has read it (dq_free).  It waits for the last read before leaving, so the
+  // block's shared memory outlives it.
+  static __device__ void reduce_dq(BwdParams const& p, SharedStorage& s, Sequence const& seq, int n_block,
+                                   int head_kv, Steps st, int part) {
+    using Barrier = cutlass::arch::ClusterBarrier;
+    SparseWalk walk(p, seq.batch, head_kv, n_block);
+    int const total = p.head_group * st.m_blocks;
+    for (int i = 0; kSparse ? walk.more() : i < total; ++i) {
+      Step const step = kSparse ? walk.next()
+                                : Step{head_kv * p.head_group + i / st.m_blocks, st.m_begin + i % st.m_blocks, -1};
+      Barrier::wait(&s.dq_full[part], i & 1);
+      reduce_dq_part(p, seq, s, step.head, step.m_block, n_block, part);
+      bulk_wait_read();
+      Barrier::arrive(&s.dq_free[part]);
     }
   }
 
@@ -1243,6 +1292,10 @@ struct BwdKernel {
           Barrier::init(&s.bias_full[i], 1);
         }
       }
+      for (int w = 0; w < kWarpGroups; ++w) {
+        Barrier::init(&s.dq_full[w], 128);
+        Barrier::init(&s.dq_free[w], 1);
+      }
       cutlass::arch::fence_barrier_init();
     }
     __syncthreads();
@@ -1251,6 +1304,11 @@ struct BwdKernel {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
       if (threadIdx.x == kConsumerThreads && st.m_blocks > 0) {
         produce(p, s, seq, n_block, head_kv, st);
+      } else if constexpr (kDqReduceWarps) {  // lane 0 of warp 1 + w: warpgroup w's reduce warp
+        int const w = (threadIdx.x - kConsumerThreads) / 32 - 1;
+        if (threadIdx.x % 32 == 0 && w >= 0 && w < kWarpGroups && st.m_blocks > 0) {
+          reduce_dq(p, s, seq, n_block, head_kv, st, w);
+        }
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
