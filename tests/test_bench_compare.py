@@ -44,3 +44,24 @@ def test_bench_compare_pairs_old_files_without_group_and_keeps_gqa_apart(tmp_pat
     rows = tool.compare([new], [old])
     assert [(round(r[0], 3), r[2]["group"]) for r in rows] == [(0.95, 1)]  # the GQA point has no old twin
     assert len(new) == 2
+
+
+def test_bench_compare_summarises_each_direction_when_runs_hold_both(tmp_path, capsys):
+    """A/B runs time both directions; the untouched one's ratios are the floor, so each gets a line."""
+    point = {"dtype": "bf16", "head_dim": 64, "causal": True, "seqlen": 512}
+    paths = []
+    for name, fwd, bwd in (("new", [110, 220], [100, 200]), ("old", [100, 200], [101, 202])):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"results": [
+            {"impl": "flashgen", "direction": d, "point": dict(point, seqlen=512 * (i + 1)), "tflops": t}
+            for d, ts in (("fwd", fwd), ("bwd", bwd)) for i, t in enumerate(ts)]}))
+        paths.append(str(path))
+    assert tool.main(paths + ["--show", "0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("4 points:")
+    assert lines[1] == "  bwd (2): median 0.990, 0.990-0.990; fwd (2): median 1.100, 1.100-1.100"
+    one_direction = tmp_path / "fwd_only.json"
+    one_direction.write_text(json.dumps({"results": [r for r in json.loads(Path(paths[0]).read_text())["results"]
+                                                     if r["direction"] == "fwd"]}))
+    tool.main([str(one_direction), str(one_direction), "--show", "0"])
+    assert len(capsys.readouterr().out.splitlines()) == 1  # nothing to split

@@ -6,7 +6,9 @@
     python tools/bench_compare.py new1.json,new2.json old1.json,old2.json [--impl flashgen]
 
 Per point, the median TFLOP/s of the new runs over the median of the old ones; the old
-runs' own spread ((max - min) / median) is the run-to-run noise a slowdown must exceed.
+runs' own spread ((max - min) / median) is the run-to-run noise a slowdown must exceed.  With
+both directions in the runs, each gets a summary of its own: a change to one kernel leaves the
+other's ratios as the session's noise floor.
 """
 from __future__ import annotations
 
@@ -35,6 +37,12 @@ def compare(new_runs, old_runs):
     return sorted(rows, key=lambda row: row[0])
 
 
+def direction_summary(rows, direction: str) -> str:
+    ratios = [r[0] for r in rows if r[3] == direction]
+    return (f"{direction} ({len(ratios)}): median {statistics.median(ratios):.3f}, "
+            f"{min(ratios):.3f}-{max(ratios):.3f}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("new", help="comma-separated bench JSONs of the new code")
@@ -49,6 +57,9 @@ def main(argv=None) -> int:
     beyond = [r for r in rows if r[0] < 1 - r[1]]
     print(f"{len(rows)} points: new/old median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, "
           f"max {max(ratios):.3f}; slower than the old runs' own spread: {len(beyond)}")
+    directions = sorted({r[3] for r in rows})
+    if len(directions) > 1:  # a change to one direction: the other's ratios are the noise floor
+        print("  " + "; ".join(direction_summary(rows, d) for d in directions))
     for ratio, spread, p, direction in rows[:args.show]:
         gqa = f" H{p['heads']}/{p['heads'] // p['group']}" if p["group"] > 1 else ""
         print(f"  {ratio:.3f} (old spread {spread:.1%}) {p['dtype']} d{p['head_dim']} "
