@@ -130,6 +130,22 @@ def test_nan_in_a_query_row_stays_in_that_row():
     assert bool(cupy.isfinite(healthy).all())
 
 
+@pytest.mark.parametrize("dtype,head_dim", [("bf16", 64), ("bf16", 128), ("f16", 64)])
+def test_nan_in_a_key_row_reaches_exactly_the_queries_that_see_it(dtype, head_dim):
+    """Every query that sees a NaN key gets a NaN output, whichever unit computes its exponential (the
+    MUFU unit, or a polynomial on the FMA pipe for some register positions), and the queries the causal
+    mask hides it from stay finite.  The keys sit at different columns of the tiles' registers."""
+    r = np.random.default_rng(5)
+    q, k, v = (randn(r, (1, 300, 2, head_dim), dtype) for _ in range(3))
+    for j in (0, 1, 9, 130, 257):
+        poisoned = k.copy()
+        poisoned[0, j, 1, 0] = np.nan
+        out, _ = flashgen.attention_forward(q, poisoned, v, causal="top_left")
+        bad = cupy.isnan(out[0, :, 1]).any(axis=1).get()
+        assert bad[j:].all() and not bad[:j].any(), j
+        assert bool(cupy.isfinite(out[0, :, 0]).all())  # the other head
+
+
 def test_two_keys_that_cancel_are_measured_against_their_summands():
     """One query seeing two keys whose dP nearly agree: dP - delta cancels, so dq and dk are tiny
     next to their terms.  The fuzzer measures such gradients against the terms' size
