@@ -411,6 +411,11 @@ struct BwdKernel {
     int m_block;  // in kBlockM steps
     int tile;     // a partial block's tile in sparse_bits, else -1
   };
+  // Step t of a walk without block-mask lists: the query heads of the k/v group in turn, each over
+  // the CTA's query blocks.  The producer, the consumers and the reduce warps count steps alike.
+  static __device__ Step dense_step(BwdParams const& p, Steps st, int head_kv, int t) {
+    return Step{head_kv * p.head_group + t / st.m_blocks, st.m_begin + t % st.m_blocks, -1};
+  }
   struct SparseWalk {
     BwdParams const& p;
     int n_block;
@@ -483,8 +488,7 @@ struct BwdKernel {
       if (round > 0) {
         Barrier::wait(&s.empty[stage], (round - 1) & 1);
       }
-      Step const step = kSparse ? walk.next()
-                                : Step{head_kv * p.head_group + t / st.m_blocks, st.m_begin + t % st.m_blocks, -1};
+      Step const step = kSparse ? walk.next() : dense_step(p, st, head_kv, t);
       int const head = step.head;
       int const m_block = step.m_block;
       long long const row = workspace_row0<kBlockM>(p, seq, head) + m_block * kBlockM;
@@ -623,9 +627,10 @@ struct BwdKernel {
       keep_shift = 4 * (warp_in_wg % 2) + (lane / 4) % 2;
     }
     auto keep_bit = [](int r) { return 16 * (r % 2) + 8 * (r / 4 % 2) + 2 * (r / 2 % 2); };
-    auto draw = [&](int head, int query0) {
+    auto draw = [&](Step const& step) {
       if constexpr (kDropout) {
-        DropoutStream const stream(p, seq.index, head);
+        DropoutStream const stream(p, seq.index, step.head);
+        int const query0 = step.m_block * kBlockM;
 #pragma unroll 1  // a word at a time: unrolled, the Philox calls' temporaries spilled (head dim 64)
         for (int word = tid % 128; word < 2 * kBlockM; word += 128) {
           int const c = word % 8, q = word / 8 * 2;
@@ -637,8 +642,6 @@ struct BwdKernel {
       }
     };
 
-    auto head_of = [&](int t) { return head_kv * p.head_group + t / st.m_blocks; };
-    auto m_block_of = [&](int t) { return st.m_begin + t % st.m_blocks; };
     int const kv_col0 = col0 + (kSplitCols ? wg * kKvCols : 0);
     auto store_dk_dv = [&]() {
       store_dkv(p, seq, acc_dk, p.dk_ptr, p.scale, key0 + key_row, kv_col0, head_kv);
@@ -652,10 +655,10 @@ struct BwdKernel {
     }
     Step sparse_previous{0, -1, -1};  // step t - 1
     Step sparse_tiled{0, -1, -1};     // step t - 2
-    auto step_at = [&](int t) { return Step{head_of(t), m_block_of(t), -1}; };
+    auto step_at = [&](int t) { return dense_step(p, st, head_kv, t); };
     Barrier::wait(&s.kv_full, 0);
     if constexpr (kDropout) {
-      draw(head_of(0), m_block_of(0) * kBlockM);
+      draw(step_at(0));
     }
 
     // kBias: the bias tile of step t and the dbias tile it yields are both staged in shared memory
@@ -1041,7 +1044,7 @@ struct BwdKernel {
       }
       bool const more = kSparse ? walk.more() : t + 1 < total;
       if (kDropout && more) {  // the next step's mask, under the last GEMM
-        draw(head_of(t + 1), m_block_of(t + 1) * kBlockM);
+        draw(step_at(t + 1));
       }
       if constexpr (!kDkLast) {
         warpgroup_wait<0>();
@@ -1185,8 +1188,7 @@ struct BwdKernel {
     SparseWalk walk(p, seq.batch, head_kv, n_block);
     int const total = p.head_group * st.m_blocks;
     for (int i = 0; kSparse ? walk.more() : i < total; ++i) {
-      Step const step = kSparse ? walk.next()
-                                : Step{head_kv * p.head_group + i / st.m_blocks, st.m_begin + i % st.m_blocks, -1};
+      Step const step = kSparse ? walk.next() : dense_step(p, st, head_kv, i);
       Barrier::wait(&s.dq_full[part], i & 1);
       reduce_dq_part(p, seq, s, step.head, step.m_block, n_block, part);
       bulk_wait_read();
