@@ -82,12 +82,9 @@ def read(path: str) -> List[Kernel]:
                 address = int(row[header["Address"]], 16) if "Address" in header else len(kernels[-1].lines) * 16
                 if not kernels[-1].lines:
                     base = address
-
-                def get(column):
-                    return number(row[header[column]]) if column in header else 0.0
-
-                kernels[-1].lines.append(Line(address - base, row[header[SOURCE]].strip(), get(SAMPLES),
-                                              get(EXECUTED), get(EXCESS), get(WAVEFRONTS),
+                values = [number(row[header[c]]) if c in header else 0.0
+                          for c in (SAMPLES, EXECUTED, EXCESS, WAVEFRONTS)]
+                kernels[-1].lines.append(Line(address - base, row[header[SOURCE]].strip(), *values,
                                               {name: number(row[i]) for name, i in stalls.items()}))
     if not kernels:
         raise SystemExit(f"{path}: no kernels (expected 'Kernel Name' rows)")
