@@ -84,6 +84,21 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
+// op over the N values (N a power of two) pairwise: log2(N) dependent steps instead of N - 1.
+// The values are overwritten.
+template <int N, class Op>
+__device__ __forceinline__ float tree_reduce(float (&values)[N], Op op) {
+  static_assert(N > 0 && (N & (N - 1)) == 0, "a power of two");
+#pragma unroll
+  for (int width = N / 2; width > 0; width /= 2) {
+#pragma unroll
+    for (int i = 0; i < width; ++i) {
+      values[i] = op(values[i], values[i + width]);
+    }
+  }
+  return values[0];
+}
+
 // What both backwards (sm90_bwd.h, sm80_bwd.h) share: their workspace and their first kernel.
 // lse_log2, delta and the float32 dQ accumulator are [B, H, rows_padded] (the accumulator times
 // kHeadDim), a sequence's rows from workspace_row0.  Packed sequences share batch 0's rows; each
