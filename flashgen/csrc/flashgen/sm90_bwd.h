@@ -267,6 +267,14 @@ struct BwdKernel {
   // dbias in the part's memory, ordered within the warpgroup, and keep issuing from its thread 0;
   // so do the 128-query steps with a score mod or soft-capping, at the edge of 240 registers, which
   // the waits pushed over (ALiBi: 0 -> 216 bytes of spills).
+  // consume() slices its tiled MMAs at the warpgroup's first thread through a warp-uniform index
+  // (sm90_common.h, warpgroup_index): the wgmma descriptors then stay in uniform registers, with
+  // no copy into them before every wgmma.  Head dim 64 only (H200 queued A/B, session 30: +1-6%,
+  // none slower); at 128 the short shapes lost 5-7% though the loop shrank 583 -> 522
+  // instructions.  Not with dropout, soft-capping or a score mod: ptxas then spilled 4-68 bytes;
+  // nor with bias, whose own dQ path was not measured with it.
+  static constexpr bool kUniformSlices =
+      kHeadDim == 64 && !kBias && !kDropout && !kSoftcap && !ScoreMod_::kEnabled;
   static constexpr bool kDqReduceWarps = kDqTile && !kBias && !(kBlockM == 128 && (kSoftcap || ScoreMod_::kEnabled));
   // Named barriers, each of one warpgroup w's threads (the warpgroups meet only at the mbarriers
   // ds_full and ds_free): 1 + w its dQ part (with kDqReduceWarps only the keep bits' order),
@@ -525,17 +533,20 @@ struct BwdKernel {
     using namespace cute;
     using Barrier = cutlass::arch::ClusterBarrier;
     int const tid = threadIdx.x;  // 0 .. kConsumerThreads - 1
-    int const wg = tid / 128;
+    int const wg = kUniformSlices ? warpgroup_index() : tid / 128;
     int const lane = tid % 32;
     int const warp_in_wg = (tid / 32) % 4;
 
     TiledMmaSdP mma_sdp;
     TiledMmaKV mma_kv;
     TiledMmaDq mma_dq;
-    int const mma_tid = kSplitCols ? tid % 128 : tid;
+    // The operands' shared-memory descriptors depend on the warpgroup alone (the whole warpgroup reads
+    // them): sliced at its first thread, through the uniform wg, they stay in uniform registers.
+    int const rank = kUniformSlices ? 0 : tid % 128;  // the slices' thread within the warpgroup
+    int const mma_tid = kSplitCols ? rank : 128 * wg + rank;
     auto thr_sdp = mma_sdp.get_thread_slice(mma_tid);
     auto thr_kv = mma_kv.get_thread_slice(mma_tid);
-    auto thr_dq = mma_dq.get_thread_slice(tid % 128);
+    auto thr_dq = mma_dq.get_thread_slice(rank);
 
     Tensor sK = make_tensor(make_smem_ptr(s.k), SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(s.v), SmemLayoutK{});

@@ -39,6 +39,12 @@ __device__ __forceinline__ uint32_t pack_pair(Element low, Element high) {
   return uint32_t(low.raw()) | (uint32_t(high.raw()) << 16);
 }
 
+// This thread's warpgroup, as a value the compiler knows to be the same across the warp (read from
+// lane 0): the wgmma operand descriptors computed from it then live in uniform registers.  From
+// threadIdx.x / 128 they were per-thread values, copied into uniform registers (R2UR) before every
+// wgmma, 4-5 instructions each: a fifth of the head-dim-128 backward's loop.
+__device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffff, int(threadIdx.x) / 128, 0); }
+
 // The wgmma instructions of one warpgroup-wide GEMM over the K modes of a and b, accumulating
 // into c (or overwriting it when kZeroInit), as one commit group, not waited for.  The caller
 // fences the register operands and issues warpgroup_arrive() before (once for all the GEMMs
