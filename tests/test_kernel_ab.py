@@ -70,3 +70,17 @@ def test_dry_run_prints_each_run_with_its_kernel_path(tmp_path, capsys):
 def test_bench_arguments_may_not_set_impl_or_json(tmp_path):
     with pytest.raises(SystemExit):
         kernel_ab.main(["--variant", "a=x", "--variant", "b=y", "--out", str(tmp_path), "--", "--impl", "fa4"])
+
+
+def test_a_tree_goes_first_on_pythonpath_for_its_variant_only(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/base")
+    assert kernel_ab.main(["--variant", "old=/k/main", "--variant", "pb=/k/pb", "--tree", "pb=/src/pb", "--out",
+                           str(tmp_path), "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("FLASHGEN_KERNEL_PATH=/k/main python -m")
+    assert lines[1].startswith("FLASHGEN_KERNEL_PATH=/k/pb PYTHONPATH=/src/pb:/base python -m")
+
+
+def test_a_tree_needs_its_variant(tmp_path):
+    with pytest.raises(SystemExit):
+        kernel_ab.main(["--variant", "a=x", "--variant", "b=y", "--tree", "c=/src", "--out", str(tmp_path)])

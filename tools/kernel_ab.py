@@ -5,7 +5,9 @@ the first.
     python tools/kernel_ab.py --variant old=build/kernels --variant cz=build/cz:build/kernels \\
         --out /tmp/ab -- --dtype bf16 --timing queued --head-dim 128 --seqlen 2048 --repeats 20
 
-A variant is NAME=PATH, PATH a FLASHGEN_KERNEL_PATH (a branch's subset first, the full set after it).
+A variant is NAME=PATH, PATH a FLASHGEN_KERNEL_PATH (a branch's subset first, the full set after it);
+--tree NAME=DIR runs that variant's flashgen from another checkout (a branch that changed the runtime
+too: its ABI or launch), DIR first on PYTHONPATH.
 The mirrored order puts every variant's two runs at the same mean position in the session, so a
 clock that drifts over it moves no variant against another; what the untouched direction of a
 change moves is the session's noise floor (bench_compare prints it).  Runs go to OUT/NAME_I.json;
@@ -76,6 +78,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variant", type=parse_variant, action="append", required=True,
                     help="NAME=KERNEL_PATH; the first is the baseline (repeatable, at least two)")
+    ap.add_argument("--tree", type=parse_variant, action="append", default=[],
+                    help="NAME=DIR: that variant's flashgen from the checkout DIR")
     ap.add_argument("--out", type=Path, required=True, help="directory for the runs' JSONs")
     ap.add_argument("--rounds", type=int, default=1, help="mirrored passes (each gives a variant two runs)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds one bench run may take")
@@ -92,18 +96,22 @@ def main(argv=None) -> int:
         ap.error("--rounds must be at least 1")
     if any(a in ("--json", "--impl") or a.startswith(("--json=", "--impl=")) for a in bench_args):
         ap.error("kernel_ab sets --impl flashgen and --json itself; leave them out of the bench arguments")
-    paths = dict(args.variant)
+    paths, trees = dict(args.variant), dict(args.tree)
+    if set(trees) - set(names):
+        ap.error(f"--tree for no variant: {', '.join(sorted(set(trees) - set(names)))}")
     if not (args.dry_run or args.no_run):
         args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     for name, i in [] if args.no_run else run_order(names, args.rounds):
         out = args.out / f"{name}_{i}.json"
         cmd = [sys.executable, "-m", "flashgen", "bench", "--impl", "flashgen", *bench_args, "--json", str(out)]
+        env = {"FLASHGEN_KERNEL_PATH": paths[name]}
+        if name in trees:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (trees[name], os.environ.get("PYTHONPATH"))))
         if args.dry_run:
-            print(f"FLASHGEN_KERNEL_PATH={paths[name]} python -m {' '.join(cmd[2:])}")
+            print(" ".join(f"{k}={v}" for k, v in env.items()) + f" python -m {' '.join(cmd[2:])}")
             continue
-        done = subprocess.run(cmd, env={**os.environ, "FLASHGEN_KERNEL_PATH": paths[name]},
-                              capture_output=True, text=True, timeout=args.timeout)
+        done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=args.timeout)
         print(f"{name} run {i}: rc {done.returncode}, {time.monotonic() - t0:.0f} s", flush=True)
         if done.returncode:
             sys.stderr.write(done.stdout[-2000:] + done.stderr[-2000:])
