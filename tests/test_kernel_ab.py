@@ -78,7 +78,8 @@ def test_a_tree_goes_first_on_pythonpath_for_its_variant_only(tmp_path, capsys, 
                            str(tmp_path), "--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("FLASHGEN_KERNEL_PATH=/k/main python -m")
-    assert lines[1].startswith("FLASHGEN_KERNEL_PATH=/k/pb PYTHONPATH=/src/pb:/base python -m")
+    assert lines[1].startswith("cd /src/pb && FLASHGEN_KERNEL_PATH=/k/pb PYTHONPATH=/src/pb:/base python -m")
+    assert lines[1].endswith(f"--json {tmp_path.resolve() / 'pb_0.json'}")
 
 
 def test_a_tree_needs_its_variant(tmp_path):

@@ -7,7 +7,8 @@ the first.
 
 A variant is NAME=PATH, PATH a FLASHGEN_KERNEL_PATH (a branch's subset first, the full set after it);
 --tree NAME=DIR runs that variant's flashgen from another checkout (a branch that changed the runtime
-too: its ABI or launch), DIR first on PYTHONPATH.
+too: its ABI or launch): in DIR (`python -m` puts the working directory before PYTHONPATH), DIR first on
+PYTHONPATH.
 The mirrored order puts every variant's two runs at the same mean position in the session, so a
 clock that drifts over it moves no variant against another; what the untouched direction of a
 change moves is the session's noise floor (bench_compare prints it).  Runs go to OUT/NAME_I.json;
@@ -96,7 +97,8 @@ def main(argv=None) -> int:
         ap.error("--rounds must be at least 1")
     if any(a in ("--json", "--impl") or a.startswith(("--json=", "--impl=")) for a in bench_args):
         ap.error("kernel_ab sets --impl flashgen and --json itself; leave them out of the bench arguments")
-    paths, trees = dict(args.variant), dict(args.tree)
+    paths, trees = dict(args.variant), {name: str(Path(d).resolve()) for name, d in args.tree}
+    args.out = args.out.resolve()  # a tree's runs start in its directory
     if set(trees) - set(names):
         ap.error(f"--tree for no variant: {', '.join(sorted(set(trees) - set(names)))}")
     if not (args.dry_run or args.no_run):
@@ -109,9 +111,11 @@ def main(argv=None) -> int:
         if name in trees:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, (trees[name], os.environ.get("PYTHONPATH"))))
         if args.dry_run:
-            print(" ".join(f"{k}={v}" for k, v in env.items()) + f" python -m {' '.join(cmd[2:])}")
+            cd = f"cd {trees[name]} && " if name in trees else ""
+            print(cd + " ".join(f"{k}={v}" for k, v in env.items()) + f" python -m {' '.join(cmd[2:])}")
             continue
-        done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=args.timeout)
+        done = subprocess.run(cmd, env={**os.environ, **env}, cwd=trees.get(name), capture_output=True, text=True,
+                              timeout=args.timeout)
         print(f"{name} run {i}: rc {done.returncode}, {time.monotonic() - t0:.0f} s", flush=True)
         if done.returncode:
             sys.stderr.write(done.stdout[-2000:] + done.stderr[-2000:])
