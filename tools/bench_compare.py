@@ -43,6 +43,21 @@ def direction_summary(rows, direction: str) -> str:
             f"{min(ratios):.3f}-{max(ratios):.3f}")
 
 
+def print_comparison(rows, show: int) -> None:
+    """The summary of ``compare``'s rows (per direction too, when both are there) and the ``show`` slowest."""
+    ratios = [r[0] for r in rows]
+    beyond = [r for r in rows if r[0] < 1 - r[1]]
+    print(f"{len(rows)} points: new/old median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, "
+          f"max {max(ratios):.3f}; slower than the old runs' own spread: {len(beyond)}")
+    directions = sorted({r[3] for r in rows})
+    if len(directions) > 1:  # a change to one direction: the other's ratios are the noise floor
+        print("  " + "; ".join(direction_summary(rows, d) for d in directions))
+    for ratio, spread, p, direction in rows[:show]:
+        gqa = f" H{p['heads']}/{p['heads'] // p['group']}" if p["group"] > 1 else ""
+        print(f"  {ratio:.3f} (old spread {spread:.1%}) {p['dtype']} d{p['head_dim']} "
+              f"{'causal' if p['causal'] else 'full'}{gqa} S{p['seqlen']} {direction}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("new", help="comma-separated bench JSONs of the new code")
@@ -53,17 +68,7 @@ def main(argv=None) -> int:
     rows = compare([load(p, args.impl) for p in args.new.split(",")], [load(p, args.impl) for p in args.old.split(",")])
     if not rows:
         raise SystemExit(f"no point measured for {args.impl} in every file")
-    ratios = [r[0] for r in rows]
-    beyond = [r for r in rows if r[0] < 1 - r[1]]
-    print(f"{len(rows)} points: new/old median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, "
-          f"max {max(ratios):.3f}; slower than the old runs' own spread: {len(beyond)}")
-    directions = sorted({r[3] for r in rows})
-    if len(directions) > 1:  # a change to one direction: the other's ratios are the noise floor
-        print("  " + "; ".join(direction_summary(rows, d) for d in directions))
-    for ratio, spread, p, direction in rows[:args.show]:
-        gqa = f" H{p['heads']}/{p['heads'] // p['group']}" if p["group"] > 1 else ""
-        print(f"  {ratio:.3f} (old spread {spread:.1%}) {p['dtype']} d{p['head_dim']} "
-              f"{'causal' if p['causal'] else 'full'}{gqa} S{p['seqlen']} {direction}")
+    print_comparison(rows, args.show)
     return 0
 
 

@@ -17,9 +17,7 @@ change moves is the session's noise floor (bench_compare prints it).  Runs go to
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -48,18 +46,12 @@ def run_order(names: list[str], rounds: int) -> list[tuple[str, int]]:
     return order
 
 
-def point_table(new_paths: list[str], old_paths: list[str], direction: str) -> str:
-    """Markdown: old ms / new ms (> 1: the new build is faster) per (dtype, head dim, mask, group) row and
-    seqlen column, each side's runs pooled by their median TFLOP/s; empty when ``direction`` was not run."""
-    def pooled(paths):
-        runs = [bench_compare.load(p, "flashgen") for p in paths]
-        keys = set.intersection(*(set(r) for r in runs))
-        return {k: statistics.median(r[k] for r in runs) for k in keys if k[1] == direction}
-    new, old = pooled(new_paths), pooled(old_paths)
-    ratios = {}
-    for key in new.keys() & old.keys():
-        p = json.loads(key[0])
-        ratios[(p["dtype"], p["head_dim"], p["causal"], p["group"]), p["seqlen"]] = new[key] / old[key]
+def point_table(rows, direction: str) -> str:
+    """Markdown of ``bench_compare.compare``'s rows: old ms / new ms (> 1: the new build is faster, each
+    side's runs pooled by their median) per (dtype, head dim, mask, group) row and seqlen column; empty
+    when ``direction`` was not run."""
+    ratios = {((p["dtype"], p["head_dim"], p["causal"], p["group"]), p["seqlen"]): ratio
+              for ratio, _, p, d in rows if d == direction}
     if not ratios:
         return ""
     seqlens = sorted({s for _, s in ratios})
@@ -126,12 +118,16 @@ def main(argv=None) -> int:
     missing = [r for name in names for r in runs[name] if not Path(r).is_file()]
     if missing:
         raise SystemExit(f"runs missing in {args.out}: {', '.join(Path(r).name for r in missing)}")
+    loaded = {name: [bench_compare.load(r, "flashgen") for r in runs[name]] for name in names}
     for name in names[1:]:
         print(f"== {name} / {names[0]}", flush=True)
-        bench_compare.main([",".join(runs[name]), ",".join(runs[names[0]]), "--show", "8"])
+        rows = bench_compare.compare(loaded[name], loaded[names[0]])
+        if not rows:
+            raise SystemExit(f"no point measured by flashgen in every run of {name} and {names[0]}")
+        bench_compare.print_comparison(rows, 8)
         if args.table:
             for direction in ("fwd", "bwd"):
-                table = point_table(runs[name], runs[names[0]], direction)
+                table = point_table(rows, direction)
                 if table:
                     print(f"\n{direction}, old ms / new ms:\n{table}\n")
     return 0
