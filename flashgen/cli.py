@@ -346,10 +346,12 @@ def _grid_options(head_dims):
 @main.command()
 @_grid_options(head_dims=(64, 128))  # the tiers with several tiles to choose from
 @click.option("--repeats", type=int, default=10, show_default=True)
+@click.option("--passes", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Times each point is measured; a choice's time is the median of its passes.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Where to write the table [default: tuning-<gpu>-sm<cc>.json]; an existing table for this "
                    "GPU is resumed.")
-def tune(dtypes, head_dims, seqlens, tokens, hidden, repeats, out_path) -> None:
+def tune(dtypes, head_dims, seqlens, tokens, hidden, repeats, passes, out_path) -> None:
     """Time every kernel tile and key-split policy per shape bucket on this GPU; write a tuning table.
 
     Use the table with FLASHGEN_TUNING=<path> (or flashgen.use_tuning_table), or
@@ -372,7 +374,7 @@ def tune(dtypes, head_dims, seqlens, tokens, hidden, repeats, out_path) -> None:
     out_path = out_path or Path(f"tuning-{slug}-sm{device.cc}.json")
     try:
         table = t.tune(grid, repeats, lambda line: click.echo(line, err=True), " ".join(["flashgen"] + sys.argv[1:]),
-                       out_path)
+                       out_path, passes)
     except ValueError as e:
         _fail(str(e))
     click.echo(f"{len(table.entries)} buckets where a choice beat the priority order by > "

@@ -6,6 +6,10 @@ backward, every key-split policy that gives a different split count is timed
 through the public API with a one-entry table installed (so what is measured
 is exactly what the runtime would launch).  The fastest becomes the bucket's
 entry, unless the priority order's own choice is within ``KEEP_DEFAULT`` of it.
+With several passes each choice's time is the median of its passes, the candidates
+timed in the opposite order every other pass: single passes of one H200 session
+picked a different tile in most buckets where choices were within a few percent
+(BENCHMARKS.md, session 31), so one pass mostly records noise.
 """
 from __future__ import annotations
 
@@ -140,11 +144,22 @@ def measure_choices(p: Point, direction: str, registry, device, repeats: int,
     return times
 
 
+def measure_passes(p: Point, direction: str, registry, device, repeats: int,
+                   options: List[Tuple[str, tuning.Choice]], passes: int) -> Tuple[Dict[str, float], list]:
+    """(each choice's median over ``passes`` passes of ``measure_choices``, the passes' own times); every
+    other pass takes the candidates in reverse, so a clock that drifts over a point favours none."""
+    runs = [measure_choices(p, direction, registry, device, repeats, options if i % 2 == 0 else options[::-1])
+            for i in range(passes)]
+    return {label: statistics.median(run[label] for run in runs) for label in runs[0]}, runs
+
+
 def tune(points: List[Point], repeats: int, progress: Callable[[str], None], command: str,
-         out_path) -> tuning.Table:
-    """Measure ``points`` and write the table to ``out_path`` after each one (atomically), so an
-    interrupted run loses at most one point; a run given an existing table for this GPU resumes
-    it, skipping the points it already holds."""
+         out_path, passes: int = 1) -> tuning.Table:
+    """Measure ``points`` (each ``passes`` times) and write the table to ``out_path`` after each one
+    (atomically), so an interrupted run loses at most one point; a run given an existing table for
+    this GPU resumes it, skipping the points it already holds."""
+    if passes < 1:
+        raise ValueError(f"passes must be at least 1, got {passes}")
     import cupy
 
     import flashgen
@@ -166,17 +181,18 @@ def tune(points: List[Point], repeats: int, progress: Callable[[str], None], com
             if (tuple(sorted(vars(p).items())), direction) in done:
                 continue
             options = candidates(registry, device, p, direction)
-            times = measure_choices(p, direction, registry, device, repeats, options)
+            times, runs = measure_passes(p, direction, registry, device, repeats, options, passes)
             best_label = min((label for label, _ in options), key=times.__getitem__)
             # options[0] is the priority order's own tile with the "auto" split: the default itself
             keep_default = best_label == options[0][0] or times["default"] <= times[best_label] * (1 + KEEP_DEFAULT)
             if not keep_default:
                 entries[bucket_of(p, family_for(direction, registry, device))] = dict(options)[best_label]
             measured.append({"point": vars(p), "direction": direction, "ms": times,
-                             "chosen": "default" if keep_default else best_label})
+                             "chosen": "default" if keep_default else best_label,
+                             **({"passes": runs} if passes > 1 else {})})
             table = tuning.Table(device.name, device.cc, entries,
                                  {"command": command, "flashgen": flashgen.__version__, "repeats": repeats,
-                                  "cupy": cupy.__version__, "points": measured})
+                                  "passes": passes, "cupy": cupy.__version__, "points": measured})
             table.save(out_path)
             progress(f"[{n}/{len(points)}] {direction} {p.dtype} d{p.head_dim} {'causal ' if p.causal else ''}"
                      f"b{p.batch} h{p.heads} s{p.seqlen}: default {times['default']:.3f} ms, best {best_label} "

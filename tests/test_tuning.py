@@ -192,6 +192,34 @@ def test_tune_records_only_clear_wins_and_saves_after_every_point(fake_measureme
     assert tuning.Table.load(out).entries == table.entries
 
 
+def test_several_passes_record_each_choices_median_taken_in_alternating_order(fake_measurements, tmp_path,
+                                                                             monkeypatch):
+    """With three passes a choice that won one pass by chance records nothing, one that won two of them
+    does; every other pass times the candidates in reverse, and each point keeps its passes' times."""
+    tune_module, _ = fake_measurements
+    orders, passes_done = [], {}
+
+    def measure(p, direction, registry, device, repeats, options):
+        n = passes_done[p.seqlen, direction] = passes_done.get((p.seqlen, direction), 0) + 1
+        orders.append((direction, n, [label for label, _ in options]))
+        # the forward's "other" wins the first pass only; the backward's "one" split the first and third
+        return {"default": 1.0, "prio": 1.0, "other": 0.8 if n == 1 else 1.0,
+                "split1": 0.9 if n != 2 else 1.0}
+
+    monkeypatch.setattr(tune_module, "measure_choices", measure)
+    points = default_grid(dtypes=("f16",), head_dims=(64,), seqlens=(512,))
+    table = tune_module.tune(points, 3, lambda line: None, "flashgen tune", tmp_path / "t.json", passes=3)
+    assert {(b.family, c.splits) for b, c in table.entries.items()} == {("mem_eff_bwd", "one")}
+    assert [order for direction, _, order in orders if direction == "fwd"][:3] == [["prio", "other"],
+                                                                                  ["other", "prio"],
+                                                                                  ["prio", "other"]]
+    record = next(m for m in table.measured["points"] if m["direction"] == "fwd")
+    assert record["ms"]["other"] == 1.0 and [run["other"] for run in record["passes"]] == [0.8, 1.0, 1.0]
+    assert table.measured["passes"] == 3
+    with pytest.raises(ValueError, match="passes must be at least 1"):
+        tune_module.tune(points, 3, lambda line: None, "flashgen tune", tmp_path / "u.json", passes=0)
+
+
 def test_tune_resumes_and_refuses_another_gpus_table(fake_measurements, tmp_path):
     tune_module, measured = fake_measurements
     out = tmp_path / "table.json"
