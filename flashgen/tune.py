@@ -173,6 +173,10 @@ def tune(points: List[Point], repeats: int, progress: Callable[[str], None], com
         if (previous.device_name, previous.cc) != (device.name, device.cc):
             raise ValueError(f"{out_path} was measured on {previous.device_name} (sm_{previous.cc}), this is "
                              f"{device.name} (sm_{device.cc}): pass another --out")
+        before = previous.measured.get("passes", 1)  # tables from before --passes took one
+        if before != passes:
+            raise ValueError(f"{out_path} was measured with {before} pass(es) a point, this run asks for {passes}: "
+                             f"pass --passes {before} to resume it, or another --out")
         entries, measured = dict(previous.entries), list(previous.measured.get("points", []))
     # points measured before Point had a group field are multi-head: read them as group 1 to resume them
     done = {(tuple(sorted({"group": 1, **m["point"]}.items())), m["direction"]) for m in measured}

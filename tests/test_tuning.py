@@ -218,6 +218,9 @@ def test_several_passes_record_each_choices_median_taken_in_alternating_order(fa
     assert table.measured["passes"] == 3
     with pytest.raises(ValueError, match="passes must be at least 1"):
         tune_module.tune(points, 3, lambda line: None, "flashgen tune", tmp_path / "u.json", passes=0)
+    # a table resumes only with the passes it was measured with (one, for tables from before --passes)
+    with pytest.raises(ValueError, match=r"with 3 pass\(es\) a point, this run asks for 1: pass --passes 3"):
+        tune_module.tune(points, 3, lambda line: None, "flashgen tune", tmp_path / "t.json")
 
 
 def test_tune_resumes_and_refuses_another_gpus_table(fake_measurements, tmp_path):
