@@ -350,7 +350,7 @@ def _grid_options(head_dims):
               help="Times each point is measured; a choice's time is the median of its passes.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Where to write the table [default: tuning-<gpu>-sm<cc>.json]; an existing table for this "
-                   "GPU is resumed.")
+                   "GPU, measured with the same --passes, is resumed.")
 def tune(dtypes, head_dims, seqlens, tokens, hidden, repeats, passes, out_path) -> None:
     """Time every kernel tile and key-split policy per shape bucket on this GPU; write a tuning table.
 
