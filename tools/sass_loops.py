@@ -116,11 +116,13 @@ def find_nvdisasm(given: Optional[str]) -> str:
 def table(new: Dict[str, Block], old: Optional[Dict[str, Block]]) -> str:
     header = ["block", "instructions", *COUNTED]
     rows = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    counted_new = {name: block.counts() for name, block in new.items()}
+    counted_old = {name: block.counts() for name, block in (old or {}).items()}
     for name in sorted(set(new) | set(old or {})):
         cells = []
         for key in header[1:]:
-            a = new[name].counts()[key] if name in new else "-"
-            cells.append(f"{a}" if old is None else f"{old[name].counts()[key] if name in old else '-'} -> {a}")
+            a = counted_new[name][key] if name in new else "-"
+            cells.append(f"{a}" if old is None else f"{counted_old[name][key] if name in old else '-'} -> {a}")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
