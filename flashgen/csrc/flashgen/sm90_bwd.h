@@ -269,12 +269,13 @@ struct BwdKernel {
   // the waits pushed over (ALiBi: 0 -> 216 bytes of spills).
   // consume() slices its tiled MMAs at the warpgroup's first thread through a warp-uniform index
   // (sm90_common.h, warpgroup_index): the wgmma descriptors then stay in uniform registers, with
-  // no copy into them before every wgmma.  Head dim 64 only (H200 queued A/B, session 30: +1-6%,
-  // none slower); at 128 the short shapes lost 5-7% though the loop shrank 583 -> 522
-  // instructions.  Not with dropout, soft-capping or a score mod: ptxas then spilled 4-68 bytes;
+  // no copy into them before every wgmma.  Not at head dim 128, where the short shapes lost 5-7%
+  // though the loop shrank 583 -> 522 instructions; head dim 64 gained 1-6% (H200 queued A/B,
+  // session 30), 256 1-5% with its step loop 723 -> 606 instructions, 192 level (728 -> 696;
+  // session 32).  Not with dropout, soft-capping or a score mod: ptxas then spilled 4-68 bytes;
   // nor with bias, whose own dQ path was not measured with it.
   static constexpr bool kUniformSlices =
-      kHeadDim == 64 && !kBias && !kDropout && !kSoftcap && !ScoreMod_::kEnabled;
+      kHeadDim != 128 && !kBias && !kDropout && !kSoftcap && !ScoreMod_::kEnabled;
   static constexpr bool kDqReduceWarps = kDqTile && !kBias && !(kBlockM == 128 && (kSoftcap || ScoreMod_::kEnabled));
   // Named barriers, each of one warpgroup w's threads (the warpgroups meet only at the mbarriers
   // ds_full and ds_free): 1 + w its dQ part (with kDqReduceWarps only the keep bits' order),
