@@ -3,12 +3,13 @@ one, and with the bias on the example-41 path, timed side by side (flashgen.benc
 rounds, CUDA events, three input sets in turn).
 
     python tools/bench_bias.py [--seqlen 1024 --seqlen 16384 ...] [--no-dbias] [--json out.json]
-        [--families sm80_fwd,sm80_bwd]
+        [--families sm80_fwd,sm80_bwd] [--no-example41]
 
 The bias is per head, [1, H, S, S] in the inputs' dtype (the shape of a relative-position bias);
 the backward returns its gradient too unless --no-dbias.  The example-41 path is the same call
 under FLASHGEN_FAMILIES=mem_eff_fwd,mem_eff_bwd; ``--families`` restricts the other two to those families
-(and example 41, for what they refuse): the Ampere pair on a Hopper GPU, say.  Per point and direction it prints TFLOP/s of
+(and example 41, for what they refuse): the Ampere pair on a Hopper GPU, say; ``--no-example41`` leaves
+the example-41 variant out (its column '-'), for A/Bs of flashgen's own bias kernels where only those are built.  Per point and direction it prints TFLOP/s of
 the three and the two ratios the bias work is judged by: bias / plain (target >= 0.85) and bias /
 example 41 (target >= 2.5).  Needs torch (CUDA events) and CuPy; TFLOP/s count as flashgen
 bench does (causal halves them).
@@ -45,15 +46,16 @@ def families(value):
             os.environ["FLASHGEN_FAMILIES"] = saved
 
 
-def entries(p: Point, dbias: bool, torch, cupy, api, allowed=None):
-    """(label, direction, Timed) of the three variants at one point."""
+def entries(p: Point, dbias: bool, torch, cupy, api, allowed=None, example41=True):
+    """(label, direction, Timed) of the three variants at one point (two without ``example41``)."""
     sets = [[cupy.from_dlpack(t) for t in s] for s in _inputs(torch, p)]
     dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[p.dtype]
     bias = cupy.from_dlpack(torch.randn((1, p.heads, p.seqlen, p.seqlen), device="cuda", dtype=dtype))
     causal = "top_left" if p.causal else None
     out = []
     own = allowed and f"{allowed},{EXAMPLE41}"
-    for label, forced, attn_bias in (("bias", own, bias), ("plain", own, None), ("example41", EXAMPLE41, bias)):
+    variants = (("bias", own, bias), ("plain", own, None)) + ((("example41", EXAMPLE41, bias),) if example41 else ())
+    for label, forced, attn_bias in variants:
         context = functools.partial(families, forced)
         with families(forced):
             fwd = [api.attention_forward(q, k, v, causal=causal, attn_bias=attn_bias) for q, k, v, _ in sets]
@@ -77,6 +79,7 @@ def main() -> None:
     parser.add_argument("--no-dbias", action="store_true", help="backward without bias_requires_grad")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--families", help="the bias and plain variants' families (default: all)")
+    parser.add_argument("--no-example41", action="store_true", help="leave the example-41 variant out")
     args = parser.parse_args()
     import cupy
     import torch
@@ -91,12 +94,12 @@ def main() -> None:
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
     for p in grid:
         with stream:
-            timed = entries(p, not args.no_dbias, torch, cupy, api, args.families)
+            timed = entries(p, not args.no_dbias, torch, cupy, api, args.families, not args.no_example41)
             time_interleaved([t for _, _, t in timed], torch, repeats=args.repeats)
         tflops = {(label, d): flops(p, d) / statistics.median(t.times) / 1e9 if t.times else None
                   for label, d, t in timed}
         for d in ("fwd", "bwd"):
-            b, plain, ex41 = (tflops[(label, d)] for label in ("bias", "plain", "example41"))
+            b, plain, ex41 = (tflops.get((label, d)) for label in ("bias", "plain", "example41"))
             ratio = lambda x, y: f"{x / y:.2f}" if x and y else "-"  # noqa: E731
             fmt = lambda x: f"{x:7.1f}" if x else "      -"  # noqa: E731
             print(f"{p.dtype:5} {p.head_dim:3} {str(p.causal):6} {p.seqlen:6} {d:3} {fmt(b)} {fmt(plain)} "
