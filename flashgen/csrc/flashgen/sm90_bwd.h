@@ -272,10 +272,9 @@ struct BwdKernel {
   // no copy into them before every wgmma.  Not at head dim 128, where the short shapes lost 5-7%
   // though the loop shrank 583 -> 522 instructions; head dim 64 gained 1-6% (H200 queued A/B,
   // session 30), 256 1-5% with its step loop 723 -> 606 instructions, 192 level (728 -> 696;
-  // session 32).  Not with dropout, soft-capping or a score mod: ptxas then spilled 4-68 bytes;
-  // nor with bias, whose own dQ path was not measured with it.
+  // session 32).  Not with dropout, soft-capping or a score mod: ptxas then spilled 4-68 bytes.
   static constexpr bool kUniformSlices =
-      kHeadDim != 128 && !kBias && !kDropout && !kSoftcap && !ScoreMod_::kEnabled;
+      kHeadDim != 128 && !kDropout && !kSoftcap && !ScoreMod_::kEnabled;
   static constexpr bool kDqReduceWarps = kDqTile && !kBias && !(kBlockM == 128 && (kSoftcap || ScoreMod_::kEnabled));
   // Named barriers, each of one warpgroup w's threads (the warpgroups meet only at the mbarriers
   // ds_full and ds_free): 1 + w its dQ part (with kDqReduceWarps only the keep bits' order),
