@@ -227,6 +227,47 @@ def test_several_passes_record_each_choices_median_taken_in_alternating_order(fa
         tune_module.tune(points, 3, lambda line: None, "flashgen tune", tmp_path / "t.json")
 
 
+def test_choices_are_timed_in_rounds_that_start_one_choice_further_on(monkeypatch):
+    """Every choice is timed in every round under its own one-entry table, after an untimed call (the
+    new table dropped the plans); each round starts one choice further down the list, so the default is
+    not always the first timed on a cool GPU; a choice's time is the median of all its rounds' calls."""
+    import sys
+    import types
+
+    from flashgen import runtime
+    from flashgen import tune as tune_module
+
+    fake = types.ModuleType("cupy")
+    fake.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(runtime, "api", types.ModuleType("flashgen.runtime.api"), raising=False)
+    monkeypatch.setitem(sys.modules, "flashgen.runtime.api", runtime.api)
+    monkeypatch.setattr(tune_module, "inputs", lambda p: ["inputs"])
+    monkeypatch.setattr(tune_module, "family_for", lambda direction, registry, device: "sm90_fwd")
+    monkeypatch.setattr(tune_module, "bucket_of", lambda p, family: "bucket")
+    monkeypatch.setattr(tune_module, "run_call", lambda api, direction, p, sets: "call")
+    installed = []
+    monkeypatch.setattr(tuning, "use_table", lambda table: installed.append(
+        None if table is None else dict(table.entries).get("bucket", "default")))
+    rounds, slow = [], {"default": 0.0, "a": 0.0, "b": 0.0}
+
+    def event_times(fn, warmup, repeats):
+        label = installed[-1]
+        rounds.append((label, warmup, repeats))
+        slow[label] += 1.0  # each round of a choice a millisecond slower: the median is the middle round's
+        return [slow[label]] * repeats
+
+    monkeypatch.setattr(tune_module, "event_times", event_times)
+    point = default_grid(dtypes=("f16",), head_dims=(64,), seqlens=(512,))[0]
+    times = tune_module.measure_choices(point, "fwd", None, H100, 30, only=[("a", "a"), ("b", "b")])
+    per_round = 30 // tune_module.ROUNDS
+    assert [label for label, _, _ in rounds[:6]] == ["default", "a", "b", "a", "b", "default"]
+    assert [label for label, _, _ in rounds[::3]] == ["default", "a", "b", "default", "a"][:tune_module.ROUNDS]
+    assert all(warmup >= 1 and repeats == per_round for _, warmup, repeats in rounds)
+    assert len(rounds) == 3 * tune_module.ROUNDS and installed[-1] is None  # the table is taken back
+    assert times == {label: float((tune_module.ROUNDS + 1) // 2) for label in ("default", "a", "b")}
+
+
 def test_tune_resumes_and_refuses_another_gpus_table(fake_measurements, tmp_path):
     tune_module, measured = fake_measurements
     out = tmp_path / "table.json"
