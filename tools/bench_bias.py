@@ -7,11 +7,12 @@ rounds, CUDA events, three input sets in turn).
 
 The bias is per head, [1, H, S, S] in the inputs' dtype (the shape of a relative-position bias);
 the backward returns its gradient too unless --no-dbias.  The example-41 path is the same call
-under FLASHGEN_FAMILIES=mem_eff_fwd,mem_eff_bwd; ``--families`` restricts the other two to those families
-(and example 41, for what they refuse): the Ampere pair on a Hopper GPU, say; ``--no-example41`` leaves
-the example-41 variant out (its column '-'), for A/Bs of flashgen's own bias kernels where only those are built.  Per point and direction it prints TFLOP/s of
-the three and the two ratios the bias work is judged by: bias / plain (target >= 0.85) and bias /
-example 41 (target >= 2.5).  Needs torch (CUDA events) and CuPy; TFLOP/s count as flashgen
+under FLASHGEN_FAMILIES=mem_eff_fwd,mem_eff_bwd; ``--families`` restricts the other two to those
+families (and example 41, for what they refuse): the Ampere pair on a Hopper GPU, say.
+``--no-example41`` leaves the example-41 variant out (its column '-'), for A/Bs of flashgen's own
+bias kernels where only those are built.  Per point and direction it prints TFLOP/s of the three
+and the two ratios the bias work is judged by: bias / plain (target >= 0.85) and bias / example 41
+(target >= 2.5).  Needs torch (CUDA events) and CuPy; TFLOP/s count as flashgen
 bench does (causal halves them).
 """
 from __future__ import annotations
