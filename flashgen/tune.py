@@ -128,10 +128,11 @@ def run_call(api, direction: str, p: Point, sets) -> Callable[[int], object]:
 def measure_choices(p: Point, direction: str, registry, device, repeats: int,
                     only: Optional[List[Tuple[str, tuning.Choice]]] = None) -> Dict[str, float]:
     """Milliseconds per call for the priority order ("default") and each candidate at ``p``: the
-    median of ``repeats`` calls each, timed in ``ROUNDS`` rounds that visit every choice, each round
-    starting one choice further down the list.  Timed one after another, the default (always first)
-    ran 1-5% faster than the same kernel timed right after it from 2k tokens on (BENCHMARKS.md, session
-    32): the GPU's clocks drift over a point, and rounds spread the drift over every choice."""
+    median of ``repeats`` calls each (rounded up to whole rounds), timed in ``ROUNDS`` rounds that
+    visit every choice, each round starting one choice further down the list.  Timed one after
+    another, the default (always first) ran 1-5% faster than the same kernel timed right after it
+    from 2k tokens on (BENCHMARKS.md, session 32): the GPU's clocks drift over a point, and rounds
+    spread the drift over every choice."""
     import cupy
 
     from flashgen.runtime import api
