@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from flashgen.runtime import tensormap
@@ -120,3 +121,29 @@ def test_dbias_is_described_by_its_row_pitch():
     dbias = FakeArray((B, H, M, N), strides=(H * M * 8, M * 8, 8, 1), ptr=0x7F2A00001000)
     assert sm90_common.dbias_fields(dbias) == {"dbias_ptr": 0x7F2A00001000, "dbias_row_stride": 8}
     assert sm90_common.dbias_fields(None) == {}
+
+
+@pytest.mark.parametrize("causal,zeroes,packed,allocator", [
+    (None, 0, False, "empty"),          # no band: the kernels visit every (query, key)
+    ("top_left", 0, False, "zeros"),    # kernels without the constant (sm80_bwd's): the runtime clears
+    ("top_left", 1, False, "empty"),    # band bias instances write the hidden zeros themselves
+    ("top_left", 1, True, "zeros"),     # ... for fixed-length batches only
+])
+def test_band_dbias_is_cleared_only_where_the_kernels_leave_holes(monkeypatch, causal, zeroes, packed, allocator):
+    """dbias outside the band is zero: a band call's dbias is cleared first unless the kernels' constant
+    zeroes_hidden_dbias says their main kernel writes those zeros (fixed-length batches)."""
+    made = []
+
+    def allocate(name):
+        return lambda shape, dtype: made.append((name, shape)) or np.empty(shape, dtype=np.float16)
+
+    monkeypatch.setattr(sm90_bwd, "cupy_module", lambda: SimpleNamespace(zeros=allocate("zeros"),
+                                                                          empty=allocate("empty")))
+    call = fake_call("bwd", bias=FakeArray((2, 3, 5, 7)), causal=causal, bias_requires_grad=True)
+    if packed:
+        call.p.seqstart_q = FakeArray((3,))
+    dbias = sm90_bwd.RUNTIME.dbias(call, {"zeroes_hidden_dbias": zeroes} if zeroes else {})
+    assert made == [(allocator, (call.p.B, call.p.H, call.q.shape[1], -(-call.k.shape[1] // 8) * 8))]
+    assert dbias.shape[-1] == call.k.shape[1]
+    call.options["bias_requires_grad"] = False
+    assert sm90_bwd.RUNTIME.dbias(call, {"zeroes_hidden_dbias": 1}) is None

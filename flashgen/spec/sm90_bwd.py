@@ -27,7 +27,9 @@ A ``bias`` instance reads the bias through ``bias_map`` and the ``bias_*_step`` 
 forward does (a step's tile into the dS buffer the step writes later: no extra shared memory)
 and, where ``dbias_ptr`` is not null, writes dS (the gradient of the biased score, in the input
 dtype) into dbias [B, H, M, N] (rows of ``dbias_row_stride`` elements, packed otherwise) at every
-(query, key) its CTAs visit; the rest is the caller's.
+(query, key) its CTAs visit; the rest is the caller's, except where the constant
+``zeroes_hidden_dbias`` is 1 (band bias instances): their main kernel writes the zeros outside the
+band too, for fixed-length batches.
 
 A ``sparse`` instance serves a ``flashgen.block_mask`` of 128 x 128 blocks, the forward's: the CTA of a
 key block visits only the query blocks the mask's transposed lists (``q_*``) give for it, per query
@@ -163,4 +165,6 @@ class Sm90Bwd(Sm90Tile):
     # (its block_m-query steps cover them in turn) and block_n keys
     CONSTANTS = tile_constants("flashgen::sm90::BwdParams") + (Constant("aux_threads", "Kernel::kAuxThreads"),
                                                                 Constant("mask_rows", "Kernel::kMaskRows"),
-                                                                Constant("min_queries", "Kernel::kMinQueries"))
+                                                                Constant("min_queries", "Kernel::kMinQueries"),
+                                                                Constant("zeroes_hidden_dbias",
+                                                                         "Kernel::kZeroesHiddenDbias"))

@@ -1322,6 +1322,11 @@ struct BwdKernel {
         if (threadIdx.x % 32 == 0 && w >= 0 && w < kWarpGroups && st.m_blocks > 0) {
           reduce_dq(p, s, seq, n_block, head_kv, st, w);
         }
+      } else if constexpr (kZeroesHiddenDbias) {
+        int const t = threadIdx.x - kConsumerThreads - 32;  // warps 1-3
+        if (t >= 0 && p.dbias_ptr != nullptr && p.seqstart_q == nullptr) {
+          zero_hidden_dbias(p, seq, n_block, head_kv, st, t);
+        }
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
@@ -1331,6 +1336,42 @@ struct BwdKernel {
 
   // grid (ceil(M / kBlockM), heads, batch or sequences), kAuxThreads threads
   static __device__ void prep(BwdParams const& p) { backward_prep<Element, kHeadDim, kBlockM, kAuxThreads>(p); }
+
+  // A band bias instance also writes dbias's zeros outside the band (kZeroesHiddenDbias): warps 1-3 of
+  // the producer warpgroup, idle there (bias instances have no reduce warps), store zeros into the
+  // rows of the CTA's keys that none of its steps visits, while the consumers run their GEMMs.  The
+  // caller then need not clear all of dbias first (causal: twice the bytes, before the kernel).
+  // Fixed-length batches only: the runtime clears a packed batch's dbias.
+  static constexpr bool kZeroesHiddenDbias = kBias && kBand;
+  static constexpr int kZeroThreads = 96;
+  static __device__ void zero_hidden_dbias(BwdParams const& p, Sequence const& seq, int n_block, int head_kv,
+                                           Steps st, int t) {
+    constexpr int kChunks = kBlockN / 8;  // 16-byte chunks of a row's kBlockN keys: thread t takes chunk t % kChunks
+    static_assert(kZeroThreads % kChunks == 0, "whole rows per pass");
+    int const key = n_block * kBlockN + 8 * (t % kChunks);
+    if (key >= seq.num_keys) {  // (a chunk that starts before the last key may reach the row padding)
+      return;
+    }
+    int const above = st.m_blocks > 0 ? ::min(st.m_begin * kBlockM, seq.num_queries) : seq.num_queries;
+    int const below = st.m_blocks > 0 ? ::min((st.m_begin + st.m_blocks) * kBlockM, seq.num_queries) : above;
+    constexpr int kRowsPerPass = kZeroThreads / kChunks;
+    long long const pass_elements = kRowsPerPass * p.dbias_row_stride;
+    // rows [from, to) of the plane of query head `head`, kRowsPerPass at a time, by a running pointer
+    // (the producer warpgroup has 24 registers)
+    auto zero_rows = [&](int head, int from, int to) {
+      long long const first = ((long long)seq.batch * p.num_heads + head) * p.num_queries + from + t / kChunks;
+      Element* at = static_cast<Element*>(p.dbias_ptr) + first * p.dbias_row_stride + key;
+#pragma unroll 1
+      for (int r = from + t / kChunks; r < to; r += kRowsPerPass, at += pass_elements) {
+        *reinterpret_cast<uint4*>(at) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    };
+#pragma unroll 1
+    for (int g = 0; g < p.head_group; ++g) {  // rows [0, above) and [below, num_queries) of each query head
+      zero_rows(head_kv * p.head_group + g, 0, above);
+      zero_rows(head_kv * p.head_group + g, below, seq.num_queries);
+    }
+  }
 
   // grid as prep.  A part at a time: its quads are read in order (coalesced) and put in
   // rows in shared memory (see dq_quad_place), then each thread writes 8 columns of a row.

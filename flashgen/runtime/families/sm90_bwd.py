@@ -99,23 +99,26 @@ class ThreeKernelBackward:
         launch that names its kernel itself), before anything touches the GPU."""
         check_compiled(binary, call)
 
-    def own_outputs(self, call: Call) -> Tuple[tuple, dict]:
-        """(arrays, their Params fields) of what the kernels write beside dq, dk, dv: dbias where the
-        call asks for it; ``launch`` returns them after dq, dk, dv, and plans none of those calls."""
-        dbias = self.dbias(call)
+    def own_outputs(self, call: Call, kc: dict) -> Tuple[tuple, dict]:
+        """(arrays, their Params fields) of what the kernels (constants ``kc``) write beside dq, dk, dv:
+        dbias where the call asks for it; ``launch`` returns them after dq, dk, dv, and plans none of
+        those calls."""
+        dbias = self.dbias(call, kc)
         return ((), {}) if dbias is None else ((dbias,), dbias_fields(dbias))
 
     @staticmethod
-    def dbias(call: Call):
+    def dbias(call: Call, kc: dict):
         """dbias [B, H, M, N] in q's dtype as example 41 returns it (rows padded to 8 elements), or None
         when not asked for.  The kernels write every (query, key) they visit: all of them without a
-        band mask, so only band calls pay for zeros where no query sees a key."""
+        band mask; band calls need zeros where no query sees a key, which kernels with the constant
+        ``zeroes_hidden_dbias`` write themselves for fixed-length batches, and the rest get cleared."""
         if not call.options["bias_requires_grad"]:
             return None
         cupy, p = cupy_module(), call.p
         band = p.mask != 0 or p.window is not None
+        cleared = band and not (kc.get("zeroes_hidden_dbias") and p.seqstart_q is None)
         shape = (p.B, p.H, call.q.shape[1], -(-call.k.shape[1] // 8) * 8)
-        return (cupy.zeros if band else cupy.empty)(shape, dtype=call.q.dtype)[..., :call.k.shape[1]]
+        return (cupy.zeros if cleared else cupy.empty)(shape, dtype=call.q.dtype)[..., :call.k.shape[1]]
 
     def encode(self, params, call: Call, kc: dict) -> None:
         """Write what ``fill`` cannot (tensor maps) into the filled ``params``."""
@@ -139,7 +142,7 @@ class ThreeKernelBackward:
                                                                           memory.stream(call.stream, p.device))
         os_, gos, ls = elem_strides(out), elem_strides(grad_out), elem_strides(lse)
         own_int32, own = self.own_fields(call)
-        extra, extra_fields = self.own_outputs(call)
+        extra, extra_fields = self.own_outputs(call, kc)
         strides = dict(out_stride_m=os_[1], out_stride_h=os_[2], dout_stride_m=gos[1], dout_stride_h=gos[2],
                        dq_stride_m=p.H * p.K, dq_stride_h=p.K, dkv_stride_n=k.shape[2] * p.K, dkv_stride_h=p.K,
                        lse_stride_b=ls[0], lse_stride_h=ls[1], **own_int32)
