@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
+import os
 import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 TORCH_BACKENDS = ("flash", "efficient", "cudnn")
 JIT_IMPLS = ("fa4", "flex")  # compile on the first call at a point: Result.compile_s says how long that took
@@ -43,7 +43,8 @@ class Point:
     """One shape of the grid.  ``heads`` counts query heads; k and v have ``heads // group``
     (``group`` = 1: multi-head, > 1: grouped-query).  ``mask`` names a block mask the point runs
     under instead (``bench_masks``; "" for none), ``score_mod`` a score mod its scores take
-    (``bench_mods``; "" for none).  They come last with defaults, so a point written before they
+    (``bench_mods``; "" for none), ``variant`` an attention bias or dropout the calls take
+    (``bench_variants``; "" for none).  They come last with defaults, so a point written before they
     existed (``Point(**old_json_point)``) still loads, as the same shape."""
 
     dtype: str
@@ -55,6 +56,7 @@ class Point:
     group: int = 1
     mask: str = ""
     score_mod: str = ""
+    variant: str = ""
 
     @property
     def kv_heads(self) -> int:
@@ -86,15 +88,16 @@ HEAD_DIMS = (64, 128, 256)
 
 
 def default_grid(dtypes=("f16", "bf16"), head_dims=HEAD_DIMS, hidden=2048, tokens=16384,
-                 seqlens=(512, 1024, 2048, 4096, 8192, 16384), groups=(1,), masks=(), score_mods=()) -> List[Point]:
+                 seqlens=(512, 1024, 2048, 4096, 8192, 16384), groups=(1,), masks=(), score_mods=(),
+                 variants=()) -> List[Point]:
     """Every combination, with ``hidden // head_dim`` query heads and ``tokens // seqlen`` batches.
     A group that does not divide a head dim's head count is left out for that head dim only
     (hidden 2048: group 32 fits head dim 64's 32 heads, not 128's 16), so a mixed grid still runs
     what it can; the CLI refuses a group that fits no head dim at all.  With ``masks``, each
     mask replaces the causal and full points (a mask carries its own causality); with
-    ``score_mods``, each mod's causal and full points replace the plain ones."""
-    return [Point(d, hd, causal, max(1, tokens // s), hidden // hd, s, g, mask, mod)
-            for d in dtypes for hd in head_dims for mod in (score_mods or ("",))
+    ``score_mods`` (``variants``), each mod's (variant's) causal and full points replace the plain ones."""
+    return [Point(d, hd, causal, max(1, tokens // s), hidden // hd, s, g, mask, mod, variant)
+            for d in dtypes for hd in head_dims for mod in (score_mods or ("",)) for variant in (variants or ("",))
             for causal, mask in _mask_kinds(masks) for g in groups if (hidden // hd) % g == 0 for s in seqlens]
 
 
@@ -242,6 +245,10 @@ def bench_point(p: Point, impls: List[str], torch, repeats: int = 30, all_instan
         from flashgen import bench_mods
 
         entries = bench_mods.entries(p, impls, sets, t_sets, torch)
+    elif p.variant:
+        from flashgen import bench_variants
+
+        entries = bench_variants.entries(p, impls, sets, t_sets, torch)
     else:
         entries = _unmasked_entries(p, impls, sets, t_sets, torch)
     not_set_up = {id(e) for e in entries if e.error}  # e.g. an import: not about this point's shape
@@ -255,10 +262,11 @@ def bench_point(p: Point, impls: List[str], torch, repeats: int = 30, all_instan
                       compile_s=e.first_call_s if e.impl in JIT_IMPLS else None)
                for e in entries]
     del sets, t_sets
-    if all_instances and (p.group > 1 or p.mask or p.score_mod):  # tune.measure_choices: plain multi-head inputs
+    if all_instances and (p.group > 1 or p.mask or p.score_mod or p.variant):  # tune: plain multi-head inputs
         why = ("instances not timed at GQA points: flashgen tune measures multi-head shapes only" if p.group > 1
                else "instances not timed at block-mask points: flashgen tune measures unmasked shapes only"
-               if p.mask else "instances not timed at score-mod points: flashgen tune measures plain calls only")
+               if p.mask else "instances not timed at score-mod, bias or dropout points: flashgen tune measures "
+               "plain calls only")
         results += [Result("flashgen[*]", direction, p, None, None, why) for direction in ("fwd", "bwd")]
     elif all_instances:  # every tile (and split policy) the runtime could pick here, through a one-entry table
         from flashgen import tune
@@ -293,10 +301,7 @@ def _unmasked_entries(p: Point, impls: List[str], sets, t_sets, torch) -> List[T
         impl = f"sdpa-{backend}"
         if impl not in impls:
             continue
-        kind = {"flash": torch.nn.attention.SDPBackend.FLASH_ATTENTION,
-                "efficient": torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION,
-                "cudnn": torch.nn.attention.SDPBackend.CUDNN_ATTENTION}[backend]
-        context = functools.partial(torch.nn.attention.sdpa_kernel, kind)
+        context = sdpa_backend(torch, backend)
         entries.append(Timed(impl, "fwd", lambda i: sdpa(*t_sets[i % 3][:3], is_causal=p.causal, **gqa), context))
         entries.append(Timed(impl, "bwd", autograd_backward(lambda s: sdpa(*s[:3], is_causal=p.causal, **gqa),
                                                              t_sets, torch), context))
@@ -305,31 +310,71 @@ def _unmasked_entries(p: Point, impls: List[str], sets, t_sets, torch) -> List[T
     return entries
 
 
-def flashgen_entries(sets, torch, **options) -> List[Timed]:
+def sdpa_backend(torch, backend: str):
+    """A context that restricts SDPA to one of ``TORCH_BACKENDS`` (an entry's ``context``)."""
+    kind = {"flash": torch.nn.attention.SDPBackend.FLASH_ATTENTION,
+            "efficient": torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": torch.nn.attention.SDPBackend.CUDNN_ATTENTION}[backend]
+    return functools.partial(torch.nn.attention.sdpa_kernel, kind)
+
+
+@contextlib.contextmanager
+def only_families(families: Optional[str]):
+    """FLASHGEN_FAMILIES set to ``families`` (None: left as it is) while an entry runs: the runtime
+    reads it on every dispatch, so one process can time flashgen on a chosen set of families."""
+    if families is None:
+        yield
+        return
+    saved = os.environ.get("FLASHGEN_FAMILIES")
+    os.environ["FLASHGEN_FAMILIES"] = families
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["FLASHGEN_FAMILIES"]
+        else:
+            os.environ["FLASHGEN_FAMILIES"] = saved
+
+
+def flashgen_entries(sets, torch, impl: str = "flashgen", families: Optional[str] = None,
+                     backward_options: Optional[dict] = None, **options) -> List[Timed]:
     """flashgen's runtime on CuPy views of the point's buffers, on torch's stream, with ``options``
-    (causal, block_mask) in both directions; the backward takes each set's own forward outputs."""
+    (causal, block_mask, ...) in both directions and ``backward_options`` (bias_requires_grad) in
+    the backward; the backward takes each set's own forward outputs.  ``impl`` names the entries,
+    ``families`` the families the runtime may use while they run (``only_families``)."""
     import cupy
 
     from flashgen.runtime import api
 
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
     cp_sets = [[cupy.from_dlpack(t) for t in s] for s in sets]
-    with stream:
-        fwd_out = [api.attention_forward(q, k, v, **options) for q, k, v, _ in cp_sets]
-    return [Timed("flashgen", "fwd", lambda i: api.attention_forward(*cp_sets[i % 3][:3], **options), lambda: stream),
-            Timed("flashgen", "bwd", lambda i: api.attention_backward(
-                cp_sets[i % 3][3], *cp_sets[i % 3][:3], *fwd_out[i % 3], **options), lambda: stream)]
+    bwd_options = dict(options, **(backward_options or {}))
+
+    @contextlib.contextmanager
+    def context():
+        with only_families(families), stream:
+            yield
+
+    try:
+        with context():
+            fwd_out = [api.attention_forward(q, k, v, **options) for q, k, v, _ in cp_sets]
+    except Exception as ex:  # e.g. families whose kernels were not built: a note, as for a peer
+        return [Timed(impl, direction, None, error=error_note(ex)) for direction in ("fwd", "bwd")]
+    return [Timed(impl, "fwd", lambda i: api.attention_forward(*cp_sets[i % 3][:3], **options), context),
+            Timed(impl, "bwd", lambda i: api.attention_backward(
+                cp_sets[i % 3][3], *cp_sets[i % 3][:3], *fwd_out[i % 3], **bwd_options), context)]
 
 
-def autograd_backward(forward, t_sets, torch):
+def autograd_backward(forward, t_sets, torch, also=()):
     """The cheapest honest path to a torch backward: one retained forward graph per input set
-    (built during warm-up), then ``torch.autograd.grad`` with the set's dO."""
+    (built during warm-up), then ``torch.autograd.grad`` with the set's dO, into q, k, v and the
+    leaves ``also`` (an attention bias that requires grad)."""
     outs = []
 
     def backward(i):
         if not outs:
             outs.extend(forward(s) for s in t_sets)
-        return torch.autograd.grad(outs[i % 3], t_sets[i % 3][:3], t_sets[i % 3][3], retain_graph=True)
+        return torch.autograd.grad(outs[i % 3], (*t_sets[i % 3][:3], *also), t_sets[i % 3][3], retain_graph=True)
 
     return backward
 
@@ -340,11 +385,12 @@ def _grad_leaves(sets):
     return [[t.detach().requires_grad_() for t in s[:3]] + [s[3]] for s in sets]
 
 
-def flashgen_torch_entries(sets, torch, **options) -> List[Timed]:
+def flashgen_torch_entries(sets, torch, grad_also=(), **options) -> List[Timed]:
     """flashgen through ``flashgen.torch.attention`` as a training step calls it: the same
     [B, S, H, D] buffers as the ``flashgen`` entries, as leaves that require grad (so the forward
     saves what its backward needs), backward through autograd like SDPA.  An adapter that cannot
-    be imported is a result for this point, as an unsupported point is for a peer."""
+    be imported is a result for this point, as an unsupported point is for a peer.  ``grad_also``:
+    further leaves the backward differentiates (``autograd_backward``'s ``also``)."""
     try:
         from flashgen.torch import attention
     except Exception as ex:
@@ -355,7 +401,7 @@ def flashgen_torch_entries(sets, torch, **options) -> List[Timed]:
         return attention(*s[:3], **options)
 
     return [Timed("flashgen-torch", "fwd", lambda i: forward(g_sets[i % 3])),
-            Timed("flashgen-torch", "bwd", autograd_backward(forward, g_sets, torch))]
+            Timed("flashgen-torch", "bwd", autograd_backward(forward, g_sets, torch, grad_also))]
 
 
 def _fa4_entries(p: Point, sets, torch) -> List[Timed]:
@@ -382,12 +428,13 @@ def _fa4_entries(p: Point, sets, torch) -> List[Timed]:
 _flex = None
 
 
-def flex_entries(p: Point, t_sets, torch, mask=None, score_mod=None) -> List[Timed]:
+def flex_entries(p: Point, t_sets, torch, mask=None, score_mod=None, grad_also=()) -> List[Timed]:
     """torch.compile'd flex_attention: Triton kernels generated for the shape and mask, compiled
     once per shape (during warm-up); backward through autograd like SDPA.  Grouped-query points
     pass ``enable_gqa`` (flex refuses k/v with fewer heads without it).  ``mask``: flex's block
     mask of a masked point (bench_masks); else a causal one at a causal point, none otherwise.
-    ``score_mod``: flex's score mod of a score-mod point (bench_mods)."""
+    ``score_mod``: flex's score mod of a score-mod point (bench_mods) or bias point (bench_variants,
+    whose bias, in ``grad_also``, gets its gradient too)."""
     global _flex
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -406,49 +453,4 @@ def flex_entries(p: Point, t_sets, torch, mask=None, score_mod=None) -> List[Tim
         extra["score_mod"] = score_mod
     return [Timed("flex", "fwd", lambda i: _flex(*t_sets[i % 3][:3], block_mask=mask, **extra)),
             Timed("flex", "bwd", autograd_backward(lambda s: _flex(*s[:3], block_mask=mask, **extra), t_sets,
-                                                    torch))]
-
-
-def plot_series(results: List[Result]) -> Dict[str, Dict[str, list]]:
-    """{panel title: {impl: [(seqlen, TFLOP/s), ...]}}, panels in a stable order.  A panel is one
-    dtype, head dim, mask, head grouping and direction, so only the seqlen varies along a line: a
-    GQA point and its multi-head twin (same seqlen) land on separate panels, never one zigzag."""
-    def panel(r: Result):
-        p = r.point
-        return p.dtype, p.head_dim, p.causal, p.group, p.heads, r.direction
-
-    series: Dict[str, Dict[str, list]] = {}
-    for key in sorted({panel(r) for r in results}):
-        dtype, hd, causal, group, heads, direction = key
-        title = (f"{direction} {dtype} hdim {hd}{' causal' if causal else ''}"
-                 f"{f' GQA {heads}/{heads // group}' if group > 1 else ''}")
-        lines = {impl: sorted((r.point.seqlen, r.tflops) for r in results
-                              if r.impl == impl and r.tflops and panel(r) == key)
-                 for impl in sorted({r.impl for r in results})}
-        series[title] = {impl: pts for impl, pts in lines.items() if pts}
-    return series
-
-
-def plot(results: List[Result], path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = plot_series(results)
-    cols = 4
-    rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
-    for ax, (title, lines) in zip(axes.flat, panels.items()):
-        for impl, pts in lines.items():
-            ax.plot([s for s, _ in pts], [t for _, t in pts], marker="o", label=impl)
-        ax.set_xscale("log", base=2)
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("seqlen")
-        ax.set_ylabel("TFLOP/s")
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+                                                    torch, grad_also))]

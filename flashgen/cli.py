@@ -406,6 +406,12 @@ def tune(dtypes, head_dims, seqlens, tokens, hidden, repeats, passes, out_path) 
               help="Time with a score mod instead (repeatable; its causal and full points replace the plain ones): "
                    "alibi, score - slope[h] * |q_idx - kv_idx|.  flashgen runs its compiled-in ALiBi instances, "
                    "flex the same expression as its score_mod; the other peers take none.")
+@click.option("--variant", "variants", multiple=True, type=click.Choice(["bias", "dropout"]),
+              help="Time with an attention bias or dropout instead (repeatable; its causal and full points replace "
+                   "the plain ones): bias, a [1, H, S, S] bias with its gradient; dropout, p = 0.1.  flashgen's "
+                   "columns gain flashgen-plain (the same call without it) and flashgen-example41 (it on CUTLASS "
+                   "example 41's kernels), and the table fg/plain and fg/ex41; SDPA gets the bias as attn_mask, "
+                   "flex as a score_mod.")
 @click.option("--all-instances", is_flag=True, help="Also time every flashgen kernel tile (and backward key-split "
               "policy) that can serve each point, as flashgen[<tile>] (multi-head points only), and the runtime's "
               "own choice as flashgen[default], back to back after the interleaved rounds: read them against each "
@@ -417,17 +423,20 @@ def tune(dtypes, head_dims, seqlens, tokens, hidden, repeats, passes, out_path) 
                    "back to back as a training loop issues them, so host work hides behind the GPU's.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
-def bench(dtypes, head_dims, seqlens, tokens, hidden, groups, masks, score_mods, impls, all_instances, repeats, timing,
-          json_path, plot_path) -> None:
+def bench(dtypes, head_dims, seqlens, tokens, hidden, groups, masks, score_mods, variants, impls, all_instances,
+          repeats, timing, json_path, plot_path) -> None:
     """Forward and backward TFLOP/s of flashgen (directly and through its PyTorch adapter), FlashAttention-4 and
     torch's SDPA backends, side by side."""
     from flashgen import bench as b, bench_host as host
-    from flashgen.bench_table import bench_notes, bench_table
+    from flashgen.bench_table import bench_notes, bench_table, plot
 
     if masks and score_mods:  # flashgen's score-mod instances take no block mask (runtime/score_mods.py)
         raise click.BadParameter("a score mod with a block mask is not benched: pass one of the two",
                                  param_hint="--score-mod")
-    grid = b.default_grid(dtypes, head_dims, hidden, tokens, seqlens, groups, masks, score_mods)
+    if variants and (masks or score_mods):  # one thing a point adds to the plain call, so its ratios say what it costs
+        raise click.BadParameter("a bias or dropout with a block mask or score mod is not benched: pass one of them",
+                                 param_hint="--variant")
+    grid = b.default_grid(dtypes, head_dims, hidden, tokens, seqlens, groups, masks, score_mods, variants)
     unused = sorted(set(groups) - {p.group for p in grid})  # checked before torch: a typo fails fast anywhere
     if unused:
         heads = ", ".join(f"{hidden // hd} (head dim {hd})" for hd in head_dims)
@@ -448,7 +457,7 @@ def bench(dtypes, head_dims, seqlens, tokens, hidden, groups, masks, score_mods,
                             + (f" (first call {r.compile_s:.1f} s)" if r.compile_s is not None else "")
                             for r in rows if r.tflops)
         click.echo(f"[{n}/{len(grid)}] {point.dtype} d{point.head_dim} {'causal ' if point.causal else ''}"
-                   f"{point.mask + ' ' if point.mask else ''}{point.score_mod + ' ' if point.score_mod else ''}"
+                   + "".join(f"{extra} " for extra in (point.mask, point.score_mod, point.variant) if extra) +
                    f"B{point.batch} H{point.heads_label} S{point.seqlen}: {summary}", err=True)
     click.echo(bench_table(grid, results, impls, all_instances))
     for line in bench_notes(results):
@@ -467,5 +476,5 @@ def bench(dtypes, head_dims, seqlens, tokens, hidden, groups, masks, score_mods,
                                          "command": " ".join(["flashgen"] + sys.argv[1:]),
                                          "results": [r.as_dict() for r in results]}, indent=1))
     if plot_path:
-        b.plot(results, plot_path)
+        plot(results, plot_path)
         click.echo(f"plot: {plot_path}", err=True)

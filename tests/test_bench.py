@@ -8,7 +8,7 @@ import types
 import pytest
 from click.testing import CliRunner
 
-from flashgen import bench, bench_host
+from flashgen import bench, bench_host, bench_table
 from flashgen.cli import main
 
 
@@ -387,9 +387,9 @@ def test_point_json_round_trip_with_and_without_group():
     result = bench.Result("flashgen", "fwd", GQA, 1.5, 300.0)
     written = json.loads(json.dumps(result.as_dict()))
     assert written["point"] == {"dtype": "f16", "head_dim": 8, "causal": False, "batch": 2, "heads": 8,
-                                "seqlen": 16, "group": 4, "mask": "", "score_mod": ""}
+                                "seqlen": 16, "group": 4, "mask": "", "score_mod": "", "variant": ""}
     assert bench.Point(**written["point"]) == GQA
-    old = {k: v for k, v in asdict(POINT).items() if k not in ("group", "mask", "score_mod")}  # from before --group
+    old = {k: v for k, v in asdict(POINT).items() if k not in ("group", "mask", "score_mod", "variant")}  # from before --group
     assert bench.Point(**json.loads(json.dumps(old))) == POINT and POINT.group == 1
     assert bench.Point(**old) != bench.Point(**dict(old, group=3))
 
@@ -519,7 +519,7 @@ def test_plot_keeps_a_gqa_point_apart_from_its_multi_head_twin():
     mha, gqa = bench.Point("f16", 64, False, 16, 32, 1024), bench.Point("f16", 64, False, 16, 32, 1024, 4)
     results = [bench.Result("flashgen", "fwd", mha, 1.0, 400.0), bench.Result("flashgen", "fwd", gqa, 1.0, 350.0),
                bench.Result("sdpa-efficient", "fwd", gqa, None, None, "at GQA 32/8 heads: no kernel")]
-    assert bench.plot_series(results) == {"fwd f16 hdim 64": {"flashgen": [(1024, 400.0)]},
+    assert bench_table.plot_series(results) == {"fwd f16 hdim 64": {"flashgen": [(1024, 400.0)]},
                                           "fwd f16 hdim 64 GQA 32/8": {"flashgen": [(1024, 350.0)]}}
 
 

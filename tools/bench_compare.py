@@ -19,11 +19,12 @@ import statistics
 
 def load(path: str, impl: str) -> dict:
     """{(point, direction): TFLOP/s} of ``impl`` in one bench JSON.  A point without a group (a
-    file from before GQA points) is multi-head, group 1, and one without a mask has none, so old and
-    new files still pair up."""
+    file from before GQA points) is multi-head, group 1, and one without a mask, score mod or variant
+    (bias, dropout) has none, so old and new files still pair up."""
     with open(path) as f:
         results = json.load(f)["results"]
-    return {(json.dumps({"group": 1, "mask": "", **r["point"]}, sort_keys=True), r["direction"]): r["tflops"]
+    absent = {"group": 1, "mask": "", "score_mod": "", "variant": ""}
+    return {(json.dumps({**absent, **r["point"]}, sort_keys=True), r["direction"]): r["tflops"]
             for r in results if r["impl"] == impl and r["tflops"]}
 
 

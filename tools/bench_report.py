@@ -35,7 +35,7 @@ def load(path):
     cells = defaultdict(dict)
     for r in data["results"]:
         p = r["point"]
-        if p.get("mask"):  # block-mask points (bench --mask) have tables of their own, not these
+        if p.get("mask") or p.get("score_mod") or p.get("variant"):  # --mask/--score-mod/--variant: not these tables
             continue
         cells[(r["direction"], p["dtype"], p["head_dim"], p["causal"], p["seqlen"], p["batch"], p["heads"],
                p.get("group", 1))][r["impl"]] = r

@@ -1,0 +1,119 @@
+"""Bench points with an attention bias or dropout: what they cost flashgen, and the peers that take them.
+
+A ``Point`` with ``variant`` set times the point's calls (causal or not, as it says) with:
+
+* ``bias``: an additive bias [1, H, S, S] in the inputs' dtype, one per query head (the shape of a
+  relative-position bias), random, and its gradient in every backward: flashgen's
+  ``bias_requires_grad=True``, a bias that requires grad for the torch peers.
+* ``dropout``: dropout on the probabilities with p = ``DROPOUT_P`` (flashgen: a fixed seed, the
+  same in both directions; the torch peers draw their own).
+
+Beside ``flashgen`` (the variant on the runtime's own choice of kernels) two twins run in the same
+rounds wherever flashgen is asked: ``flashgen-plain``, the same call without the bias or dropout,
+and ``flashgen-example41``, the variant on CUTLASS example 41's kernels (FLASHGEN_FAMILIES set to
+``EXAMPLE41`` while it runs): the two yardsticks of issue 17, fg/plain and fg/ex41 in the table.
+flashgen's backward returns dbias per batch, [B, H, S, S], as ``attention_backward`` promises (the
+sum over a broadcast batch is the caller's); ``flashgen-torch`` hands autograd the bias's shape, so
+its backward includes that sum, as SDPA's and flex's include theirs.
+The peers: SDPA's backends with ``attn_mask`` (a causal point folds the causal mask into it as
+-inf, SDPA taking no causal flag beside a mask) or ``dropout_p``; flex_attention with the bias as a
+``score_mod`` reading it (its gradient too); FlashAttention-4 takes neither, flex no dropout, SDPA's
+flash backend no bias: their cells say so.  Bias and dropout cost no FLOPs in FlashAttention's
+count, so TFLOP/s compare with the plain points' too.
+"""
+from __future__ import annotations
+
+from typing import List
+
+from flashgen.bench import (TORCH_BACKENDS, Point, Timed, autograd_backward, flashgen_entries, flashgen_torch_entries,
+                            flex_entries, sdpa_backend)
+
+VARIANTS = ("bias", "dropout")
+DROPOUT_P = 0.1
+SEED = 20261128  # flashgen's dropout seed; the offset stays 0
+EXAMPLE41 = "mem_eff_fwd,mem_eff_bwd"
+
+
+def _check(variant: str) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown bench variant {variant!r}; the bench knows {', '.join(VARIANTS)}")
+
+
+def flashgen_options(p: Point, bias=None) -> dict:
+    """What flashgen's forward and backward both take at the point: the causal mask, and the bias
+    (``bias``, on the GPU) or the dropout and its seed."""
+    _check(p.variant)
+    options = {"causal": "top_left"} if p.causal else {}
+    if p.variant == "bias":
+        return dict(options, attn_bias=bias)
+    return dict(options, dropout_p=DROPOUT_P, seed=SEED)
+
+
+def sdpa_mask(p: Point, bias, torch):
+    """The bias as SDPA's ``attn_mask`` at the point: itself, or at a causal point a copy with -inf
+    above the diagonal, a leaf that requires grad (built outside the timings, as a user builds it
+    once per step); None at a dropout point."""
+    if p.variant != "bias":
+        return None
+    if not p.causal:
+        return bias
+    above = torch.ones((p.seqlen, p.seqlen), dtype=torch.bool, device=bias.device).triu(1)
+    return bias.detach().masked_fill(above, float("-inf")).requires_grad_()
+
+
+def entries(p: Point, impls: List[str], sets, t_sets, torch) -> List[Timed]:
+    """Each asked implementation's forward and backward with the point's bias or dropout, and
+    flashgen's two twins (``bench_point``)."""
+    _check(p.variant)
+    q = sets[0][0]
+    bias = (torch.randn((1, p.heads, p.seqlen, p.seqlen), device=q.device, dtype=q.dtype).requires_grad_()
+            if p.variant == "bias" else None)
+    grads = (bias,) if bias is not None else ()
+    out: List[Timed] = []
+    if "flashgen" in impls:
+        import cupy
+
+        options = flashgen_options(p, None if bias is None else cupy.from_dlpack(bias.detach()))
+        backward = {"bias_requires_grad": True} if bias is not None else {}
+        out += flashgen_entries(sets, torch, backward_options=backward, **options)
+        out += flashgen_entries(sets, torch, impl="flashgen-plain", **({"causal": "top_left"} if p.causal else {}))
+        out += flashgen_entries(sets, torch, impl="flashgen-example41", families=EXAMPLE41, backward_options=backward,
+                                **options)
+    if "flashgen-torch" in impls:
+        options = flashgen_options(p, bias)
+        if p.variant == "dropout":
+            del options["seed"]  # the adapter draws one from torch's generator, as a training step lets it
+        out += flashgen_torch_entries(sets, torch, grad_also=grads, **options)
+    out += _sdpa_entries(p, impls, t_sets, torch, sdpa_mask(p, bias, torch) if bias is not None else None)
+    for impl in impls:
+        if impl == "fa4" or (impl == "flex" and p.variant == "dropout"):
+            out += [Timed(impl, direction, None, error=f"takes no {p.variant}") for direction in ("fwd", "bwd")]
+    if "flex" in impls and bias is not None:
+        out += flex_entries(p, t_sets, torch, score_mod=lambda score, b, h, q_idx, kv_idx: score + bias[0, h, q_idx,
+                                                                                                       kv_idx],
+                            grad_also=grads)
+    return out
+
+
+def _sdpa_entries(p: Point, impls: List[str], t_sets, torch, mask) -> List[Timed]:
+    """SDPA's asked backends with the bias as ``mask`` or with dropout, as bench's plain points
+    time them (a backward into the mask too)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    kwargs = {"enable_gqa": True} if p.group > 1 else {}
+    if mask is None:
+        kwargs.update(dropout_p=DROPOUT_P, is_causal=p.causal)
+    else:
+        kwargs.update(attn_mask=mask)
+    out: List[Timed] = []
+    for backend in TORCH_BACKENDS:
+        impl = f"sdpa-{backend}"
+        if impl not in impls:
+            continue
+        if backend == "flash" and mask is not None:
+            out += [Timed(impl, direction, None, error="takes no bias") for direction in ("fwd", "bwd")]
+            continue
+        context = sdpa_backend(torch, backend)
+        out.append(Timed(impl, "fwd", lambda i: sdpa(*t_sets[i % 3][:3], **kwargs), context))
+        out.append(Timed(impl, "bwd", autograd_backward(lambda s: sdpa(*s[:3], **kwargs), t_sets, torch,
+                                                        (mask,) if mask is not None else ()), context))
+    return out
