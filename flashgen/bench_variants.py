@@ -12,9 +12,8 @@ Beside ``flashgen`` (the variant on the runtime's own choice of kernels) two twi
 rounds wherever flashgen is asked: ``flashgen-plain``, the same call without the bias or dropout,
 and ``flashgen-example41``, the variant on CUTLASS example 41's kernels (FLASHGEN_FAMILIES set to
 ``EXAMPLE41`` while it runs): the two yardsticks of issue 17, fg/plain and fg/ex41 in the table.
-flashgen's backward returns dbias per batch, [B, H, S, S], as ``attention_backward`` promises (the
-sum over a broadcast batch is the caller's); ``flashgen-torch`` hands autograd the bias's shape, so
-its backward includes that sum, as SDPA's and flex's include theirs.
+Every backward returns the bias's gradient in the bias's shape, summed over the batch (flashgen's
+``attention_backward`` sums over the dims a bias broadcasts in, as autograd does for the peers).
 The peers: SDPA's backends with ``attn_mask`` (a causal point folds the causal mask into it as
 -inf, SDPA taking no causal flag beside a mask) or ``dropout_p``; flex_attention with the bias as a
 ``score_mod`` reading it (its gradient too); FlashAttention-4 takes neither, flex no dropout, SDPA's

@@ -149,7 +149,15 @@ def reference(q, k, v, *, bias=None, causal=None, scale=None, keep=None, p=0.0, 
         ds, slope, scale, q, k = prob * (abs(dp) + abs(delta)), abs(slope), abs(scale), abs(q), abs(k)
     dq = cupy.einsum("bhmn,bnhk->bmhk", ds * slope, k) * scale
     dk = cupy.einsum("bhmn,bmhk->bnhk", ds * slope, q) * scale
-    return out, lse, (dq, dk, dv, ds)
+    return out, lse, (dq, dk, dv, ds if bias is None else fold_like_bias(ds, bias))
+
+
+def fold_like_bias(dbias, bias):
+    """dbias [B, H, M, N] summed over the batch and the heads where ``bias`` has extent 1 there (or no
+    such dim), as attention_backward returns it; a broadcast query dim stays whole."""
+    shape = (1,) * (4 - bias.ndim) + tuple(bias.shape)
+    axes = tuple(axis for axis in (0, 1) if shape[axis] == 1 and dbias.shape[axis] > 1)
+    return dbias.sum(axis=axes, keepdims=True) if axes else dbias
 
 
 def grouped_reference(q, k, v, grad_out, **options):

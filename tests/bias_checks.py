@@ -46,8 +46,10 @@ def check_bias(arch, rng, dtype, B, M, N, H, K, broadcast="", Hk=None, bias=None
     fwd = {"out": rel_err(out, ref_out), "lse": lse_err(lse, ref_lse)}
     assert all(e < FWD_TOL[dtype] for e in fwd.values()), fwd
     assert len(grads) == 3 + dbias
-    if dbias:
-        assert grads[3].shape == (B, H, M, N) and grads[3].dtype == q.dtype
+    if dbias:  # summed over the batch and the heads where the bias has extent 1 (attention_backward)
+        extents = (1,) * (4 - bias.ndim) + tuple(bias.shape)
+        folded = tuple(1 if extent == 1 else n for extent, n in zip(extents, (B, H))) + (M, N)
+        assert grads[3].shape == folded and grads[3].dtype == q.dtype
     bwd = {name: rel_err(g, r) for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, ref_grads)}
     assert all(e < BWD_TOL[dtype] for e in bwd.values()), bwd
     return (q, k, v, do, bias, out, lse), grads

@@ -112,7 +112,7 @@ def test_with_attn_bias_the_two_add_up_and_dbias_is_the_bias_gradient(dtype):
     assert rel_err(out, ro) < FWD_TOL[dtype] and lse_err(lse, rl) < FWD_TOL[dtype]
     for g, ref in ((dq, rdq), (dk, rdk), (dv, rdv), (db, rdb)):
         assert rel_err(g, ref) < BWD_TOL[dtype]
-    assert db.shape == (B, H, M, N)
+    assert db.shape == (1, H, M, N)  # the bias's batch extent: summed over the batch
     hidden = cupy.ascontiguousarray(cupy.broadcast_to(cupy.isneginf(total), db.shape))  # a boolean index, not a view
     assert bool((db[hidden] == 0).all()), "no gradient where masked"
 

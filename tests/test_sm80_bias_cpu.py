@@ -178,7 +178,7 @@ def test_the_bias_reaches_the_kernels_by_pointer_and_element_strides(broadcast):
     fields = sm80_bwd.RUNTIME.own_fields(fake_call("bwd", bias=bias))[1]
     assert fields["bias_ptr"] == 0x7F2A00004000 and fields["bias_stride_m"] == strides[2]
     assert not any("bias" in name for part in sm80_bwd.RUNTIME.own_fields(fake_call("bwd")) for name in part)
-    assert sm80_bwd.RUNTIME.own_outputs(fake_call("bwd", bias=bias, bias_requires_grad=False), {}) == ((), {})
+    assert sm80_bwd.RUNTIME.own_outputs(fake_call("bwd", bias=bias, bias_requires_grad=False), {}) == ((), {}, ())
 
 
 def test_a_bias_plan_takes_the_bias_where_replay_passes_it():

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from flashgen.runtime import tensormap
+from flashgen.runtime import tensormap, validate
+from flashgen.runtime.arrays import elem_strides
 from flashgen.runtime.families import sm90_bwd, sm90_common, sm90_fwd
 from flashgen.runtime.select import Request, rejection
 from flashgen.spec.sm90_bwd import Sm90Bwd
@@ -147,3 +148,59 @@ def test_band_dbias_is_cleared_only_where_the_kernels_leave_holes(monkeypatch, c
     assert dbias.shape[-1] == call.k.shape[1]
     call.options["bias_requires_grad"] = False
     assert sm90_bwd.RUNTIME.dbias(call, {"zeroes_hidden_dbias": 1}) is None
+
+
+FOLDS = [((2, 3, 5, 7), (1, 1)), ((1, 3, 5, 7), (2, 1)), ((3, 5, 7), (2, 1)), ((2, 1, 1, 7), (1, 3)), ((5, 7), (2, 3)),
+         ((1, 1, 5, 7), (2, 3)), ((2, 3, 1, 7), (1, 1))]
+
+
+@pytest.mark.parametrize("bias_shape,folds", FOLDS)
+def test_dbias_folds_follow_the_extents_of_the_callers_bias(bias_shape, folds):
+    """dbias is summed over the batch (heads) where the bias has extent 1 there or lacks the dim; a
+    broadcast query dim is not summed."""
+    assert validate.dbias_folds(FakeArray(bias_shape), 2, 3) == folds
+
+
+class DeviceLike(np.ndarray):
+    """numpy arrays with CuPy's ``.data.ptr`` (their address), for the launch fields."""
+
+    @property
+    def data(self):
+        return SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+
+@pytest.mark.parametrize("bias_shape,folds", FOLDS)
+def test_sm90_sums_dbias_where_the_bias_broadcasts_and_sm80_leaves_it_to_the_api(monkeypatch, bias_shape, folds):
+    """sm90_bwd returns the sum (its _dbias_sum kernel reads the kernels' per-(batch, head) dbias, kept
+    to the launch); sm80_bwd, without such a kernel, returns dbias per (batch, head)."""
+    def allocate(shape, dtype):
+        return np.empty(shape, dtype=dtype).view(DeviceLike)
+
+    monkeypatch.setattr(sm90_bwd, "cupy_module", lambda: SimpleNamespace(empty=allocate, zeros=allocate))
+    call = fake_call("bwd", bias=FakeArray((2, 3, 5, 7)), attn_bias=FakeArray(bias_shape), bias_requires_grad=True)
+    (dbias,), fields, kept = sm90_bwd.RUNTIME.own_outputs(call, {})
+    batches, heads = folds
+    assert dbias.shape == (2 // batches, 3 // heads, 5, 7) and elem_strides(dbias)[2] == 8  # the kernels' pitch
+    if folds == (1, 1):
+        assert kept == () and "dbias_sum_ptr" not in fields and fields["dbias_ptr"] == dbias.data.ptr
+    else:
+        (full,) = kept
+        assert full.shape == (2, 3, 5, 7) and fields["dbias_ptr"] == full.data.ptr
+        assert (fields["dbias_sum_ptr"], fields["dbias_sum_batch"], fields["dbias_sum_heads"]) == (
+            dbias.data.ptr, batches, heads)
+    from flashgen.runtime.families import sm80_bwd
+
+    (per_plane,), fields, kept = sm80_bwd.RUNTIME.own_outputs(call, {})
+    assert per_plane.shape == (2, 3, 5, 7) and kept == () and "dbias_sum_ptr" not in fields
+
+
+def test_the_api_folds_what_the_kernels_left_per_plane_in_float32():
+    rng = np.random.default_rng(0)
+    full = (rng.standard_normal((2, 3, 5, 7)) * 100).astype(np.float16)
+    batch = validate.fold_dbias(np, full, FakeArray((1, 3, 5, 7)), 2, 3)
+    assert batch.shape == (1, 3, 5, 7) and batch.dtype == np.float16
+    assert np.array_equal(batch, full.astype(np.float32).sum(0, keepdims=True).astype(np.float16))
+    both = validate.fold_dbias(np, full, FakeArray((5, 7)), 2, 3)
+    assert np.array_equal(both, full.astype(np.float32).sum((0, 1), keepdims=True).astype(np.float16))
+    assert validate.fold_dbias(np, batch, FakeArray((1, 3, 5, 7)), 2, 3) is batch  # summed by sm90's kernel
+    assert validate.fold_dbias(np, full, FakeArray((2, 3, 1, 7)), 2, 3) is full  # no broadcast batch or heads

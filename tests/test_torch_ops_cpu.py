@@ -46,13 +46,19 @@ def test_forward_fake_for_packed_sequences_sizes_lse_by_max_seqlen_q():
     assert (lse.shape, lse.stride()) == ((5, 4, 100), (4 * 128, 128, 1))
 
 
-@pytest.mark.parametrize("bias_grad", [False, True])
-def test_backward_fake_returns_contiguous_gradients_shaped_like_the_inputs(bias_grad):
+@pytest.mark.parametrize("bias_grad,bias_shape,dbias_shape", [
+    (False, (1, 8, 33, 65), (0,)),
+    (True, (1, 8, 33, 65), (1, 8, 33, 65)),    # summed over the batch, as the runtime returns it
+    (True, (2, 8, 33, 65), (2, 8, 33, 65)),
+    (True, (2, 1, 1, 65), (2, 1, 33, 65)),     # over the heads; a broadcast query dim stays whole
+    (True, (33, 65), (1, 1, 33, 65)),
+])
+def test_backward_fake_returns_contiguous_gradients_shaped_like_the_inputs(bias_grad, bias_shape, dbias_shape):
     with FakeTensorMode():
         q = torch.empty(2, 33, 8, 64, device="cuda", dtype=torch.float16)
         k = torch.empty(2, 65, 2, 64, device="cuda", dtype=torch.float16)
         v = torch.empty(2, 65, 2, 32, device="cuda", dtype=torch.float16)
-        bias = torch.empty(1, 8, 33, 65, device="cuda", dtype=torch.float16)
+        bias = torch.empty(bias_shape, device="cuda", dtype=torch.float16)
         out, lse = forward_fake(q, k, v, bias=bias)
         options = dict(OPTIONS)
         del options["deterministic"]
@@ -60,7 +66,7 @@ def test_backward_fake_returns_contiguous_gradients_shaped_like_the_inputs(bias_
                                                       *options.values(), False, *NO_MOD)
     assert [tuple(g.shape) for g in grads[:3]] == [(2, 33, 8, 64), (2, 65, 2, 64), (2, 65, 2, 32)]
     assert all(g.is_contiguous() for g in grads)
-    assert tuple(grads[3].shape) == ((2, 8, 33, 65) if bias_grad else (0,))
+    assert tuple(grads[3].shape) == dbias_shape
 
 
 def cpu_qkv(shape=(1, 8, 2, 64)):

@@ -29,7 +29,7 @@ from flashgen.runtime.launch import on_device
 from flashgen.runtime.limits import lse_rows
 from flashgen.runtime.memory import memory_for
 from flashgen.runtime.registry import Registry, default_registry
-from flashgen.runtime.validate import Call, backward_call, check_rng, forward_call, rows_without_keys
+from flashgen.runtime.validate import Call, backward_call, check_rng, fold_dbias, forward_call, rows_without_keys
 
 
 def attention_forward(q, k, v, *, attn_bias=None, block_mask=None, causal=None, scale=None, dropout_p=0.0, seed=None,
@@ -125,7 +125,9 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
                        window=None, softcap=0.0, deterministic=False, score_mod=None, mod_tensors=None, stream=None,
                        registry: Optional[Registry] = None):
     """Gradients of ``attention_forward``: returns ``(dq, dk, dv)``, plus ``dbias`` when
-    ``bias_requires_grad`` (full [B, H, M, N]; sum over broadcast dims yourself).
+    ``bias_requires_grad``: [B, H, M, N], summed over the batch and the heads where ``attn_bias``
+    has extent 1 there (or no such dim), so [1, H, M, N] for a [1, H, M, N] or [H, M, N] bias; a
+    broadcast query dim stays whole (sum it yourself).
 
     ``out`` and ``lse`` are what the forward returned for the same inputs and
     options (same ``seed``/``offset`` when dropout is on, same ``window`` and ``softcap``).  From the second
@@ -166,7 +168,10 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
                    score_mod=score_mod, mod_tensors=mod_tensors, stream=stream, registry=registry)
     call = backward_call(grad_out, q, k, v, out, lse, options, attention_backward, key)
     with _full_path(cupy, memory, call):
-        grads = _adopt(memory, _serve(cupy, call, _backward, block_fallback.backward))
+        grads = _serve(cupy, call, _backward, block_fallback.backward)
+        if bias_requires_grad:
+            grads = grads[:3] + (fold_dbias(cupy, grads[3], attn_bias, call.p.B, call.p.H),)
+        grads = _adopt(memory, grads)
     plans.note_served(None if key is None else plans.lookup(key))  # the plan this call left, if any
     return grads
 

@@ -256,6 +256,25 @@ def checked_bias(cupy, attn_bias, c: Problem, q, rows: int, cols: int):
     return b, copied
 
 
+def dbias_folds(attn_bias, B: int, H: int) -> Tuple[int, int]:
+    """(batches, heads) whose planes add up into one plane of the dbias ``attention_backward`` returns:
+    B where the caller's bias has extent 1 in the batch dim (or no such dim), H likewise for heads,
+    else 1.  dbias is then [B / batches, H / heads, M, N], as autograd wants the gradient of such a
+    bias, and B (or H) times smaller than the kernels' per-(batch, head) planes."""
+    shape = tuple(attn_bias.shape)
+    return (B if len(shape) < 4 or shape[-4] == 1 else 1), (H if len(shape) < 3 or shape[-3] == 1 else 1)
+
+
+def fold_dbias(cupy, dbias, attn_bias, B: int, H: int):
+    """dbias summed over ``dbias_folds`` (in float32, rounded once) where the kernels that served the
+    call left it per (batch, head); as it is where they summed it (sm90_bwd's ``_dbias_sum``)."""
+    batches, heads = dbias_folds(attn_bias, B, H)
+    if dbias.shape[:2] == (B // batches, H // heads):
+        return dbias
+    axes = tuple(axis for axis, n in ((0, batches), (1, heads)) if n > 1)
+    return dbias.sum(axis=axes, keepdims=True, dtype=cupy.float32).astype(dbias.dtype)
+
+
 def check_block_mask(block_mask, c: Problem, q, k) -> Optional[BlockMask]:
     """The call's block mask, checked against its shapes and device (None: none given).  Any block
     size serves: the sparse kernels take the sizes they read, the dense fallback (``block_fallback``)

@@ -29,7 +29,8 @@ and, where ``dbias_ptr`` is not null, writes dS (the gradient of the biased scor
 dtype) into dbias [B, H, M, N] (rows of ``dbias_row_stride`` elements, packed otherwise) at every
 (query, key) its CTAs visit; the rest is the caller's, except where the constant
 ``zeroes_hidden_dbias`` is 1 (band bias instances): their main kernel writes the zeros outside the
-band too, for fixed-length batches.
+band too, for fixed-length batches.  A bias instance's ``_dbias_sum`` kernel then adds dbias's planes
+over the batch or heads where the caller's bias has extent 1 (``dbias_sum_*``), in float, rounded once.
 
 A ``sparse`` instance serves a ``flashgen.block_mask`` of 128 x 128 blocks, the forward's: the CTA of a
 key block visits only the query blocks the mask's transposed lists (``q_*``) give for it, per query
@@ -148,6 +149,9 @@ class Sm90Bwd(Sm90Tile):
         *BACKWARD_POINTER_FIELDS,
         *BACKWARD_BATCH_STRIDE_FIELDS,
         *BACKWARD_SHAPE_FIELDS,
+        Field("dbias_sum_ptr", "ptr"),
+        Field("dbias_sum_batch", "i32"),
+        Field("dbias_sum_heads", "i32"),
         Field("bias_batch_step", "i32"),
         Field("bias_head_step", "i32"),
         Field("bias_row_step", "i32"),

@@ -33,7 +33,7 @@ from flashgen.runtime.limits import lse_rows
 from flashgen.runtime.memory import memory_for
 from flashgen.runtime.registry import default_registry
 from flashgen.runtime.score_mods import check_no_grad
-from flashgen.runtime.validate import MASKS, check_rng
+from flashgen.runtime.validate import MASKS, check_rng, dbias_folds
 
 CAUSAL = MASKS  # the runtime's codes for its causal option
 _CAUSAL_NAMES = {code: name for name, code in CAUSAL.items()}
@@ -195,8 +195,11 @@ def _attention_forward_fake(q, k, v, attn_bias, cu_seqlens_q, cu_seqlens_k, max_
 def _attention_backward_fake(grad_out, q, k, v, out, lse, attn_bias, bias_requires_grad, cu_seqlens_q, cu_seqlens_k,
                              causal, scale, dropout_p, seed, offset, window_left, window_right, softcap,
                              deterministic, score_mod, mod_names, mod_tensors):
-    dbias = (q.new_empty((q.shape[0], q.shape[2], q.shape[1], k.shape[1])) if bias_requires_grad
-             else q.new_empty((0,)))
+    if bias_requires_grad:  # summed over the batch and heads where the bias has extent 1, as the runtime does
+        batches, heads = dbias_folds(attn_bias, q.shape[0], q.shape[2])
+        dbias = q.new_empty((q.shape[0] // batches, q.shape[2] // heads, q.shape[1], k.shape[1]))
+    else:
+        dbias = q.new_empty((0,))
     return [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias]
 
 

@@ -38,6 +38,12 @@ sm90_bwd_bf16_k128_q64x128_s2_softcap_bias_sm90a_convert(const __grid_constant__
   FLASHGEN_RUN(Kernel::convert(p));
 }
 
+// dbias summed over the dims the caller's bias broadcasts in (batch, heads)
+extern "C" __global__ void __launch_bounds__(Kernel::kAuxThreads)
+sm90_bwd_bf16_k128_q64x128_s2_softcap_bias_sm90a_dbias_sum(const __grid_constant__ Params p) {
+  FLASHGEN_RUN(Kernel::dbias_sum(p));
+}
+
 // Compile-time constants the runtime needs; `flashgen build` reads them back
 // from the cubin into the manifest, in this order.
 extern "C" __constant__ long long sm90_bwd_bf16_k128_q64x128_s2_softcap_bias_sm90a_meta[] = {

@@ -54,8 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shar
 
 import cupy  # noqa: E402
 from attention_reference import (  # noqa: E402
-    BIAS_BROADCASTS, BWD_TOL, FWD_TOL, lse_err, make_bias, poisoned_allocations, randn, recover_keep_mask, reference,
-    rel_err, rel_err_to_summands,
+    BIAS_BROADCASTS, BWD_TOL, FWD_TOL, fold_like_bias, lse_err, make_bias, poisoned_allocations, randn,
+    recover_keep_mask, reference, rel_err, rel_err_to_summands,
 )
 
 import flashgen  # noqa: E402
@@ -243,8 +243,14 @@ def run_case(seed: int, case: int) -> dict:
             return {"params": p, "errors": errors}
         grads = flashgen.attention_backward(do, q, k, v, out, lse, bias_requires_grad=opts["attn_bias"] is not None,
                                             deterministic=p["deterministic"], **opts)
+    def user_bias_grads(grads):
+        """The reference's gradients with dbias that of the caller's bias (the reference took the mask
+        with it, which may not broadcast where the bias does): summed where the bias broadcasts."""
+        return grads if opts["attn_bias"] is None else grads[:3] + (fold_like_bias(grads[3], opts["attn_bias"]),)
+
     ro, rl, rgrads = reference(q, k, v, bias=bias, causal=p["causal"], scale=p["scale"], keep=keep,
                                p=p["dropout"], grad_out=do, window=p["window"], softcap=p["softcap"])
+    rgrads = user_bias_grads(rgrads)
     checks = [("out", rel_err, out, ro, tol_f), ("lse", lse_err, lse, rl, tol_f)]
     checks += [(n, rel_err, g, ref, tol_b) for n, g, ref in zip(("dq", "dk", "dv", "dbias"), grads, rgrads)
                if n != "dbias" or opts["attn_bias"] is not None]
@@ -258,6 +264,7 @@ def run_case(seed: int, case: int) -> dict:
     if any(not errors[n][0] < tol_b for n in sensitive):
         _, _, given = reference(q, k, v, bias=bias, causal=p["causal"], scale=p["scale"], keep=keep, p=p["dropout"],
                                 grad_out=do, window=p["window"], softcap=p["softcap"], out_for_delta=out)
+        given = user_bias_grads(given)
         for name, g, ref in zip(("dq", "dk", "dv", "dbias"), grads, given):
             if name in sensitive:
                 extra = {"zero_scale": p["Kv"] ** 0.5} if name != "dbias" else {}
@@ -266,6 +273,7 @@ def run_case(seed: int, case: int) -> dict:
             _, _, sizes = reference(q, k, v, bias=bias, causal=p["causal"], scale=p["scale"], keep=keep,
                                     p=p["dropout"], grad_out=do, window=p["window"], softcap=p["softcap"],
                                     out_for_delta=out, summand_sizes=True)
+            sizes = user_bias_grads(sizes)
             for name, g, ref, size in zip(("dq", "dk", "dv", "dbias"), grads, given, sizes):
                 if name in sensitive:
                     errors[name] = (min(errors[name][0], rel_err_to_summands(g, ref, size)), tol_b)

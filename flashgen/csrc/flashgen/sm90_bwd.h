@@ -127,6 +127,13 @@ struct BwdParams {
   // in FwdParams (steps 0 where it broadcasts)
   void* dbias_ptr;
   long long dbias_row_stride;
+  // kBias, where the caller's bias has extent 1 in the batch or head dim: dbias_sum(), after the main
+  // kernel, adds dbias's planes over dbias_sum_batch batches and dbias_sum_heads heads (each the whole
+  // dim or 1) into dbias_sum_ptr [batch / dbias_sum_batch, heads / dbias_sum_heads, num_queries, keys]
+  // (rows of dbias_row_stride elements)
+  void* dbias_sum_ptr;
+  int dbias_sum_batch;
+  int dbias_sum_heads;
   int bias_batch_step;
   int bias_head_step;
   int bias_row_step;
@@ -1371,6 +1378,42 @@ struct BwdKernel {
       zero_rows(head_kv * p.head_group + g, 0, above);
       zero_rows(head_kv * p.head_group + g, below, seq.num_queries);
     }
+  }
+
+  // grid (ceil(num_queries * dbias_row_stride / 8 / kAuxThreads), output planes), kAuxThreads
+  // threads: 8 elements of an output plane a thread, added in float over the dbias planes that fold
+  // into it (see dbias_sum_ptr) and rounded once.  Rows of 8-element chunks: a chunk holds at least
+  // one key, so the main kernel wrote all of it.
+  static __device__ void dbias_sum(BwdParams const& p) {
+    long long const plane = static_cast<long long>(p.num_queries) * p.dbias_row_stride;
+    long long const at = 8 * (static_cast<long long>(blockIdx.x) * kAuxThreads + threadIdx.x);
+    if (at >= plane) {
+      return;
+    }
+    int const out_heads = p.num_heads / p.dbias_sum_heads;
+    int const batch = blockIdx.y / out_heads, head = blockIdx.y % out_heads;  // the output plane's
+    Element const* const in = static_cast<Element const*>(p.dbias_ptr) + at;
+    float sum[8] = {};
+#pragma unroll 1
+    for (int b = 0; b < p.dbias_sum_batch; ++b) {
+#pragma unroll 1
+      for (int h = 0; h < p.dbias_sum_heads; ++h) {
+        long long const from = (static_cast<long long>(batch + b) * p.num_heads + head + h) * plane;
+        uint4 const chunk = *reinterpret_cast<uint4 const*>(in + from);
+        Element const* const e = reinterpret_cast<Element const*>(&chunk);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          sum[i] += static_cast<float>(e[i]);
+        }
+      }
+    }
+    uint4 chunk;
+    Element* const e = reinterpret_cast<Element*>(&chunk);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      e[i] = Element(sum[i]);
+    }
+    *reinterpret_cast<uint4*>(static_cast<Element*>(p.dbias_sum_ptr) + blockIdx.y * plane + at) = chunk;
   }
 
   // grid as prep.  A part at a time: its quads are read in order (coalesced) and put in
