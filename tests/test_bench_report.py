@@ -84,7 +84,8 @@ def test_every_section_the_report_writes_is_known_as_generated(capsys):
     bench_report.main(*(str(docs / name) for name in (
         "bench_h200.json", "bench_h200_repeat.json", "tuning_h200_runs.json", "bench_h200_gqa.json",
         "bench_h200_torch_queued.json", "bench_h200_torch_queued_repeat.json", "bench_h200_torch_call.json")),
-        queued_path=str(docs / "fwd_d64_h100_s27_queued_tuned.json"))
+        queued_path=str(docs / "fwd_d64_h100_s27_queued_tuned.json"),
+        variant_paths=[str(docs / "bench_h200_s33_bias.json")])
     out = capsys.readouterr().out
     headings = [h for h, _ in bench_report.sections(out) if h is not None]
     assert len(headings) >= 10 and all(bench_report.is_generated(h) for h in headings), headings
@@ -109,8 +110,30 @@ def test_the_queued_section_reads_each_peer_against_flashgen(tmp_path, capsys):
     assert "fa4" not in out.split("\n\n", 2)[2]  # no fa4 column where the run had none
 
 
+def test_the_variants_section_reads_flashgen_against_its_twins_and_counts_the_bars(tmp_path, capsys):
+    """Per variant, head dim and direction (forward first): flashgen / plain and / example 41 over the
+    points, how many reach issue 17's bars, and flashgen.torch / flashgen; plain points are not in it."""
+    def point(variant, seqlen):
+        return {"dtype": "bf16", "head_dim": 64, "causal": False, "batch": 1, "heads": 32, "seqlen": seqlen,
+                "group": 1, "mask": "", "score_mod": "", "variant": variant}
+
+    ms = {"flashgen": 1.0, "flashgen-plain": 0.9, "flashgen-example41": 2.0, "flashgen-torch": 1.25}
+    results = [{"impl": impl, "direction": d, "point": point("bias", s), "ms": t * s / 1024, "tflops": 1.0}
+               for s in (1024, 4096) for d in ("bwd", "fwd") for impl, t in ms.items()]
+    results[0]["ms"] = 0.8  # flashgen bwd at 1024: plain 0.9 / 0.8, example 41 2.0 / 0.8, the adapter 0.8 / 1.25
+    results.append({"impl": "flashgen", "direction": "fwd", "point": point("", 1024), "ms": 9.0, "tflops": 1.0})
+    path = tmp_path / "variants.json"
+    path.write_text(json.dumps({"results": results}))
+    bench_report.variants_section([str(path)])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| bias")]
+    assert rows == ["| bias | 64 | fwd | 0.90 to 0.90 | 2 of 2 | 2.00 to 2.00 | 0 of 2 | 0.80 to 0.80 |",
+                    "| bias | 64 | bwd | 0.90 to 1.12 | 2 of 2 | 2.00 to 2.50 | 1 of 2 | 0.64 to 0.80 |"]
+
+
 def test_options_come_out_of_the_argument_list():
-    args = bench_report.parse_args(["--queued", "q.json", "run.json", "--update", "B.md", "repeat.json", "table.json"])
+    args = bench_report.parse_args(["--queued", "q.json", "run.json", "--update", "B.md", "repeat.json", "table.json",
+                                    "--variants", "v1.json", "--variants", "v2.json"])
+    assert args.variants == ["v1.json", "v2.json"]
     assert args.update == "B.md"
     assert args.queued == "q.json"
     assert args.runs == ["run.json", "repeat.json", "table.json"]

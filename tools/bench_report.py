@@ -4,8 +4,9 @@
     flashgen bench --group 4 --group 8 --seqlen 2048 --seqlen 8192 \\
         --impl flashgen --impl flashgen-torch --impl fa4 --impl sdpa-cudnn --json docs/bench_h200_gqa.json
     flashgen bench --timing queued --json docs/bench_h200_queued.json  # the short points' GPU time
+    flashgen bench --variant bias --variant dropout --json docs/bench_h200_variants.json  # issue 17's bars
     python tools/bench_report.py --update BENCHMARKS.md [--queued docs/bench_h200_queued.json] \\
-        docs/bench_h200.json docs/bench_h200_repeat.json <table> docs/bench_h200_gqa.json [flashgen-torch runs ...]
+        [--variants docs/bench_h200_variants.json] docs/bench_h200.json docs/bench_h200_repeat.json <table> docs/bench_h200_gqa.json [flashgen-torch runs ...]
 
 The second JSON (an independent run of the same code) gives the run-to-run
 noise; the tuning table (the one the runs used) gives what tuning changed.
@@ -206,8 +207,46 @@ def queued_section(path: str, run) -> None:
     point_table(cells, "B x S", ["flashgen"] + peers, {peer: peer for peer in peers}, noise=True)
 
 
+# Issue 17's bars: a bias or dropout call within 15% of the plain one, 2.5x example 41's
+BAR_PLAIN, BAR_EXAMPLE41 = 0.85, 2.5
+
+
+def at_bar(values, bar: float) -> str:
+    """'n of m': how many of the ratios that exist reach ``bar``."""
+    got = [v for v in values if v is not None]
+    return f"{sum(v >= bar for v in got)} of {len(got)}" if got else "-"
+
+
+def variants_section(paths) -> None:
+    """Bias and dropout points (``flashgen bench --variant``), per variant, head dim and direction:
+    flashgen against the same call without them and against example 41, with how many points clear
+    issue 17's bars, and what flashgen.torch keeps of the CuPy call."""
+    points = defaultdict(dict)
+    for path in paths:
+        for r in json.load(open(path))["results"]:
+            p = r["point"]
+            if p.get("variant"):
+                key = (p["variant"], p["head_dim"], r["direction"], path, p["dtype"], p["causal"], p["seqlen"],
+                       p.get("group", 1))
+                points[key][r["impl"]] = r
+    print(f"\n## Bias and dropout ({', '.join(paths)})\n")
+    print("`flashgen bench --variant bias|dropout`: flashgen with the variant against the same call without it "
+          "(flashgen-plain) and on example 41's kernels (flashgen-example41), in the same rounds; ranges over "
+          f"dtypes, masks and lengths, and the points at or above issue 17's bars ({BAR_PLAIN}, {BAR_EXAMPLE41}).\n")
+    print("| variant | head dim | dir | flashgen / plain | at the bar | flashgen / example 41 | at the bar | "
+          "flashgen.torch / flashgen |")
+    print("|---" * 8 + "|")
+    for group in sorted({k[:3] for k in points}, key=lambda g: (g[0], g[1], g[2] != "fwd")):
+        cells = [got for k, got in points.items() if k[:3] == group]
+        plain = [ratio(got, b="flashgen-plain") for got in cells]
+        ex41 = [ratio(got, b="flashgen-example41") for got in cells]
+        adapter = [ratio(got, "flashgen-torch", "flashgen") for got in cells]
+        print(f"| {' | '.join(map(str, group))} | {span(plain)} | {at_bar(plain, BAR_PLAIN)} | {span(ex41)} | "
+              f"{at_bar(ex41, BAR_EXAMPLE41)} | {span(adapter)} |")
+
+
 def main(path: str, repeat_path: str, table_path: str, gqa_path: str = "", *adapter_paths: str,
-         queued_path: str = "") -> None:
+         queued_path: str = "", variant_paths=()) -> None:
     data, cells = load(path)
     repeat_data, repeat = load(repeat_path)
     table = json.load(open(table_path))
@@ -316,6 +355,8 @@ Lowest flashgen / efficient ratio of the two runs: forward {fmt(worst['fwd'])}, 
         gqa_section(gqa_path)
     if queued:
         queued_section(queued_path, queued)
+    if variant_paths:
+        variants_section(variant_paths)
     print("\n## Per-call host overhead and import time\n")
     print("A tiny problem (1 x 128 x 1 x 64, f16), wall time per call over 500 back-to-back calls, median of")
     print("9 rounds with the implementations interleaved; flashgen's calls repeat one signature and take the")
@@ -362,7 +403,8 @@ def sections(text: str):
 GENERATED_EXACT = {"## Forward", "## Backward", "## Tuning table"}
 GENERATED_PREFIXES = ("## Forward (sm90_fwd)", "## Backward (sm90_bwd)", "## Against sdpa-efficient",
                       "## Through flashgen.torch", "## flashgen.torch against flashgen on CuPy arrays",
-                      "## Grouped-query attention (", "## Per-call host overhead", "## GPU time: the grid with queued")
+                      "## Grouped-query attention (", "## Per-call host overhead", "## GPU time: the grid with queued",
+                      "## Bias and dropout (")
 
 
 def is_generated(heading: str) -> bool:
@@ -391,13 +433,13 @@ def merge(generated: str, old: str) -> str:
     return "".join(out).rstrip("\n") + "\n"
 
 
-def update(path: str, args, queued_path: str = "") -> None:
+def update(path: str, args, queued_path: str = "", variant_paths=()) -> None:
     """Regenerate ``path`` in place, keeping its hand-written sections; written atomically."""
     with open(path) as f:
         old = f.read()
     report = io.StringIO()
     with contextlib.redirect_stdout(report):
-        main(*args, queued_path=queued_path)
+        main(*args, queued_path=queued_path, variant_paths=variant_paths)
     atomic_write_text(path, merge(report.getvalue(), old))
 
 
@@ -407,6 +449,8 @@ def parse_args(argv):
     parser.add_argument("--update", metavar="BENCHMARKS.md", default="",
                         help="regenerate this file in place, keeping its hand-written sections")
     parser.add_argument("--queued", metavar="QUEUED_RUN", default="", help="the grid timed with --timing queued")
+    parser.add_argument("--variants", metavar="VARIANT_RUN", action="append", default=[],
+                        help="a flashgen bench --variant run (repeatable): the bias and dropout section")
     parser.add_argument("runs", nargs="+", metavar="RUN", help="RUN REPEAT TABLE [GQA [TORCH RUNS ...]]")
     args = parser.parse_intermixed_args(argv)
     if len(args.runs) < 3:
@@ -417,6 +461,6 @@ def parse_args(argv):
 if __name__ == "__main__":
     args = parse_args(sys.argv[1:])
     if args.update:
-        update(args.update, args.runs, args.queued)
+        update(args.update, args.runs, args.queued, args.variants)
     else:
-        main(*args.runs, queued_path=args.queued)
+        main(*args.runs, queued_path=args.queued, variant_paths=args.variants)
