@@ -295,27 +295,33 @@ def _unmasked_entries(p: Point, impls: List[str], sets, t_sets, torch) -> List[T
         entries += flashgen_torch_entries(sets, torch, causal=causal)
     if "fa4" in impls:
         entries += _fa4_entries(p, sets, torch)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    gqa = {"enable_gqa": True} if p.group > 1 else {}  # only when needed: torch < 2.5 has no enable_gqa
-    for backend in TORCH_BACKENDS:
-        impl = f"sdpa-{backend}"
-        if impl not in impls:
-            continue
-        context = sdpa_backend(torch, backend)
-        entries.append(Timed(impl, "fwd", lambda i: sdpa(*t_sets[i % 3][:3], is_causal=p.causal, **gqa), context))
-        entries.append(Timed(impl, "bwd", autograd_backward(lambda s: sdpa(*s[:3], is_causal=p.causal, **gqa),
-                                                             t_sets, torch), context))
+    entries += sdpa_entries(p, impls, t_sets, torch, is_causal=p.causal)
     if "flex" in impls:
         entries += flex_entries(p, t_sets, torch)
     return entries
 
 
-def sdpa_backend(torch, backend: str):
-    """A context that restricts SDPA to one of ``TORCH_BACKENDS`` (an entry's ``context``)."""
-    kind = {"flash": torch.nn.attention.SDPBackend.FLASH_ATTENTION,
-            "efficient": torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION,
-            "cudnn": torch.nn.attention.SDPBackend.CUDNN_ATTENTION}[backend]
-    return functools.partial(torch.nn.attention.sdpa_kernel, kind)
+def sdpa_entries(p: Point, impls: List[str], t_sets, torch, grad_also=(), **kwargs) -> List[Timed]:
+    """The asked SDPA backends (``sdpa-*`` in ``impls``), each restricted to its kernel, on the point's
+    [B, H, S, D] views with ``kwargs`` (is_causal, attn_mask, dropout_p); the backward through
+    autograd, into the leaves ``grad_also`` too.  Grouped-query points pass ``enable_gqa``, only
+    they: torch < 2.5 has no such argument."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if p.group > 1:
+        kwargs["enable_gqa"] = True
+    entries: List[Timed] = []
+    for backend in TORCH_BACKENDS:
+        impl = f"sdpa-{backend}"
+        if impl not in impls:
+            continue
+        kind = {"flash": torch.nn.attention.SDPBackend.FLASH_ATTENTION,
+                "efficient": torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION,
+                "cudnn": torch.nn.attention.SDPBackend.CUDNN_ATTENTION}[backend]
+        context = functools.partial(torch.nn.attention.sdpa_kernel, kind)
+        entries.append(Timed(impl, "fwd", lambda i: sdpa(*t_sets[i % 3][:3], **kwargs), context))
+        entries.append(Timed(impl, "bwd", autograd_backward(lambda s: sdpa(*s[:3], **kwargs), t_sets, torch,
+                                                            grad_also), context))
+    return entries
 
 
 @contextlib.contextmanager

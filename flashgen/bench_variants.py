@@ -24,8 +24,7 @@ from __future__ import annotations
 
 from typing import List
 
-from flashgen.bench import (TORCH_BACKENDS, Point, Timed, autograd_backward, flashgen_entries, flashgen_torch_entries,
-                            flex_entries, sdpa_backend)
+from flashgen.bench import Point, Timed, flashgen_entries, flashgen_torch_entries, flex_entries, sdpa_entries
 
 VARIANTS = ("bias", "dropout")
 DROPOUT_P = 0.1
@@ -51,9 +50,7 @@ def flashgen_options(p: Point, bias=None) -> dict:
 def sdpa_mask(p: Point, bias, torch):
     """The bias as SDPA's ``attn_mask`` at the point: itself, or at a causal point a copy with -inf
     above the diagonal, a leaf that requires grad (built outside the timings, as a user builds it
-    once per step); None at a dropout point."""
-    if p.variant != "bias":
-        return None
+    once per step)."""
     if not p.causal:
         return bias
     above = torch.ones((p.seqlen, p.seqlen), dtype=torch.bool, device=bias.device).triu(1)
@@ -83,7 +80,14 @@ def entries(p: Point, impls: List[str], sets, t_sets, torch) -> List[Timed]:
         if p.variant == "dropout":
             del options["seed"]  # the adapter draws one from torch's generator, as a training step lets it
         out += flashgen_torch_entries(sets, torch, grad_also=grads, **options)
-    out += _sdpa_entries(p, impls, t_sets, torch, sdpa_mask(p, bias, torch) if bias is not None else None)
+    if bias is None:
+        out += sdpa_entries(p, impls, t_sets, torch, dropout_p=DROPOUT_P, is_causal=p.causal)
+    else:  # the bias (causal folded in) as attn_mask, its gradient too; the flash backend takes none
+        mask = sdpa_mask(p, bias, torch)
+        out += sdpa_entries(p, [i for i in impls if i != "sdpa-flash"], t_sets, torch, grad_also=(mask,),
+                            attn_mask=mask)
+        if "sdpa-flash" in impls:
+            out += [Timed("sdpa-flash", direction, None, error="takes no bias") for direction in ("fwd", "bwd")]
     for impl in impls:
         if impl == "fa4" or (impl == "flex" and p.variant == "dropout"):
             out += [Timed(impl, direction, None, error=f"takes no {p.variant}") for direction in ("fwd", "bwd")]
@@ -91,28 +95,4 @@ def entries(p: Point, impls: List[str], sets, t_sets, torch) -> List[Timed]:
         out += flex_entries(p, t_sets, torch, score_mod=lambda score, b, h, q_idx, kv_idx: score + bias[0, h, q_idx,
                                                                                                        kv_idx],
                             grad_also=grads)
-    return out
-
-
-def _sdpa_entries(p: Point, impls: List[str], t_sets, torch, mask) -> List[Timed]:
-    """SDPA's asked backends with the bias as ``mask`` or with dropout, as bench's plain points
-    time them (a backward into the mask too)."""
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    kwargs = {"enable_gqa": True} if p.group > 1 else {}
-    if mask is None:
-        kwargs.update(dropout_p=DROPOUT_P, is_causal=p.causal)
-    else:
-        kwargs.update(attn_mask=mask)
-    out: List[Timed] = []
-    for backend in TORCH_BACKENDS:
-        impl = f"sdpa-{backend}"
-        if impl not in impls:
-            continue
-        if backend == "flash" and mask is not None:
-            out += [Timed(impl, direction, None, error="takes no bias") for direction in ("fwd", "bwd")]
-            continue
-        context = sdpa_backend(torch, backend)
-        out.append(Timed(impl, "fwd", lambda i: sdpa(*t_sets[i % 3][:3], **kwargs), context))
-        out.append(Timed(impl, "bwd", autograd_backward(lambda s: sdpa(*s[:3], **kwargs), t_sets, torch,
-                                                        (mask,) if mask is not None else ()), context))
     return out
