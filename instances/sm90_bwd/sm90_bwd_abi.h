@@ -12,7 +12,7 @@
 template <class Params>
 struct FlashgenAbiCheck_sm90_bwd {
   static_assert(std::is_standard_layout<Params>::value, "flashgen ABI: Params is no longer standard-layout");
-  static_assert(sizeof(Params) == 1280, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm90_bwd.py");
+  static_assert(sizeof(Params) == 1408, "flashgen ABI: sizeof(Params) changed; update flashgen/spec/sm90_bwd.py");
   static_assert(offsetof(Params, q_map) == 0 && sizeof(((Params*)nullptr)->q_map) == 128,
                 "flashgen ABI: Params::q_map moved or changed size; update flashgen/spec/sm90_bwd.py");
   static_assert(offsetof(Params, k_map) == 128 && sizeof(((Params*)nullptr)->k_map) == 128,
@@ -119,72 +119,74 @@ struct FlashgenAbiCheck_sm90_bwd {
                 "flashgen ABI: Params::bias_row_step moved or changed size; update flashgen/spec/sm90_bwd.py");
   static_assert(offsetof(Params, bias_map) == 896 && sizeof(((Params*)nullptr)->bias_map) == 128,
                 "flashgen ABI: Params::bias_map moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, sparse_partial_counts) == 1024 && sizeof(((Params*)nullptr)->sparse_partial_counts) == 8,
+  static_assert(offsetof(Params, dbias_map) == 1024 && sizeof(((Params*)nullptr)->dbias_map) == 128,
+                "flashgen ABI: Params::dbias_map moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, sparse_partial_counts) == 1152 && sizeof(((Params*)nullptr)->sparse_partial_counts) == 8,
                 "flashgen ABI: Params::sparse_partial_counts moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, sparse_partial_blocks) == 1032 && sizeof(((Params*)nullptr)->sparse_partial_blocks) == 8,
+  static_assert(offsetof(Params, sparse_partial_blocks) == 1160 && sizeof(((Params*)nullptr)->sparse_partial_blocks) == 8,
                 "flashgen ABI: Params::sparse_partial_blocks moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, sparse_full_counts) == 1040 && sizeof(((Params*)nullptr)->sparse_full_counts) == 8,
+  static_assert(offsetof(Params, sparse_full_counts) == 1168 && sizeof(((Params*)nullptr)->sparse_full_counts) == 8,
                 "flashgen ABI: Params::sparse_full_counts moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, sparse_full_blocks) == 1048 && sizeof(((Params*)nullptr)->sparse_full_blocks) == 8,
+  static_assert(offsetof(Params, sparse_full_blocks) == 1176 && sizeof(((Params*)nullptr)->sparse_full_blocks) == 8,
                 "flashgen ABI: Params::sparse_full_blocks moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, sparse_tiles) == 1056 && sizeof(((Params*)nullptr)->sparse_tiles) == 8,
+  static_assert(offsetof(Params, sparse_tiles) == 1184 && sizeof(((Params*)nullptr)->sparse_tiles) == 8,
                 "flashgen ABI: Params::sparse_tiles moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, sparse_bits) == 1064 && sizeof(((Params*)nullptr)->sparse_bits) == 8,
+  static_assert(offsetof(Params, sparse_bits) == 1192 && sizeof(((Params*)nullptr)->sparse_bits) == 8,
                 "flashgen ABI: Params::sparse_bits moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, sparse_batch_step) == 1072 && sizeof(((Params*)nullptr)->sparse_batch_step) == 4,
+  static_assert(offsetof(Params, sparse_batch_step) == 1200 && sizeof(((Params*)nullptr)->sparse_batch_step) == 4,
                 "flashgen ABI: Params::sparse_batch_step moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, sparse_head_step) == 1076 && sizeof(((Params*)nullptr)->sparse_head_step) == 4,
+  static_assert(offsetof(Params, sparse_head_step) == 1204 && sizeof(((Params*)nullptr)->sparse_head_step) == 4,
                 "flashgen ABI: Params::sparse_head_step moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, sparse_query_blocks) == 1080 && sizeof(((Params*)nullptr)->sparse_query_blocks) == 4,
+  static_assert(offsetof(Params, sparse_query_blocks) == 1208 && sizeof(((Params*)nullptr)->sparse_query_blocks) == 4,
                 "flashgen ABI: Params::sparse_query_blocks moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, sparse_key_blocks) == 1084 && sizeof(((Params*)nullptr)->sparse_key_blocks) == 4,
+  static_assert(offsetof(Params, sparse_key_blocks) == 1212 && sizeof(((Params*)nullptr)->sparse_key_blocks) == 4,
                 "flashgen ABI: Params::sparse_key_blocks moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, dropout_seed) == 1088 && sizeof(((Params*)nullptr)->dropout_seed) == 8,
+  static_assert(offsetof(Params, dropout_seed) == 1216 && sizeof(((Params*)nullptr)->dropout_seed) == 8,
                 "flashgen ABI: Params::dropout_seed moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, dropout_offset) == 1096 && sizeof(((Params*)nullptr)->dropout_offset) == 8,
+  static_assert(offsetof(Params, dropout_offset) == 1224 && sizeof(((Params*)nullptr)->dropout_offset) == 8,
                 "flashgen ABI: Params::dropout_offset moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, dropout_keep) == 1104 && sizeof(((Params*)nullptr)->dropout_keep) == 4,
+  static_assert(offsetof(Params, dropout_keep) == 1232 && sizeof(((Params*)nullptr)->dropout_keep) == 4,
                 "flashgen ABI: Params::dropout_keep moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, dropout_scale) == 1108 && sizeof(((Params*)nullptr)->dropout_scale) == 4,
+  static_assert(offsetof(Params, dropout_scale) == 1236 && sizeof(((Params*)nullptr)->dropout_scale) == 4,
                 "flashgen ABI: Params::dropout_scale moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, mod_ptr[0]) == 1112 && sizeof(((Params*)nullptr)->mod_ptr[0]) == 8,
+  static_assert(offsetof(Params, mod_ptr[0]) == 1240 && sizeof(((Params*)nullptr)->mod_ptr[0]) == 8,
                 "flashgen ABI: Params::mod_ptr[0] moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, mod_ptr[1]) == 1120 && sizeof(((Params*)nullptr)->mod_ptr[1]) == 8,
+  static_assert(offsetof(Params, mod_ptr[1]) == 1248 && sizeof(((Params*)nullptr)->mod_ptr[1]) == 8,
                 "flashgen ABI: Params::mod_ptr[1] moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, mod_ptr[2]) == 1128 && sizeof(((Params*)nullptr)->mod_ptr[2]) == 8,
+  static_assert(offsetof(Params, mod_ptr[2]) == 1256 && sizeof(((Params*)nullptr)->mod_ptr[2]) == 8,
                 "flashgen ABI: Params::mod_ptr[2] moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, mod_ptr[3]) == 1136 && sizeof(((Params*)nullptr)->mod_ptr[3]) == 8,
+  static_assert(offsetof(Params, mod_ptr[3]) == 1264 && sizeof(((Params*)nullptr)->mod_ptr[3]) == 8,
                 "flashgen ABI: Params::mod_ptr[3] moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, mod_stride[0][0]) == 1144 && sizeof(((Params*)nullptr)->mod_stride[0][0]) == 8,
+  static_assert(offsetof(Params, mod_stride[0][0]) == 1272 && sizeof(((Params*)nullptr)->mod_stride[0][0]) == 8,
                 "flashgen ABI: Params::mod_stride[0][0] moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, mod_stride[0][1]) == 1152 && sizeof(((Params*)nullptr)->mod_stride[0][1]) == 8,
+  static_assert(offsetof(Params, mod_stride[0][1]) == 1280 && sizeof(((Params*)nullptr)->mod_stride[0][1]) == 8,
                 "flashgen ABI: Params::mod_stride[0][1] moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, mod_stride[0][2]) == 1160 && sizeof(((Params*)nullptr)->mod_stride[0][2]) == 8,
+  static_assert(offsetof(Params, mod_stride[0][2]) == 1288 && sizeof(((Params*)nullptr)->mod_stride[0][2]) == 8,
                 "flashgen ABI: Params::mod_stride[0][2] moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, mod_stride[0][3]) == 1168 && sizeof(((Params*)nullptr)->mod_stride[0][3]) == 8,
+  static_assert(offsetof(Params, mod_stride[0][3]) == 1296 && sizeof(((Params*)nullptr)->mod_stride[0][3]) == 8,
                 "flashgen ABI: Params::mod_stride[0][3] moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, mod_stride[1][0]) == 1176 && sizeof(((Params*)nullptr)->mod_stride[1][0]) == 8,
+  static_assert(offsetof(Params, mod_stride[1][0]) == 1304 && sizeof(((Params*)nullptr)->mod_stride[1][0]) == 8,
                 "flashgen ABI: Params::mod_stride[1][0] moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, mod_stride[1][1]) == 1184 && sizeof(((Params*)nullptr)->mod_stride[1][1]) == 8,
+  static_assert(offsetof(Params, mod_stride[1][1]) == 1312 && sizeof(((Params*)nullptr)->mod_stride[1][1]) == 8,
                 "flashgen ABI: Params::mod_stride[1][1] moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, mod_stride[1][2]) == 1192 && sizeof(((Params*)nullptr)->mod_stride[1][2]) == 8,
+  static_assert(offsetof(Params, mod_stride[1][2]) == 1320 && sizeof(((Params*)nullptr)->mod_stride[1][2]) == 8,
                 "flashgen ABI: Params::mod_stride[1][2] moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, mod_stride[1][3]) == 1200 && sizeof(((Params*)nullptr)->mod_stride[1][3]) == 8,
+  static_assert(offsetof(Params, mod_stride[1][3]) == 1328 && sizeof(((Params*)nullptr)->mod_stride[1][3]) == 8,
                 "flashgen ABI: Params::mod_stride[1][3] moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, mod_stride[2][0]) == 1208 && sizeof(((Params*)nullptr)->mod_stride[2][0]) == 8,
+  static_assert(offsetof(Params, mod_stride[2][0]) == 1336 && sizeof(((Params*)nullptr)->mod_stride[2][0]) == 8,
                 "flashgen ABI: Params::mod_stride[2][0] moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, mod_stride[2][1]) == 1216 && sizeof(((Params*)nullptr)->mod_stride[2][1]) == 8,
+  static_assert(offsetof(Params, mod_stride[2][1]) == 1344 && sizeof(((Params*)nullptr)->mod_stride[2][1]) == 8,
                 "flashgen ABI: Params::mod_stride[2][1] moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, mod_stride[2][2]) == 1224 && sizeof(((Params*)nullptr)->mod_stride[2][2]) == 8,
+  static_assert(offsetof(Params, mod_stride[2][2]) == 1352 && sizeof(((Params*)nullptr)->mod_stride[2][2]) == 8,
                 "flashgen ABI: Params::mod_stride[2][2] moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, mod_stride[2][3]) == 1232 && sizeof(((Params*)nullptr)->mod_stride[2][3]) == 8,
+  static_assert(offsetof(Params, mod_stride[2][3]) == 1360 && sizeof(((Params*)nullptr)->mod_stride[2][3]) == 8,
                 "flashgen ABI: Params::mod_stride[2][3] moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, mod_stride[3][0]) == 1240 && sizeof(((Params*)nullptr)->mod_stride[3][0]) == 8,
+  static_assert(offsetof(Params, mod_stride[3][0]) == 1368 && sizeof(((Params*)nullptr)->mod_stride[3][0]) == 8,
                 "flashgen ABI: Params::mod_stride[3][0] moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, mod_stride[3][1]) == 1248 && sizeof(((Params*)nullptr)->mod_stride[3][1]) == 8,
+  static_assert(offsetof(Params, mod_stride[3][1]) == 1376 && sizeof(((Params*)nullptr)->mod_stride[3][1]) == 8,
                 "flashgen ABI: Params::mod_stride[3][1] moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, mod_stride[3][2]) == 1256 && sizeof(((Params*)nullptr)->mod_stride[3][2]) == 8,
+  static_assert(offsetof(Params, mod_stride[3][2]) == 1384 && sizeof(((Params*)nullptr)->mod_stride[3][2]) == 8,
                 "flashgen ABI: Params::mod_stride[3][2] moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, mod_stride[3][3]) == 1264 && sizeof(((Params*)nullptr)->mod_stride[3][3]) == 8,
+  static_assert(offsetof(Params, mod_stride[3][3]) == 1392 && sizeof(((Params*)nullptr)->mod_stride[3][3]) == 8,
                 "flashgen ABI: Params::mod_stride[3][3] moved or changed size; update flashgen/spec/sm90_bwd.py");
 };

@@ -30,8 +30,10 @@
 //   issued dV, dQ, dK from head dim 128 on: the dQ part goes to shared memory while dK runs
 // kBias instances add a bias (natural-log units) to the scaled scores before the exp2, as
 // the forward did, and, when the caller wants dbias, write dS (before soft-capping's slope:
-// the gradient of the biased score) for every (query, key) the CTA visits.  A step's bias
-// tile comes by TMA into the dS buffer that step later writes (see consume()).
+// the gradient of the biased score) for every (query, key) the CTA visits.  Their dS buffer
+// holds keys contiguous, as dbias lies in memory: a step's bias tile comes by TMA into the
+// bytes of the dS buffer that step later writes, and its dS leaves from there as dbias by a TMA
+// store (with soft-capping, which scales dS, dbias is staged beside it; see consume()).
 // A score mod (the last template parameter, sm90_common.h: NoScoreMod) recomputes the forward's
 // modded score: P^T = exp2(mod(S^T * scale) * log2(e) - lse_log2), and dS^T carries the mod's
 // derivative (grad) in the scaled score before the dK / dQ products.
@@ -122,9 +124,9 @@ struct BwdParams {
   float softcap_in;           // kSoftcap: scale / softcap (see FwdParams)
   float softcap_out;          // softcap / scale
   // kBias: dbias [batch, heads, num_queries, keys] (rows of dbias_row_stride elements, a multiple
-  // of 8, packed otherwise; nullptr: not wanted), written for every visited element (16 bytes at
-  // a time: the row padding takes what lies past the last key), and the bias as a tensor map as
-  // in FwdParams (steps 0 where it broadcasts)
+  // of 8, packed otherwise; nullptr: not wanted), written for every visited element through
+  // dbias_map (its tensor map, boxes as bias_map's), and the bias as a tensor map as in FwdParams
+  // (steps 0 where it broadcasts)
   void* dbias_ptr;
   long long dbias_row_stride;
   // kBias, where the caller's bias has extent 1 in the batch or head dim: dbias_sum(), after the main
@@ -138,6 +140,7 @@ struct BwdParams {
   int bias_head_step;
   int bias_row_step;
   CUtensorMap bias_map;
+  CUtensorMap dbias_map;
   // kSparse: a flashgen.block_mask's transposed lists (runtime/block_masks.py).  Its (batch, head)
   // plane is batch * sparse_batch_step + head * sparse_head_step (a step is 0 where the mask
   // broadcasts); a key block's list row is plane * sparse_key_blocks + key block, of
@@ -270,8 +273,8 @@ struct BwdKernel {
   // unit (reduce_dq): the consumers arrive on dq_full once a part is written and wait on dq_free (the
   // last part read) before the next, so no consumer meets the others at a barrier or waits for the
   // TMA unit (ncu, session 26: 15% of the head-dim-128 backward's stall samples sat at the two
-  // barriers around a part; FA4 issues its reduce from a warp of its own).  Bias instances stage
-  // dbias in the part's memory, ordered within the warpgroup, and keep issuing from its thread 0;
+  // barriers around a part; FA4 issues its reduce from a warp of its own).  Soft-capping bias
+  // instances stage dbias in the part's memory (kDbiasStaged) and keep issuing from its thread 0;
   // so do the 128-query steps with a score mod or soft-capping, at the edge of 240 registers, which
   // the waits pushed over (ALiBi: 0 -> 216 bytes of spills).
   // consume() slices its tiled MMAs at the warpgroup's first thread through a warp-uniform index
@@ -282,10 +285,14 @@ struct BwdKernel {
   // session 32).  Not with dropout, soft-capping or a score mod: ptxas then spilled 4-68 bytes.
   static constexpr bool kUniformSlices =
       kHeadDim != 128 && !kDropout && !kSoftcap && !ScoreMod_::kEnabled;
-  static constexpr bool kDqReduceWarps = kDqTile && !kBias && !(kBlockM == 128 && (kSoftcap || ScoreMod_::kEnabled));
+  // dbias is dS itself, except with soft-capping (dS then carries tanh's slope): that dbias is staged
+  // in the warpgroup's dQ part, the others leave from the dS buffer (consume()).
+  static constexpr bool kDbiasStaged = kBias && kSoftcap;
+  static constexpr bool kDqReduceWarps =
+      kDqTile && !kDbiasStaged && !(kBlockM == 128 && (kSoftcap || ScoreMod_::kEnabled));
   // Named barriers, each of one warpgroup w's threads (the warpgroups meet only at the mbarriers
   // ds_full and ds_free): 1 + w its dQ part (with kDqReduceWarps only the keep bits' order),
-  // kBiasBarrier + w its bias and dbias tiles, kKeepBarrier + w its keep bits (consume()).
+  // kBiasBarrier + w its staged dbias tile, kKeepBarrier + w its keep bits (consume()).
   static constexpr int kBiasBarrier = 1 + kWarpGroups;
   // Iteration t of consume()'s loop issues the dQ product of step t - kDqLag.  One step late, no
   // warpgroup waits for the other's half of dS within a step; but a bias tile loads into the dS
@@ -316,8 +323,10 @@ struct BwdKernel {
   using SmemLayoutK = RowMajorTiles<kBlockN, 1>;          // K and V as A of S^T / dP^T
   using SmemLayoutKt = ColMajorTiles<kBlockN, 1>;         // K as B of dQ
   // dS (queries, keys), double-buffered, written from the dS^T registers: queries contiguous (the
-  // A operand of dQ = dS K), or, transposed, keys contiguous (the K-major B operand of dQ^T).
-  using SmemLayoutDs = decltype(ds_smem_layout<Element, kBlockM, kBlockN, kDqTransposed>());
+  // MN-major A operand of dQ = dS K), or keys contiguous -- transposed, the K-major B operand of
+  // dQ^T; with a bias, the K-major A operand, laid out as dbias in memory (consume()).
+  static constexpr bool kDsKeysContiguous = kDqTransposed || kBias;
+  using SmemLayoutDs = decltype(ds_smem_layout<Element, kBlockM, kBlockN, kDsKeysContiguous>());
   static_assert(!kShareSdp || (kBlockM == 64 && !kDqTransposed), "one swizzle atom of queries per key row (consume())");
 
   // The S^T / dP^T and dK / dV products are tiled over the warpgroups by keys, or (split head
@@ -337,11 +346,12 @@ struct BwdKernel {
     }
   }
   using TiledMmaKV = decltype(cute::make_tiled_mma(kv_op(), WarpGroups{}));
-  // dQ = dS K: A a warpgroup's 64 rows of dS, B its columns of K (both MN-major); transposed,
-  // dQ^T = K^T dS^T: A its 64 columns of K, B all of dS (keys contiguous: K-major).
+  // dQ = dS K: A a warpgroup's 64 rows of dS (MN-major, or K-major with keys contiguous), B its
+  // columns of K (MN-major); transposed, dQ^T = K^T dS^T: A its 64 columns of K, B all of dS (K-major).
   using TiledMmaDq = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::_64, cute::Int<kDqMmaN>, cute::Int<kBlockN>>, cute::GMMA::Major::MN,
+                                 cute::Shape<cute::_64, cute::Int<kDqMmaN>, cute::Int<kBlockN>>,
+                                 kDsKeysContiguous && !kDqTransposed ? cute::GMMA::Major::K : cute::GMMA::Major::MN,
                                  kDqTransposed ? cute::GMMA::Major::K : cute::GMMA::Major::MN>()));
 
   // kBias: the bias tile of step t arrives in dS buffer t % 2 (bias_full) once the dQ product two
@@ -377,7 +387,9 @@ struct BwdKernel {
     alignas(1024) Element q[kStages * kBlockM * kHeadDim];
     alignas(1024) Element dout[kStages * kBlockM * kHeadDim];
     alignas(1024) Element ds[2 * kBlockM * kBlockN];
-    alignas(128) float dq[kDqTile ? kBlockM * kHeadDim : 4];  // a query block's dQ, laid out as the accumulator (dq_to_tile)
+    // a query block's dQ, laid out as the accumulator (dq_to_tile); kDbiasStaged: its parts hold the
+    // staged dbias boxes too, which the TMA store reads with the 128-byte swizzle (1024-byte aligned)
+    alignas(1024) float dq[kDqTile ? kBlockM * kHeadDim : 4];
     alignas(16) float lse_log2[kStages][kBlockM];
     alignas(16) float delta[kStages][kBlockM];
     alignas(8) uint64_t kv_full;
@@ -522,13 +534,13 @@ struct BwdKernel {
           cute::SM90_BULK_COPY_G2S::copy(rows, &s.full[stage], s.bits[stage], bits_bytes);
         }
       }
-      if constexpr (kBias) {  // into the dS buffer of step t, query box after query box (consume())
+      if constexpr (kBias) {  // into the dS buffer of step t as dS lies there (consume())
         int const buf = t % 2;
         if (t >= 2) {
           Barrier::wait(&s.ds_free[buf], (t / 2 - 1) & 1);
         }
         TxBarrier::arrive_and_expect_tx(&s.bias_full[buf], kBlockM * kBlockN * int(sizeof(Element)));
-        tma_load_bias<kBlockM / kBiasBox, kBlockN / kBiasBox, kBlockN / kBiasBox, 1>(
+        tma_load_bias<kBlockM / kBiasBox, kBlockN / kBiasBox, 1, kBlockM / kBiasBox>(
             p, &s.bias_full[buf], s.ds + buf * kBlockM * kBlockN, query0, seq.k0 + n_block * kBlockN, head,
             seq.batch);
       }
@@ -679,73 +691,72 @@ struct BwdKernel {
       draw(step_at(0));
     }
 
-    // kBias: the bias tile of step t and the dbias tile it yields are both staged in shared memory
-    // as boxes of 64 query rows x 64 keys (sm90_common.h: kBiasBox), [query][key], 128-byte rows
-    // with the 128-byte swizzle.  S^T is [key][query]: ldmatrix.trans (stmatrix.trans for dbias)
-    // moves an 8 x 8 matrix (8 queries, 8 keys) as the register pair of one key and two queries.
-    // One x4 moves the pairs of query groups j and j + 1 (j even) for keys +0 and +8 (pairs 2j ..
-    // 2j + 3): lane l addresses query 8 * (j + l / 16) + l % 8, in the 16-byte chunk 2 * warp +
-    // (l / 8) % 2 of its row (of this warpgroup's 64 keys), swizzled by the row's l % 8.
-    // box_lane_bytes is that for j = 0, with rows 8 * row_step apart (0: every query reads row 0,
-    // a query-broadcast bias's only row); query group j is group_bytes further when query boxes
-    // are query_box_bytes apart.
+    // kBias: the bias tile of step t comes into dS buffer t % 2 as boxes of 64 query rows x 64 keys
+    // (sm90_common.h: kBiasBox), [query][key], 128-byte rows with the 128-byte swizzle: the bytes
+    // of SmemLayoutDs (keys contiguous), warpgroup w's 64 keys at box w * kBlockM / 64, its query
+    // box i i boxes on.  S^T is [key][query]: ldmatrix.trans moves an 8 x 8 matrix (8 queries, 8
+    // keys) as the register pair of one key and two queries.  One x4 moves the pairs of query
+    // groups j and j + 1 (j even) for keys +0 and +8 (pairs 2j .. 2j + 3): lane l addresses query
+    // 8 * (j + l / 16) + l % 8, in the 16-byte chunk 2 * warp + (l / 8) % 2 of its row (of this
+    // warpgroup's 64 keys), swizzled by the row's l % 8.  box_lane_bytes is that for j = 0, with
+    // rows 8 * row_step apart (0: every query reads row 0, a query-broadcast bias's only row);
+    // query group j is j * 1024 bytes further.  A warp reads the 16 keys whose dS^T it later writes
+    // over them (store_keys_by_queries), so no other warp's write can reach a bias value it has
+    // yet to read.  Rows past the sequence and keys past its end read as TMA's zeros: their P is
+    // 0 (lse is +inf there, the keys are masked).  Register r's value comes with the ldmatrix at
+    // r - r % 8, read as the P^T loop reaches it: the scheduler hoists what registers allow.
     auto box_lane_bytes = [&](int row_step) {
       int const row = (8 * (lane / 16) + lane % 8) * row_step;
       return row * 128 + 16 * ((2 * warp_in_wg + (lane / 8) % 2) ^ (row % 8));
     };
-    auto group_bytes = [](int j, int query_box_bytes) { return j / 8 * query_box_bytes + j % 8 * 1024; };
-    // The producer put step t's bias tile into dS buffer t % 2 with query box i, key box w at box
-    // i * kBlockN / 64 + w: exactly the bytes of that buffer that warpgroup w writes its dS^T into,
-    // so no other warpgroup's write can reach a bias value this one has yet to read (within the
-    // warpgroup a named barrier orders the reads before the writes).  Rows past the sequence and
-    // keys past its end read as TMA's zeros: their P is 0 (lse is +inf there, the keys are masked).
-    // Register r's value comes with the ldmatrix at r - r % 8, read as the P^T loop reaches it:
-    // the scheduler hoists what registers allow.
-    int const bias_lane_bytes = kBias ? wg * kBiasBoxBytes + box_lane_bytes(p.bias_row_step) : 0;
+    int const wg_box_bytes = wg * (kBlockM / kBiasBox) * kBiasBoxBytes;  // this warpgroup's first box
+    int const bias_lane_bytes = kBias ? wg_box_bytes + box_lane_bytes(p.bias_row_step) : 0;
     uint32_t bias_pairs[4];  // pairs r / 2 - (r / 2) % 4 .. + 3
     auto bias_value = [&](int buf, int r) {
       if (r % 8 == 0) {
         char const* tile = reinterpret_cast<char const*>(s.ds + buf * kBlockM * kBlockN) + bias_lane_bytes;
-        int const query_box_bytes = kBlockN / kBiasBox * kBiasBoxBytes;
-        load_matrix_x4<true>(tile + group_bytes(r / 4, query_box_bytes) * p.bias_row_step, bias_pairs);
+        load_matrix_x4<true>(tile + (r / 4) * 1024 * p.bias_row_step, bias_pairs);
       }
       return unpack_half<Element>(bias_pairs[(r / 2) % 4], r % 2);
     };
-    // dS (before soft-capping's slope: the gradient of the biased score) is staged pair by pair as
-    // the dS loop makes it, in this warpgroup's part of the dQ tile, free from the read of the
-    // last step's dQ part (tile_free) until this step's dQ enters it; query box i at i *
-    // kBiasBoxBytes.  Staged whether the caller wants dbias or not: a test in the loop costs more.
-    static_assert(!kBias || kBlockM * kBiasBox * 2 <= kDqPartFloats * 4, "a warpgroup's dbias fits its dQ part");
+    // kDbiasStaged: dS before soft-capping's slope is staged pair by pair as the dS loop makes it,
+    // in this warpgroup's part of the dQ tile, free from the read of the last step's dQ part
+    // (tile_free) until this step's dQ enters it; laid out as the warpgroup's boxes in the dS buffer.
+    // Staged whether the caller wants dbias or not: a test in the loop costs more.
+    static_assert(!kDbiasStaged || kBlockM * kBiasBox * 2 <= kDqPartFloats * 4, "a warpgroup's dbias fits its dQ part");
     char* const dbias_tile = reinterpret_cast<char*>(s.dq + wg * kDqPartFloats);
-    int const dbias_lane_bytes = kBias ? box_lane_bytes(1) : 0;
+    int const dbias_lane_bytes = kDbiasStaged ? box_lane_bytes(1) : 0;
     uint32_t dbias_pairs[4];
     auto stage_dbias = [&](int r, uint32_t pair) {  // r odd: the pair of registers r - 1 and r
-      if constexpr (kBias) {
+      if constexpr (kDbiasStaged) {
         dbias_pairs[(r / 2) % 4] = pair;
         if (r % 8 == 7) {
-          store_matrix_x4<true>(dbias_tile + dbias_lane_bytes + group_bytes(r / 4 - 1, kBiasBoxBytes), dbias_pairs);
+          store_matrix_x4<true>(dbias_tile + dbias_lane_bytes + (r / 4 - 1) * 1024, dbias_pairs);
         }
       }
     };
-    // The staged dbias leaves in 16-byte chunks: chunk c = tid % 128 + 128 k of the tile is its
-    // row c / 8 (in query box c / 512), keys 8 * (c % 8) of the warpgroup's (at chunk (c % 8) ^
-    // (c / 8 % 8) of the row), so a warp writes four whole 128-byte rows of dbias.  Rows past the
-    // sequence and chunks past the last key are not written.
-    auto dbias_out = [&](int head, int query0) {
-      int const c = tid % 128;
-      int const row = c / 8;  // and row + 16 k, 2048 bytes on
-      int const key = key0 + 64 * wg + 8 * (c % 8);
-      char const* from = dbias_tile + row * 128 + 16 * ((c % 8) ^ (row % 8));
-      long long const first_row = ((long long)seq.batch * p.num_heads + head) * p.num_queries + query0 + row;
-      Element* to = static_cast<Element*>(p.dbias_ptr) + first_row * p.dbias_row_stride + key;
-      CUTE_UNROLL
-      for (int k = 0; k < kBlockM / 16; ++k) {
-        if (query0 + row + 16 * k < seq.num_queries && key < seq.num_keys) {
-          *reinterpret_cast<uint4*>(to + 16 * k * p.dbias_row_stride) = *reinterpret_cast<uint4 const*>(from + k * 2048);
-        }
-      }
-    };
+    // The warpgroup's dbias boxes of a step leave by TMA stores from its thread 0, once every
+    // consumer thread has written (and fenced) its dS^T, or staged dbias (ds_full); they must be read
+    // before the buffer is written over (ds_free: the step after next's bias tile; staged: the dQ
+    // part).  The tensor map drops rows past the sequence and keys past its end.
     bool const want_dbias = kBias && p.dbias_ptr != nullptr;
+    auto store_dbias = [&](int buf, int head, int query0) {
+      if (want_dbias && tid % 128 == 0) {
+        char const* tile = kDbiasStaged ? dbias_tile
+                                        : reinterpret_cast<char const*>(s.ds + buf * kBlockM * kBlockN) + wg_box_bytes;
+        CUTE_UNROLL
+        for (int i = 0; i < kBlockM / kBiasBox; ++i) {
+          SM90_TMA_STORE_4D::copy(&p.dbias_map, tile + i * kBiasBoxBytes, key0 + 64 * wg, query0 + kBiasBox * i, head,
+                                  seq.batch);
+        }
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      }
+    };
+    auto dbias_read = [&]() {  // this warpgroup's dbias boxes have left shared memory (its thread 0)
+      if (want_dbias && tid % 128 == 0) {
+        bulk_wait_read();
+      }
+    };
     // Before dQ part `part` (counted from 0; < 0: none this step) is stored: the last part was read by
     // the time the next is written, and (kDropout) every thread of the warpgroup has read this step's
     // keep bits before draw() writes the next step's.
@@ -843,10 +854,10 @@ struct BwdKernel {
           return -column_value(lse_log2, r);
         }
       };
-      // kBias: this warpgroup's dQ part is free for the dbias tile once its thread 0 has seen the
+      // kDbiasStaged: this warpgroup's dQ part is free for the dbias tile once its thread 0 has seen the
       // TMA unit read the last step's dQ part (issued at the top of this step: done by now)
       auto free_dq_part = [&]() {
-        if constexpr (kBias) {
+        if constexpr (kDbiasStaged) {
           tile_free();
           cutlass::arch::NamedBarrier::sync(128, kBiasBarrier + wg);
         }
@@ -955,17 +966,15 @@ struct BwdKernel {
       // tiles (8 keys, 8 adjacent queries) in the order stmatrix takes them, and a key's 8 queries
       // are one 16-byte chunk of sDs: one stmatrix stores registers r .. r + 7, the tiles of keys +0
       // and +8 for queries r / 4 * 8 and 8 more, lane l addressing row l % 8 of tile l / 8.
-      if constexpr (kBias) {  // every warp of the warpgroup has read its bias here and staged its dbias
-        cutlass::arch::NamedBarrier::sync(128, kBiasBarrier + wg);
-      } else if (t >= 2) {  // both warpgroups' dQ products of step t - 2 have read dS buffer `buf`
+      if (!kBias && t >= 2) {  // both warpgroups' dQ products of step t - 2 have read dS buffer `buf`
         Barrier::wait(&s.ds_free[buf], (t / 2 - 1) & 1);  // (kBias: the producer waited, for the bias tile)
       }
-      // Transposed (keys contiguous), stmatrix.trans stores each tile's columns: lane l addresses
-      // query l % 8 of tile l / 8, its 8 keys from key + 0 or + 8.
+      // Keys contiguous, stmatrix.trans stores each tile's columns: lane l addresses query l % 8 of
+      // tile l / 8, its 8 keys from key + 0 or + 8.
       auto store_keys_by_queries = [&](auto const& values, auto& to) {
         int const tile = lane / 8;
-        int const key = key_row - lane / 4 + (tile % 2) * 8 + (kDqTransposed ? 0 : lane % 8);
-        int const query_in_tile = query_half + (kDqTransposed ? lane % 8 : 0);
+        int const key = key_row - lane / 4 + (tile % 2) * 8 + (kDsKeysContiguous ? 0 : lane % 8);
+        int const query_in_tile = query_half + (kDsKeysContiguous ? lane % 8 : 0);
         CUTE_UNROLL
         for (int r = 0; r < size(values); r += 8) {
           uint32_t pairs[4];
@@ -976,7 +985,7 @@ struct BwdKernel {
             pair[1] = values(r + 2 * j + 1);
             pairs[j] = reinterpret_cast<uint32_t const&>(pair);
           }
-          store_matrix_x4<kDqTransposed>(&to((r / 4 + tile / 2) * 8 + query_in_tile, key, buf), pairs);
+          store_matrix_x4<kDsKeysContiguous>(&to((r / 4 + tile / 2) * 8 + query_in_tile, key, buf), pairs);
         }
       };
       if (!kSplitCols || kShareSdp || wg == 0) {  // (split, not shared: both hold all of dS^T, the first writes it)
@@ -1049,6 +1058,9 @@ struct BwdKernel {
         warpgroup_commit_batch();
         dq_barrier(t - kDqLag);
       }
+      if constexpr (kBias) {  // (kDqLag is 0: this step's dS, under the last GEMM)
+        store_dbias(buf, head, query0);
+      }
       warpgroup_wait<1>();  // dV and (kDkLast) dQ or dK
       warpgroup_fence_operand(acc_dv);
       warpgroup_fence_operand(tVrP);
@@ -1056,9 +1068,6 @@ struct BwdKernel {
         warpgroup_fence_operand(acc_dq);
       } else {
         release_stage();
-      }
-      if (want_dbias) {  // under the last GEMM
-        dbias_out(head, query0);
       }
       bool const more = kSparse ? walk.more() : t + 1 < total;
       if (kDropout && more) {  // the next step's mask, under the last GEMM
@@ -1069,9 +1078,15 @@ struct BwdKernel {
         warpgroup_fence_operand(acc_dq);
       }
       if (t >= kDqLag) {
-        Barrier::arrive(&s.ds_free[dq_buf]);  // dS buffer dq_buf is free for the step after next (its bias tile)
-        if (want_dbias) {  // the whole dbias tile has left before the dQ part is written over
-          cutlass::arch::NamedBarrier::sync(128, kBiasBarrier + wg);
+        if constexpr (kBias && !kDbiasStaged) {  // dbias has left dS buffer dq_buf ...
+          dbias_read();
+        }
+        Barrier::arrive(&s.ds_free[dq_buf]);  // ... which is free for the step after next (its bias tile)
+        if constexpr (kDbiasStaged) {  // the staged dbias has left before the dQ part is written over
+          dbias_read();
+          if (want_dbias) {
+            cutlass::arch::NamedBarrier::sync(128, kBiasBarrier + wg);
+          }
         }
         dq_out(acc_dq, dq_step);
       }
@@ -1324,15 +1339,18 @@ struct BwdKernel {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
       if (threadIdx.x == kConsumerThreads && st.m_blocks > 0) {
         produce(p, s, seq, n_block, head_kv, st);
-      } else if constexpr (kDqReduceWarps) {  // lane 0 of warp 1 + w: warpgroup w's reduce warp
-        int const w = (threadIdx.x - kConsumerThreads) / 32 - 1;
-        if (threadIdx.x % 32 == 0 && w >= 0 && w < kWarpGroups && st.m_blocks > 0) {
-          reduce_dq(p, s, seq, n_block, head_kv, st, w);
+      } else {
+        int const warp = (threadIdx.x - kConsumerThreads) / 32;
+        if constexpr (kDqReduceWarps) {  // lane 0 of warp 1 + w: warpgroup w's reduce warp
+          if (warp >= 1 && warp <= kWarpGroups && threadIdx.x % 32 == 0 && st.m_blocks > 0) {
+            reduce_dq(p, s, seq, n_block, head_kv, st, warp - 1);
+          }
         }
-      } else if constexpr (kZeroesHiddenDbias) {
-        int const t = threadIdx.x - kConsumerThreads - 32;  // warps 1-3
-        if (t >= 0 && p.dbias_ptr != nullptr && p.seqstart_q == nullptr) {
-          zero_hidden_dbias(p, seq, n_block, head_kv, st, t);
+        if constexpr (kZeroesHiddenDbias) {  // the warps from kFirstZeroWarp on
+          int const t = threadIdx.x - kConsumerThreads - 32 * kFirstZeroWarp;
+          if (t >= 0 && p.dbias_ptr != nullptr && p.seqstart_q == nullptr) {
+            zero_hidden_dbias(p, seq, n_block, head_kv, st, t);
+          }
         }
       }
     } else {
@@ -1344,13 +1362,15 @@ struct BwdKernel {
   // grid (ceil(M / kBlockM), heads, batch or sequences), kAuxThreads threads
   static __device__ void prep(BwdParams const& p) { backward_prep<Element, kHeadDim, kBlockM, kAuxThreads>(p); }
 
-  // A band bias instance also writes dbias's zeros outside the band (kZeroesHiddenDbias): warps 1-3 of
-  // the producer warpgroup, idle there (bias instances have no reduce warps), store zeros into the
-  // rows of the CTA's keys that none of its steps visits, while the consumers run their GEMMs.  The
-  // caller then need not clear all of dbias first (causal: twice the bytes, before the kernel).
+  // A band bias instance also writes dbias's zeros outside the band (kZeroesHiddenDbias): the producer
+  // warpgroup's warps after its loader and reduce warps, idle there, store zeros into the rows of the
+  // CTA's keys that none of its steps visits, while the consumers run their GEMMs.  The caller then
+  // need not clear all of dbias first (causal: twice the bytes, before the kernel).
   // Fixed-length batches only: the runtime clears a packed batch's dbias.
   static constexpr bool kZeroesHiddenDbias = kBias && kBand;
-  static constexpr int kZeroThreads = 96;
+  static constexpr int kFirstZeroWarp = kDqReduceWarps ? 1 + kWarpGroups : 1;
+  static constexpr int kZeroThreads = 32 * (4 - kFirstZeroWarp);
+  static_assert(!kZeroesHiddenDbias || kZeroThreads > 0, "a producer warp is left for dbias's zeros");
   static __device__ void zero_hidden_dbias(BwdParams const& p, Sequence const& seq, int n_block, int head_kv,
                                            Steps st, int t) {
     constexpr int kChunks = kBlockN / 8;  // 16-byte chunks of a row's kBlockN keys: thread t takes chunk t % kChunks

@@ -137,8 +137,9 @@ class ThreeKernelBackward:
         shape = (p.B, p.H, call.q.shape[1], -(-call.k.shape[1] // 8) * 8)
         return (cupy.zeros if cleared else cupy.empty)(shape, dtype=call.q.dtype)[..., :call.k.shape[1]]
 
-    def encode(self, params, call: Call, kc: dict) -> None:
-        """Write what ``fill`` cannot (tensor maps) into the filled ``params``."""
+    def encode(self, params, call: Call, kc: dict, dbias) -> None:
+        """Write what ``fill`` cannot (tensor maps) into the filled ``params``; ``dbias`` is the array
+        the main kernel writes dbias into, or None."""
 
     def replay_pointers(self, ptr, q, k, v, out, grad_out, lse) -> tuple:
         """The caller's arrays as the plan's launch takes them: the tensor maps', then POINTERS' head."""
@@ -172,7 +173,7 @@ class ThreeKernelBackward:
              head_group=p.H // k.shape[2], rows_padded=rows,
              deterministic=int(call.options["deterministic"]), scale=p.scale, **strides, **own, **extra_fields,
              **band_fields(p))
-        self.encode(params, call, kc)
+        self.encode(params, call, kc, dbias_planes[0] if dbias_planes else extra[0] if extra else None)
         aux_grid, aux_block = (-(-p.M // kc["block_m"]), p.H, p.batches), (kc["aux_threads"], 1, 1)
         grid, block = (-(-p.N // kc["block_n"]), k.shape[2], p.batches), (kc["threads_per_block"], 1, 1)
         launch(call.registry, binary, p.device, aux_grid, aux_block, params, call.stream, "_prep")
@@ -244,10 +245,11 @@ class Sm90BwdRuntime(ThreeKernelBackward, HopperFamily):
         return {}, {**bias_fields(call.bias), **sparse_fields(call.block_mask), **dropout.fields(call.p),
                     **mod_fields(call)}
 
-    def encode(self, params, call: Call, kc: dict) -> None:
+    def encode(self, params, call: Call, kc: dict, dbias) -> None:
         encode_maps(params, MAPS, (call.q, call.k, call.v, call.grad_out),
                     (kc["block_m"], kc["block_n"], kc["block_n"], kc["block_m"]), call.p, kc)
         encode_bias_map(params, call.bias, call.p)
+        encode_bias_map(params, dbias, call.p, "dbias_map")
 
     def replay_pointers(self, ptr, q, k, v, out, grad_out, lse) -> tuple:
         # tensor maps (q, k, v, grad_out), then POINTERS' out, dout, lse

@@ -96,12 +96,13 @@ def ampere_bias_fields(bias) -> dict:
     return {"bias_ptr": bias.data.ptr, "bias_stride_b": sb, "bias_stride_h": sh, "bias_stride_m": sm}
 
 
-def encode_bias_map(params: np.ndarray, bias, p: Problem) -> None:
+def encode_bias_map(params: np.ndarray, bias, p: Problem, field: str = "bias_map") -> None:
     """Encode the bias's tensor map into ``params``' ``bias_map`` (after ``fill``, which zeroes it),
-    for a call with a bias."""
+    for a call with a bias; or, as ``field`` "dbias_map", that of the backward's dbias [B, H, M, N]
+    (which it writes through the same boxes) where the call wants it."""
     if bias is not None:
         raw = params.view(np.uint8)
-        at = params.dtype.fields["bias_map"][1]
+        at = params.dtype.fields[field][1]
         tensormap.encode_bmhk(raw[at:at + tensormap.TENSOR_MAP_BYTES], tensormap.bias_view(bias), p.dtype,
                               BIAS_BOX, BIAS_BOX, BIAS_SWIZZLE_BYTES)
 
