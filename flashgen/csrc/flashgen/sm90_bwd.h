@@ -1049,6 +1049,9 @@ struct BwdKernel {
       if (t >= kDqLag) {
         Barrier::wait(&s.ds_full[dq_buf], ((t - kDqLag) / 2) & 1);
       }
+      if constexpr (kBias) {  // (kDqLag is 0: this step's dS) as early as it can: its read gates ds_free
+        store_dbias(buf, head, query0);
+      }
       issue_dq(dq_buf, acc_dq);
       if constexpr (kDkLast) {
         warpgroup_fence_operand(acc_dk);
@@ -1057,9 +1060,6 @@ struct BwdKernel {
         dk_gemms();
         warpgroup_commit_batch();
         dq_barrier(t - kDqLag);
-      }
-      if constexpr (kBias) {  // (kDqLag is 0: this step's dS, under the last GEMM)
-        store_dbias(buf, head, query0);
       }
       warpgroup_wait<1>();  // dV and (kDkLast) dQ or dK
       warpgroup_fence_operand(acc_dv);
