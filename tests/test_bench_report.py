@@ -130,6 +130,16 @@ def test_the_variants_section_reads_flashgen_against_its_twins_and_counts_the_ba
                     "| bias | 64 | bwd | 0.90 to 1.12 | 2 of 2 | 2.00 to 2.50 | 1 of 2 | 0.64 to 0.80 |"]
 
 
+def test_a_variant_run_is_listed_with_the_command_that_makes_it_where_the_report_reads_it(tmp_path):
+    """The header's commands must remake every file the report reads: a --variant run's recorded command
+    (which wrote its JSON wherever the device put it) comes back writing the path given to --variants."""
+    path = tmp_path / "bias.json"
+    path.write_text(json.dumps({"command": "flashgen bench --variant bias --dtype bf16 --json /root/out/x.json"}))
+    assert bench_report.variant_command(str(path)) == f"flashgen bench --variant bias --dtype bf16 --json {path}"
+    path.write_text(json.dumps({"command": "flashgen bench --variant dropout"}))
+    assert bench_report.variant_command(str(path)) == f"flashgen bench --variant dropout --json {path}"
+
+
 def test_options_come_out_of_the_argument_list():
     args = bench_report.parse_args(["--queued", "q.json", "run.json", "--update", "B.md", "repeat.json", "table.json",
                                     "--variants", "v1.json", "--variants", "v2.json"])

@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import io
 import json
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -217,6 +218,12 @@ def at_bar(values, bar: float) -> str:
     return f"{sum(v >= bar for v in got)} of {len(got)}" if got else "-"
 
 
+def variant_command(path: str) -> str:
+    """The ``flashgen bench --variant`` command a run recorded, writing where the report reads it."""
+    command = json.load(open(path))["command"]
+    return re.sub(r"--json \S+", f"--json {path}", command) if "--json" in command else f"{command} --json {path}"
+
+
 def variants_section(paths) -> None:
     """Bias and dropout points (``flashgen bench --variant``), per variant, head dim and direction:
     flashgen against the same call without them and against example 41, with how many points clear
@@ -263,6 +270,8 @@ def main(path: str, repeat_path: str, table_path: str, gqa_path: str = "", *adap
     clearly = [(r, k) for r, k in below if r < 0.995]  # slower in both runs by more than the medians' drift
     queued_run = f"\nflashgen bench --timing queued --json {queued_path}" if queued_path else ""
     queued_option = f" --queued {queued_path}" if queued_path else ""
+    variant_runs = "".join(f"\n{variant_command(path)}" for path in variant_paths)
+    variant_options = "".join(f" \\\n    --variants {path}" for path in variant_paths)
     print(f"""# Benchmarks
 
 Device: **{data['device']}**.  One run, every implementation side by side:
@@ -273,10 +282,10 @@ FLASHGEN_KERNEL_PATH=build/kernels FLASHGEN_TUNING={table_path} \\
     flashgen bench --json docs/bench_h200.json --plot docs/bench_h200.png
 flashgen bench --group 4 --group 8 --seqlen 2048 --seqlen 8192 \\
     --impl flashgen --impl flashgen-torch --impl fa4 --impl sdpa-cudnn --json docs/bench_h200_gqa.json
-flashgen bench --impl flashgen --impl flashgen-torch --timing queued --json docs/bench_h200_torch_queued.json{queued_run}
+flashgen bench --impl flashgen --impl flashgen-torch --timing queued --json docs/bench_h200_torch_queued.json{queued_run}{variant_runs}
 python tools/bench_report.py --update BENCHMARKS.md{queued_option} docs/bench_h200.json docs/bench_h200_repeat.json \\
     {table_path} docs/bench_h200_gqa.json docs/bench_h200_torch_queued.json \\
-    docs/bench_h200_torch_queued_repeat.json docs/bench_h200_torch_call.json
+    docs/bench_h200_torch_queued_repeat.json docs/bench_h200_torch_call.json{variant_options}
 ```
 
 (The table named is the one these runs used, written by `flashgen tune` on this
