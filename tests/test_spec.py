@@ -101,7 +101,7 @@ def test_sm90_backward_covers_dtypes_head_dims_masks_and_softcap():
                                  | (set() if softcap else {(128, 80, 128)}))
     assert all(not (k.bias or k.sparse or k.dropout or k.score_mod) for k in kernels if k.block_m == 80)
     assert all(k.runs_on("sm90a") and not k.runs_on("sm90") for k in kernels)
-    assert Sm90Bwd.params_dtype().itemsize == 1280, "the 128-byte-aligned tensor maps round Params up to 128"
+    assert Sm90Bwd.params_dtype().itemsize == 1408, "the 128-byte-aligned tensor maps round Params up to 128"
 
 
 def test_sm90_bias_instances_are_the_tiles_the_plain_calls_pick():
