@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import sys
+import types
 
 import pytest
 
+from flashgen import bench
 from flashgen.runtime.registry import Registry
 from flashgen.toolchain import probe_toolchain
 
+import bench_fakes
 from runtime_fakes import BWD_SMEM, FWD_SMEM, constants, write_build
 
 
@@ -51,3 +54,20 @@ def kernel_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reg(kernel_dir):
     return Registry([kernel_dir])
+
+
+@pytest.fixture
+def host_bench(monkeypatch):
+    """bench_point without a GPU (test_bench*.py): CPU inputs (kept for the assertions), no CuPy, torch's
+    timing calls on the host clock (bench_fakes.host_torch)."""
+    torch = pytest.importorskip("torch")
+    made = []
+
+    def cpu_inputs(_torch, p, sets=3):
+        made[:] = [[torch.randn(shape) for shape in bench.shapes(p)] for _ in range(sets)]
+        return made
+
+    pool = types.SimpleNamespace(free_all_blocks=lambda: None)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(get_default_memory_pool=lambda: pool))
+    monkeypatch.setattr(bench, "_inputs", cpu_inputs)
+    return types.SimpleNamespace(torch=bench_fakes.host_torch(torch), inputs=made)

@@ -65,15 +65,15 @@ def test_a_masked_point_gives_flashgen_and_flex_its_mask_and_the_others_a_reason
     SDPA and FA4 a cell that says they take none; no call gets a causal flag except flashgen's at a
     document8-causal point (the document mask with causal beside it, as a user writes it)."""
     torch = pytest.importorskip("torch")
-    from test_bench import _adapter, _fake_nn, _host_torch
+    from bench_fakes import adapter, fake_nn, host_torch
 
     made = []
     monkeypatch.setattr(bench, "_inputs", lambda _t, p, sets=3: [[torch.randn(s) for s in bench.shapes(p)]
                                                                   for _ in range(sets)])
     pool = types.SimpleNamespace(free_all_blocks=lambda: None)
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(get_default_memory_pool=lambda: pool))
-    host = _host_torch(torch)
-    nn, flex, calls = _fake_nn()
+    host = host_torch(torch)
+    nn, flex, calls = fake_nn()
     monkeypatch.setattr(host, "nn", nn)
     flex_calls = []
 
@@ -90,7 +90,7 @@ def test_a_masked_point_gives_flashgen_and_flex_its_mask_and_the_others_a_reason
         seen.append(options)
         return q * k + v
 
-    _adapter(monkeypatch, attention)
+    adapter(monkeypatch, attention)
     point = bench.Point("f16", 8, False, 2, 3, 16, mask="window1024")
     results = bench.bench_point(point, ["flashgen-torch", "sdpa-flash", "fa4", "flex"], host, repeats=10)
     got = {(r.impl, r.direction): r.note if r.note else bool(r.tflops) for r in results}
@@ -136,7 +136,7 @@ def test_bench_cli_takes_masks_and_shows_them_in_the_table(monkeypatch):
 def test_all_instances_are_not_timed_at_a_masked_point(monkeypatch):
     """tune.measure_choices times unmasked shapes: at a block-mask point its numbers would be another call's."""
     torch = pytest.importorskip("torch")
-    from test_bench import _host_torch
+    from bench_fakes import host_torch
 
     from flashgen import tune
 
@@ -146,7 +146,7 @@ def test_all_instances_are_not_timed_at_a_masked_point(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(get_default_memory_pool=lambda: pool))
     monkeypatch.setattr(tune, "measure_choices", lambda *a, **k: pytest.fail("timed a masked point unmasked"))
     point = bench.Point("f16", 8, False, 2, 3, 16, mask="document8")
-    results = bench.bench_point(point, [], _host_torch(torch), repeats=10, all_instances=True)
+    results = bench.bench_point(point, [], host_torch(torch), repeats=10, all_instances=True)
     assert [(r.impl, r.direction, r.tflops) for r in results] == [("flashgen[*]", "fwd", None),
                                                                   ("flashgen[*]", "bwd", None)]
     assert results[0].note == "instances not timed at block-mask points: flashgen tune measures unmasked shapes only"

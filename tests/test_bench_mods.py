@@ -47,15 +47,15 @@ def test_score_mods_replace_the_plain_points_and_old_points_load():
 
 def test_a_score_mod_point_gives_flashgen_and_flex_the_mod_and_the_others_a_reason(monkeypatch):
     torch = pytest.importorskip("torch")
-    from test_bench import _adapter, _fake_nn, _host_torch
+    from bench_fakes import adapter, fake_nn, host_torch
 
     monkeypatch.setattr(bench, "_inputs", lambda _t, p, sets=3: [[torch.randn(s) for s in bench.shapes(p)]
                                                                   for _ in range(sets)])
     pool = types.SimpleNamespace(free_all_blocks=lambda: None)
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(get_default_memory_pool=lambda: pool))
-    host = _host_torch(torch)
+    host = host_torch(torch)
     host.tensor, host.float32 = torch.tensor, torch.float32
-    nn, flex, calls = _fake_nn()
+    nn, flex, calls = fake_nn()
     monkeypatch.setattr(host, "nn", nn)
     flex_mods = []
 
@@ -72,7 +72,7 @@ def test_a_score_mod_point_gives_flashgen_and_flex_the_mod_and_the_others_a_reas
         seen.append(options)
         return q * k + v
 
-    _adapter(monkeypatch, attention)
+    adapter(monkeypatch, attention)
     point = bench.Point("f16", 8, True, 2, 3, 16, score_mod="alibi")
     results = bench.bench_point(point, ["flashgen-torch", "sdpa-cudnn", "fa4", "flex"], host, repeats=10)
     got = {(r.impl, r.direction): r.note if r.note else bool(r.tflops) for r in results}
@@ -88,10 +88,10 @@ def test_a_score_mod_point_gives_flashgen_and_flex_the_mod_and_the_others_a_reas
 
 
 def test_the_cli_refuses_a_score_mod_with_a_block_mask_and_shows_the_mod_in_the_table(monkeypatch):
-    from test_bench import _bench_cli
+    from bench_fakes import bench_cli
 
     points = []
-    _, output = _bench_cli(monkeypatch, {"flashgen": 100.0, "flex": 100.0}, "--score-mod", "alibi",
+    _, output = bench_cli(monkeypatch, {"flashgen": 100.0, "flex": 100.0}, "--score-mod", "alibi",
                            "--impl", "flashgen", "--impl", "flex", points=points)
     assert [(p.score_mod, p.causal) for p in points] == [("alibi", False), ("alibi", True)]
     cells = [line.split()[3] for line in output.splitlines() if line.startswith("f16")]

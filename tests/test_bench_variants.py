@@ -79,7 +79,7 @@ def variant_bench(monkeypatch):
     """bench_point at bias/dropout points on the CPU: the fake runtime, SDPA, flex and adapter, and
     autograd.grad counting the tensors each backward differentiates."""
     torch = pytest.importorskip("torch")
-    from test_bench import _adapter, _host_torch
+    from bench_fakes import adapter, host_torch
 
     monkeypatch.setattr(bench, "_inputs", lambda _t, p, sets=3: [[torch.randn(s) for s in bench.shapes(p)]
                                                                   for _ in range(sets)])
@@ -92,7 +92,7 @@ def variant_bench(monkeypatch):
 
     monkeypatch.setattr(api, "attention_forward", runtime.attention_forward)
     monkeypatch.setattr(api, "attention_backward", runtime.attention_backward)
-    host = _host_torch(torch)
+    host = host_torch(torch)
     host.cuda.current_stream = lambda: types.SimpleNamespace(cuda_stream=0)
     host.randn, host.ones, host.bool = torch.randn, torch.ones, torch.bool
     sdpa_calls, flex_calls, adapter_calls, differentiated = [], [], [], []
@@ -120,7 +120,7 @@ def variant_bench(monkeypatch):
         adapter_calls.append((attn_bias, options))
         return q * k + v + (0 if attn_bias is None else attn_bias.float().mean())
 
-    _adapter(monkeypatch, attention)
+    adapter(monkeypatch, attention)
     return types.SimpleNamespace(torch=torch, host=host, runtime=runtime, sdpa=sdpa_calls, flex=flex_calls,
                                  adapter=adapter_calls, differentiated=differentiated)
 
@@ -228,10 +228,10 @@ def test_the_table_reads_flashgen_against_its_twins():
 
 
 def test_the_cli_takes_variants_and_refuses_them_with_masks_or_mods(monkeypatch):
-    from test_bench import _bench_cli
+    from bench_fakes import bench_cli
 
     points = []
-    _, output = _bench_cli(monkeypatch, {"flashgen": 100.0}, "--variant", "dropout", "--impl", "flashgen",
+    _, output = bench_cli(monkeypatch, {"flashgen": 100.0}, "--variant", "dropout", "--impl", "flashgen",
                            points=points)
     assert [(p.variant, p.causal) for p in points] == [("dropout", False), ("dropout", True)]
     assert "dropout B32 H32/32 S512" in output
