@@ -124,22 +124,23 @@ def test_dbias_is_described_by_its_row_pitch():
     assert sm90_common.dbias_fields(None) == {}
 
 
-def test_dbias_leaves_through_its_own_tensor_map_in_the_bias_boxes(monkeypatch):
+def test_dbias_leaves_through_its_own_tensor_map_in_the_bias_boxes_as_wide_as_its_pitch(monkeypatch):
     """The backward's bias instances store dbias by TMA (BwdParams::dbias_map): the map describes the
-    array the main kernel writes, [batch, query rows, heads, keys] at its row pitch, in the boxes and
-    swizzle of the bias's map, and lands in dbias_map's bytes, not bias_map's."""
+    array the main kernel writes, [batch, query rows, heads, keys] at its row pitch and as wide as it
+    (the masked keys' zeros fill the padding past N, which _dbias_sum reads), in the boxes and swizzle
+    of the bias's map, and lands in dbias_map's bytes, not bias_map's."""
     encoded = []
     monkeypatch.setattr(tensormap, "encode_bmhk", lambda out, view, dtype, cols, rows, swizzle: encoded.append(
-        (out.ctypes.data, view.shape, view.strides, dtype, cols, rows, swizzle)))
+        (out.ctypes.data, view.shape, view.strides, view.data, dtype, cols, rows, swizzle)))
     params = np.zeros(1, dtype=Sm90Bwd.params_dtype())
     B, H, M, N = 2, 3, 5, 7
     dbias = FakeArray((B, H, M, N), strides=(H * M * 8, M * 8, 8, 1))
     problem = SimpleNamespace(dtype="f16")
-    sm90_common.encode_bias_map(params, dbias, problem, "dbias_map")
-    sm90_common.encode_bias_map(params, None, problem, "dbias_map")  # not wanted: nothing encoded
+    sm90_common.encode_dbias_map(params, dbias, problem)
+    sm90_common.encode_dbias_map(params, None, problem)  # not wanted: nothing encoded
     at = params.ctypes.data + params.dtype.fields["dbias_map"][1]
-    assert encoded == [(at, (B, M, H, N), (2 * H * M * 8, 2 * 8, 2 * M * 8, 2), "f16", sm90_common.BIAS_BOX,
-                        sm90_common.BIAS_BOX, sm90_common.BIAS_SWIZZLE_BYTES)]
+    assert encoded == [(at, (B, M, H, 8), (2 * H * M * 8, 2 * 8, 2 * M * 8, 2), dbias.data, "f16",
+                        sm90_common.BIAS_BOX, sm90_common.BIAS_BOX, sm90_common.BIAS_SWIZZLE_BYTES)]
     assert params.dtype.fields["dbias_map"][1] != params.dtype.fields["bias_map"][1]
 
 

@@ -26,11 +26,12 @@ Masks and soft-capping as in ``sm90_fwd`` (the same ``band_lo``/``band_hi`` and
 A ``bias`` instance reads the bias through ``bias_map`` and the ``bias_*_step`` fields as the
 forward does (a step's tile into the dS buffer the step writes later: no extra shared memory)
 and, where ``dbias_ptr`` is not null, writes dS (the gradient of the biased score, in the input
-dtype) into dbias [B, H, M, N] (rows of ``dbias_row_stride`` elements, packed otherwise; the TMA
-stores of ``dbias_map``, boxes as ``bias_map``'s) at every (query, key) its CTAs visit; the rest is the caller's, except where the constant
-``zeroes_hidden_dbias`` is 1 (band bias instances): their main kernel writes the zeros outside the
-band too, for fixed-length batches.  A bias instance's ``_dbias_sum`` kernel then adds dbias's planes
-over the batch or heads where the caller's bias has extent 1 (``dbias_sum_*``), in float, rounded once.
+dtype) into dbias [B, H, M, N] (rows of ``dbias_row_stride`` elements, packed otherwise) by TMA
+stores through ``dbias_map`` (the bias map's boxes, as wide as the row pitch) at every (query, key)
+its CTAs visit; the rest is the caller's, except where the constant ``zeroes_hidden_dbias`` is 1
+(band bias instances): their main kernel writes the zeros outside the band too, for fixed-length
+batches.  A bias instance's ``_dbias_sum`` kernel then adds dbias's planes over the batch or heads
+where the caller's bias has extent 1 (``dbias_sum_*``), in float, rounded once.
 
 A ``sparse`` instance serves a ``flashgen.block_mask`` of 128 x 128 blocks, the forward's: the CTA of a
 key block visits only the query blocks the mask's transposed lists (``q_*``) give for it, per query

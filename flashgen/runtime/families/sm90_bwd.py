@@ -23,8 +23,9 @@ from typing import Tuple
 from flashgen.runtime import dropout, plans
 from flashgen.runtime.arrays import cupy_module, elem_strides
 from flashgen.runtime.families.sm90_common import (SPARSE_POINTERS, HopperFamily, band_fields, bias_fields,
-                                                   check_compiled, dbias_fields, encode_bias_map, encode_maps,
-                                                   mod_fields, sparse_refusal, trailing_pointers, zero_unpacked_rows)
+                                                   check_compiled, dbias_fields, encode_bias_map, encode_dbias_map,
+                                                   encode_maps, mod_fields, sparse_refusal, trailing_pointers,
+                                                   zero_unpacked_rows)
 from flashgen.runtime.launch import fill, handle, launch, on_device, packed_offsets, params_buffer
 from flashgen.runtime.memory import CupyMemory
 from flashgen.runtime.limits import check_int32
@@ -249,7 +250,7 @@ class Sm90BwdRuntime(ThreeKernelBackward, HopperFamily):
         encode_maps(params, MAPS, (call.q, call.k, call.v, call.grad_out),
                     (kc["block_m"], kc["block_n"], kc["block_n"], kc["block_m"]), call.p, kc)
         encode_bias_map(params, call.bias, call.p)
-        encode_bias_map(params, dbias, call.p, "dbias_map")
+        encode_dbias_map(params, dbias, call.p)
 
     def replay_pointers(self, ptr, q, k, v, out, grad_out, lse) -> tuple:
         # tensor maps (q, k, v, grad_out), then POINTERS' out, dout, lse

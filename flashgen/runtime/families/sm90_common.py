@@ -96,15 +96,29 @@ def ampere_bias_fields(bias) -> dict:
     return {"bias_ptr": bias.data.ptr, "bias_stride_b": sb, "bias_stride_h": sh, "bias_stride_m": sm}
 
 
-def encode_bias_map(params: np.ndarray, bias, p: Problem, field: str = "bias_map") -> None:
+def encode_bias_map(params: np.ndarray, bias, p: Problem) -> None:
     """Encode the bias's tensor map into ``params``' ``bias_map`` (after ``fill``, which zeroes it),
-    for a call with a bias; or, as ``field`` "dbias_map", that of the backward's dbias [B, H, M, N]
-    (which it writes through the same boxes) where the call wants it."""
+    for a call with a bias."""
     if bias is not None:
-        raw = params.view(np.uint8)
-        at = params.dtype.fields[field][1]
-        tensormap.encode_bmhk(raw[at:at + tensormap.TENSOR_MAP_BYTES], tensormap.bias_view(bias), p.dtype,
-                              BIAS_BOX, BIAS_BOX, BIAS_SWIZZLE_BYTES)
+        _encode_box_map(params, "bias_map", tensormap.bias_view(bias), p.dtype)
+
+
+def encode_dbias_map(params: np.ndarray, dbias, p: Problem) -> None:
+    """Encode ``dbias_map``, through which sm90_bwd's bias instances store dbias [B, H, M, N] in the
+    bias's boxes, where the call wants it: as wide as a row's padded pitch, so that the masked keys'
+    zeros fill the padding past N (``_dbias_sum`` reads it with a row's last 16 bytes) instead of
+    leaving it unwritten."""
+    if dbias is not None:
+        (B, H, M, _), (sb, sh, sm, sn) = dbias.shape, dbias.strides
+        view = tensormap.View((B, M, H, sm // dbias.itemsize), (sb, sm, sh, sn), dbias.itemsize, dbias.data)
+        _encode_box_map(params, "dbias_map", view, p.dtype)
+
+
+def _encode_box_map(params: np.ndarray, field: str, view, dtype: str) -> None:
+    raw = params.view(np.uint8)
+    at = params.dtype.fields[field][1]
+    tensormap.encode_bmhk(raw[at:at + tensormap.TENSOR_MAP_BYTES], view, dtype, BIAS_BOX, BIAS_BOX,
+                          BIAS_SWIZZLE_BYTES)
 
 
 def dbias_fields(dbias) -> dict:
