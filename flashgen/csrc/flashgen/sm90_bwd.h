@@ -125,8 +125,8 @@ struct BwdParams {
   float softcap_out;          // softcap / scale
   // kBias: dbias [batch, heads, num_queries, keys] (rows of dbias_row_stride elements, a multiple
   // of 8, packed otherwise; nullptr: not wanted), written for every visited element through
-  // dbias_map (its tensor map, boxes as bias_map's), and the bias as a tensor map as in FwdParams
-  // (steps 0 where it broadcasts)
+  // dbias_map (its tensor map, boxes as bias_map's, as wide as the row pitch: the masked keys' zero
+  // dS fills the padding), and the bias as a tensor map as in FwdParams (steps 0 where it broadcasts)
   void* dbias_ptr;
   long long dbias_row_stride;
   // kBias, where the caller's bias has extent 1 in the batch or head dim: dbias_sum(), after the main
