@@ -324,6 +324,11 @@ def sdpa_entries(p: Point, impls: List[str], t_sets, torch, grad_also=(), **kwar
     return entries
 
 
+def causal_option(p: Point) -> dict:
+    """flashgen's causal option at the point, for keyword use (nothing where it is not causal)."""
+    return {"causal": "top_left"} if p.causal else {}
+
+
 @contextlib.contextmanager
 def only_families(families: Optional[str]):
     """FLASHGEN_FAMILIES set to ``families`` (None: left as it is) while an entry runs: the runtime
@@ -331,15 +336,17 @@ def only_families(families: Optional[str]):
     if families is None:
         yield
         return
-    saved = os.environ.get("FLASHGEN_FAMILIES")
-    os.environ["FLASHGEN_FAMILIES"] = families
+    from flashgen.runtime.plans import FAMILIES_VARIABLE
+
+    saved = os.environ.get(FAMILIES_VARIABLE)
+    os.environ[FAMILIES_VARIABLE] = families
     try:
         yield
     finally:
         if saved is None:
-            del os.environ["FLASHGEN_FAMILIES"]
+            del os.environ[FAMILIES_VARIABLE]
         else:
-            os.environ["FLASHGEN_FAMILIES"] = saved
+            os.environ[FAMILIES_VARIABLE] = saved
 
 
 def flashgen_entries(sets, torch, impl: str = "flashgen", families: Optional[str] = None,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import List
 
-from flashgen.bench import Point, Timed, flashgen_entries, flashgen_torch_entries, flex_entries
+from flashgen.bench import Point, Timed, causal_option, flashgen_entries, flashgen_torch_entries, flex_entries
 
 SCORE_MODS = ("alibi",)
 
@@ -32,7 +32,7 @@ def flex_score_mod(mod: str, slope):
 def entries(p: Point, impls: List[str], sets, t_sets, torch) -> List[Timed]:
     """Each asked implementation's forward and backward under the point's score mod (``bench_point``)."""
     flex_score_mod(p.score_mod, None)  # an unknown mod fails before anything is set up
-    causal = {"causal": "top_left"} if p.causal else {}
+    causal = causal_option(p)
     t_slopes = slopes(p.heads, torch, device=sets[0][0].device)
     out: List[Timed] = []
     if "flashgen" in impls:

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from typing import List
 
-from flashgen.bench import Point, Timed, flashgen_entries, flashgen_torch_entries, flex_entries, sdpa_entries
+from flashgen.bench import (Point, Timed, causal_option, flashgen_entries, flashgen_torch_entries, flex_entries,
+                            sdpa_entries)
 
 VARIANTS = ("bias", "dropout")
 DROPOUT_P = 0.1
@@ -41,7 +42,7 @@ def flashgen_options(p: Point, bias=None) -> dict:
     """What flashgen's forward and backward both take at the point: the causal mask, and the bias
     (``bias``, on the GPU) or the dropout and its seed."""
     _check(p.variant)
-    options = {"causal": "top_left"} if p.causal else {}
+    options = causal_option(p)
     if p.variant == "bias":
         return dict(options, attn_bias=bias)
     return dict(options, dropout_p=DROPOUT_P, seed=SEED)
@@ -72,7 +73,7 @@ def entries(p: Point, impls: List[str], sets, t_sets, torch) -> List[Timed]:
         options = flashgen_options(p, None if bias is None else cupy.from_dlpack(bias.detach()))
         backward = {"bias_requires_grad": True} if bias is not None else {}
         out += flashgen_entries(sets, torch, backward_options=backward, **options)
-        out += flashgen_entries(sets, torch, impl="flashgen-plain", **({"causal": "top_left"} if p.causal else {}))
+        out += flashgen_entries(sets, torch, impl="flashgen-plain", **causal_option(p))
         out += flashgen_entries(sets, torch, impl="flashgen-example41", families=EXAMPLE41, backward_options=backward,
                                 **options)
     if "flashgen-torch" in impls:
