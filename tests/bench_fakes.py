@@ -3,6 +3,7 @@ adapter and SDPA/flex, and `flashgen bench` on one point with made-up timings.  
 fixture (conftest.py) puts bench_point's inputs on the CPU."""
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import types
@@ -76,13 +77,9 @@ def table(output):
     return [line.split() for line in lines[start:start + 4]]  # header, rule, fwd, bwd
 
 
-def fake_nn(refuse_gqa=()):
-    """torch.nn with SDPA backends chosen by sdpa_kernel as on a GPU; those in ``refuse_gqa`` (and
-    any, without enable_gqa) answer fewer k/v heads as torch does: "No available kernel"."""
-    import contextlib
-
-    calls, backend = [], []
-
+def sdpa_nn(sdpa, backend: list):
+    """torch.nn with ``sdpa`` as scaled_dot_product_attention and sdpa_kernel choosing a backend as on
+    a GPU: the chosen one is ``backend[-1]`` while it is in force."""
     @contextlib.contextmanager
     def sdpa_kernel(kind):
         backend.append(kind)
@@ -90,6 +87,16 @@ def fake_nn(refuse_gqa=()):
             yield
         finally:
             backend.pop()
+
+    kinds = types.SimpleNamespace(FLASH_ATTENTION="flash", EFFICIENT_ATTENTION="efficient", CUDNN_ATTENTION="cudnn")
+    return types.SimpleNamespace(functional=types.SimpleNamespace(scaled_dot_product_attention=sdpa),
+                                 attention=types.SimpleNamespace(SDPBackend=kinds, sdpa_kernel=sdpa_kernel))
+
+
+def fake_nn(refuse_gqa=()):
+    """torch.nn with SDPA backends chosen by sdpa_kernel as on a GPU; those in ``refuse_gqa`` (and
+    any, without enable_gqa) answer fewer k/v heads as torch does: "No available kernel"."""
+    calls, backend = [], []
 
     def attend(q, k, v, enable_gqa, refused):
         group = q.shape[1] // k.shape[1]
@@ -105,7 +112,4 @@ def fake_nn(refuse_gqa=()):
         calls.append(("flex", tuple(k.shape), kwargs))
         return attend(q, k, v, kwargs.get("enable_gqa", False), False)
 
-    kinds = types.SimpleNamespace(FLASH_ATTENTION="flash", EFFICIENT_ATTENTION="efficient", CUDNN_ATTENTION="cudnn")
-    nn = types.SimpleNamespace(functional=types.SimpleNamespace(scaled_dot_product_attention=sdpa),
-                               attention=types.SimpleNamespace(SDPBackend=kinds, sdpa_kernel=sdpa_kernel))
-    return nn, flex, calls
+    return sdpa_nn(sdpa, backend), flex, calls

@@ -57,21 +57,15 @@ class _Runtime:
 def _fake_nn(calls):
     """torch.nn whose SDPA records each call's keyword arguments and backend, its output depending
     on the mask (so a backward reaches it)."""
-    backend = []
+    from bench_fakes import sdpa_nn
 
-    @contextlib.contextmanager
-    def sdpa_kernel(kind):
-        backend.append(kind)
-        yield
-        backend.pop()
+    backend = []
 
     def sdpa(q, k, v, attn_mask=None, **kwargs):
         calls.append((backend[-1], attn_mask, kwargs))
         return q * k + v + (0 if attn_mask is None else attn_mask.float().nan_to_num(0, 0, 0).mean())
 
-    kinds = types.SimpleNamespace(FLASH_ATTENTION="flash", EFFICIENT_ATTENTION="efficient", CUDNN_ATTENTION="cudnn")
-    return types.SimpleNamespace(functional=types.SimpleNamespace(scaled_dot_product_attention=sdpa),
-                                 attention=types.SimpleNamespace(SDPBackend=kinds, sdpa_kernel=sdpa_kernel))
+    return sdpa_nn(sdpa, backend)
 
 
 @pytest.fixture
