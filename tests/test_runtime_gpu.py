@@ -150,6 +150,26 @@ def test_bias_and_its_gradient(dtype, shape, causal):
     check_forward_backward(rng, dtype, B=B, M=M, N=N, H=H, K=64, Kv=64, bias=bias, causal=causal)
 
 
+
+@pytest.mark.parametrize("shape", [(1, 3, 129, 7), (2, 1, 1, 270), (3, 129, 1)])
+def test_a_misaligned_bias_is_padded_in_its_own_extents(shape):
+    """A bias whose rows are not 16-byte aligned is copied into padded rows: only the caller's own
+    extents, its broadcast dims left at stride 0, so that the kernels read a bias the batch shares
+    once (not once a batch) and sm90_bwd adds dbias into the bias's own shape."""
+    from flashgen.runtime.validate import FORWARD_OPTIONS, forward_call
+    rng = np.random.default_rng(5)
+    B, H, M, N = 2, 3, 129, shape[-1] if shape[-1] > 1 else 270
+    q = randn(rng, (B, M, H, 64), "f16")
+    k = randn(rng, (B, N, H, 64), "f16")
+    bias = randn(rng, shape, "f16")
+    call = forward_call(q, k, k, dict(FORWARD_OPTIONS, attn_bias=bias), entry=None)
+    assert call.bias.shape == (B, H, M, N) and call.bias.strides[2] % 16 == 0
+    extents = (1,) * (4 - len(shape)) + shape
+    for dim, extent in enumerate(extents[:3]):
+        assert (call.bias.strides[dim] == 0) == (extent == 1 and (B, H, M)[dim] > 1), (dim, call.bias.strides)
+    assert bool((call.bias == cupy.broadcast_to(bias, (B, H, M, N))).all())
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_varlen_matches_per_sequence_reference(dtype):
     rng = np.random.default_rng(3)

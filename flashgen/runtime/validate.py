@@ -238,18 +238,22 @@ def checked_bias(cupy, attn_bias, c: Problem, q, rows: int, cols: int):
         raise TypeError(f"attn_bias has dtype {b.dtype}, expected {q.dtype} like q")
     if b.device.id != c.device:
         raise ValueError(f"attn_bias is on GPU {b.device.id}, q is on GPU {c.device}")
+    shape = (c.B, c.H, rows, cols)
     try:
-        b = cupy.broadcast_to(b, (c.B, c.H, rows, cols))
+        full = cupy.broadcast_to(b, shape)
     except ValueError:
         raise ValueError(f"attn_bias of shape {tuple(attn_bias.shape)} does not broadcast to "
-                         f"[batch, heads, M, N] = {(c.B, c.H, rows, cols)}") from None
-    if (cols > 1 and b.strides[3] != b.itemsize) or any(st % 8 for st in elem_strides(b)[:3]) or b.data.ptr % 16:
-        # the kernels read bias rows with 16-byte loads: copy into rows padded to 8 elements
-        padded = padded_rows(cupy, (c.B, c.H, rows, cols), b.dtype)
-        padded[...] = b
-        b, copied = padded, True
-    else:
-        copied = False
+                         f"[batch, heads, M, N] = {shape}") from None
+    copied = bool((cols > 1 and full.strides[3] != full.itemsize) or any(st % 8 for st in elem_strides(full)[:3])
+                  or full.data.ptr % 16)
+    if copied:
+        # the kernels read bias rows with 16-byte loads: copy into rows padded to 8 elements, only the
+        # caller's own extents (a bias shared by the batch stays one plane, read as such, broadcast again)
+        own = tuple(1 if extent == 1 else n for extent, n in zip((1,) * (4 - b.ndim) + b.shape, shape[:3])) + (cols,)
+        padded = padded_rows(cupy, own, b.dtype)
+        padded[...] = cupy.broadcast_to(b, own)
+        full = cupy.broadcast_to(padded, shape)
+    b = full
     # row * bias_strideM: uint32 in the forward (kernel_forward.h:828), int32 in the backward (1605)
     check_offset("bias_strideM", "attn_bias's last row offset (M - 1) * row stride", rows - 1,
                   elem_strides(b)[2], SPLIT_ROWS)
