@@ -1304,12 +1304,19 @@ struct BwdKernel {
     // (H200, causal, 4 and 8 query heads per k/v head: +6% to +32%).  Multi-head calls keep key
     // blocks innermost: the CTAs running together then share their pair's Q and dO in L2
     // (key-block-major cost them 3-12%).
+    // Where a bias is the same for every batch (kBias, bias_batch_step 0), the batches come before the
+    // k/v heads: the CTAs running at once then read each bias tile of their head from memory once, not
+    // once a batch.
     bool const by_key_block = kBand && p.head_group > 1;
+    bool const batches_first = kBias && p.bias_batch_step == 0 && !by_key_block;
     int const linear = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
     int const pairs = gridDim.y * gridDim.z;
+    int const pair = blockIdx.y + gridDim.y * blockIdx.z;  // (k/v head, sequence) in launch order
     int const n_block = by_key_block ? linear / pairs : blockIdx.x;
-    int const head_kv = by_key_block ? linear % pairs % gridDim.y : blockIdx.y;
-    Sequence const seq = sequence(p, by_key_block ? linear % pairs / gridDim.y : blockIdx.z);
+    int const head_kv = by_key_block ? linear % pairs % gridDim.y : batches_first ? pair / gridDim.z : blockIdx.y;
+    Sequence const seq = sequence(p, by_key_block    ? linear % pairs / gridDim.y
+                                     : batches_first ? pair % gridDim.z
+                                                     : blockIdx.z);
     Steps const st = steps(seq, n_block);
 
     if (threadIdx.x == 0) {

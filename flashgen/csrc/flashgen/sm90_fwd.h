@@ -308,7 +308,9 @@ struct FwdKernel {
   // The grid is persistent (one CTA per SM), and while the consumers finish one tile (query
   // block, head, sequence) -- last softmax, P V, the stores -- the producer already loads the
   // next one's Q and K/V.  CTAs take work units round-robin, query blocks fastest, then heads,
-  // so the CTAs running at once share their heads' K and V in L2.  A unit is one tile, or with
+  // so the CTAs running at once share their heads' K and V in L2; where a bias is the same for every
+  // batch (kBias, bias_batch_step 0), sequences come before heads, so that the CTAs running at once
+  // also share the head's bias tiles, read from memory once rather than once a batch.  A unit is one tile, or with
   // a band (causal) mask a pair: query block j with query block tiles_m - 1 - j of the same
   // (head, sequence), the longer first, so that every unit is the same work.  (Measured on an
   // H200 against one CTA per tile: ordering all tiles by causal length balanced as well but lost
@@ -325,14 +327,16 @@ struct FwdKernel {
     int tiles_m;
     int units_m;  // units per (head, sequence)
     int heads;
+    int sequences;
+    bool sequences_first;  // (head, sequence) pairs sequence-fastest: the batches share a bias
     long long total_units;
     long long unit;  // this CTA's current unit, and (kPairs) which of its tiles comes next
     int second;
 
     __device__ explicit Schedule(FwdParams const& p)
         : tiles_m((p.num_queries + kBlockM - 1) / kBlockM), units_m(kPairs ? (tiles_m + 1) / 2 : tiles_m),
-          heads(p.num_heads), total_units((long long)units_m * p.num_heads * p.num_sequences), unit(blockIdx.x),
-          second(0) {}
+          heads(p.num_heads), sequences(p.num_sequences), sequences_first(kBias && p.bias_batch_step == 0),
+          total_units((long long)units_m * p.num_heads * p.num_sequences), unit(blockIdx.x), second(0) {}
 
     // This CTA's next tile; false after its last.
     __device__ bool next(Tile& t) {
@@ -348,7 +352,8 @@ struct FwdKernel {
           second = 1;
         }
         if (exists) {
-          t = {m_block, head_seq % heads, head_seq / heads};
+          t = sequences_first ? Tile{m_block, head_seq / sequences, head_seq % sequences}
+                              : Tile{m_block, head_seq % heads, head_seq / heads};
           return true;
         }
       }
