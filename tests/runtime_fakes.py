@@ -48,13 +48,14 @@ def fwd(dtype="f16", aligned=True, queries=64, keys=64, max_k=64, dropout=False,
 def hopper_constants(spec):
     """Every constant an sm90_fwd / sm90_bwd spec declares, as a build of it reads them back (FwdKernel's
     kServedKeyBlocks: 16 for an unmasked staged instance; BwdKernel's kMinQueries: 1024 for 80-query steps,
-    kZeroesHiddenDbias: 1 for band bias instances)."""
+    kZeroesHiddenDbias: 1 for band bias instances, kAddsDbias: 1 for bias instances)."""
     known = dict(threads_per_block=384, min_blocks_per_sm=1, shared_memory_bytes=200 * 1024, block_m=spec.block_m,
                  block_n=spec.block_n, max_k=spec.max_k, stages=spec.stages, box_cols=64, swizzle_bytes=128,
                  alignment=8, params_bytes=type(spec).params_dtype().itemsize, aux_threads=128, mask_rows=128,
                  staged_max_key_blocks=16 if getattr(spec, "staged_o", False) and not spec.band else 0,
                  min_queries=1024 if spec.block_m == 80 else 0,
-                 zeroes_hidden_dbias=int(getattr(spec, "bias", False) and spec.band))
+                 zeroes_hidden_dbias=int(getattr(spec, "bias", False) and spec.band),
+                 adds_dbias=int(getattr(spec, "bias", False)))
     return {c.name: known[c.name] for c in type(spec).CONSTANTS}
 
 

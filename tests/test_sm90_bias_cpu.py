@@ -167,7 +167,7 @@ def test_band_dbias_is_cleared_only_where_the_kernels_leave_holes(monkeypatch, c
     assert made == [(allocator, (call.p.B, call.p.H, call.q.shape[1], -(-call.k.shape[1] // 8) * 8))]
     assert dbias.shape[-1] == call.k.shape[1]
     call.options["bias_requires_grad"] = False
-    assert sm90_bwd.RUNTIME.dbias(call, {"zeroes_hidden_dbias": 1}) is None
+    assert sm90_bwd.RUNTIME.own_outputs(call, {"zeroes_hidden_dbias": 1}) == ((), {}, ())
 
 
 FOLDS = [((2, 3, 5, 7), (1, 1)), ((1, 3, 5, 7), (2, 1)), ((3, 5, 7), (2, 1)), ((2, 1, 1, 7), (1, 3)), ((5, 7), (2, 3)),
@@ -212,6 +212,41 @@ def test_sm90_sums_dbias_where_the_bias_broadcasts_and_sm80_leaves_it_to_the_api
 
     (per_plane,), fields, kept = sm80_bwd.RUNTIME.own_outputs(call, {})
     assert per_plane.shape == (2, 3, 5, 7) and kept == () and "dbias_sum_ptr" not in fields
+
+
+@pytest.mark.parametrize("bias_shape,folds,expanded", [f + (False,) for f in FOLDS] + [((2, 1, 5, 7), (1, 3), True)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_kernels_that_add_dbias_get_the_zeroed_sum_unless_the_order_must_repeat(monkeypatch, bias_shape, folds,
+                                                                                expanded, deterministic):
+    """Instances with the constant adds_dbias add their tiles into the gradient of the bias's shape
+    (dbias_add): the runtime allocates only that, zeroed, and keeps no per-plane workspace for
+    _dbias_sum.  deterministic=True keeps the planes and the sum (TMA reduce-adds come in no fixed
+    order); a bias that folds nothing needs no adds; nor does one the caller expanded over the batch at
+    stride 0 (the kernels would add every batch's tile into the plane they read, batch 0)."""
+    made = []
+
+    def allocator(name):
+        def allocate(shape, dtype):
+            made.append((name, shape))
+            return np.zeros(shape, dtype=dtype).view(DeviceLike)
+        return allocate
+
+    monkeypatch.setattr(sm90_bwd, "cupy_module", lambda: SimpleNamespace(empty=allocator("empty"),
+                                                                          zeros=allocator("zeros")))
+    batches, heads = folds
+    read_once = (batches > 1 or expanded, heads > 1)  # validation broadcasts these dims at stride 0
+    bias = FakeArray((2, 3, 5, 7), strides=(0 if read_once[0] else 105, 0 if read_once[1] else 35, 7, 1))
+    call = fake_call("bwd", bias=bias, attn_bias=FakeArray(bias_shape), bias_requires_grad=True,
+                     deterministic=deterministic)
+    (dbias,), fields, kept = sm90_bwd.RUNTIME.own_outputs(call, {"adds_dbias": 1})
+    assert dbias.shape == (2 // batches, 3 // heads, 5, 7) and elem_strides(dbias)[2] == 8
+    adds = folds != (1, 1) and not deterministic and not expanded
+    assert fields.get("dbias_add", 0) == int(adds)
+    if adds:
+        assert kept == () and made == [("zeros", (2 // batches, 3 // heads, 5, 8))]
+        assert fields["dbias_ptr"] == dbias.data.ptr and "dbias_sum_ptr" not in fields
+    else:  # the kernels' per-plane dbias: the result itself, or (folds) the workspace _dbias_sum reads
+        assert [full.shape for full in kept] == ([] if folds == (1, 1) else [(2, 3, 5, 7)])
 
 
 def test_the_api_folds_what_the_kernels_left_per_plane_in_float32():

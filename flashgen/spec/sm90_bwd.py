@@ -31,7 +31,9 @@ stores through ``dbias_map`` (the bias map's boxes, as wide as the row pitch) at
 its CTAs visit; the rest is the caller's, except where the constant ``zeroes_hidden_dbias`` is 1
 (band bias instances): their main kernel writes the zeros outside the band too, for fixed-length
 batches.  A bias instance's ``_dbias_sum`` kernel then adds dbias's planes over the batch or heads
-where the caller's bias has extent 1 (``dbias_sum_*``), in float, rounded once.
+where the caller's bias has extent 1 (``dbias_sum_*``), in float, rounded once; or, with
+``dbias_add`` (the constant ``adds_dbias``), the main kernel adds its tiles straight into a zeroed
+gradient of the bias's shape by TMA reduce-adds in the input dtype (no planes, no fixed order).
 
 A ``sparse`` instance serves a ``flashgen.block_mask`` of 128 x 128 blocks, the forward's: the CTA of a
 key block visits only the query blocks the mask's transposed lists (``q_*``) give for it, per query
@@ -153,6 +155,7 @@ class Sm90Bwd(Sm90Tile):
         Field("dbias_sum_ptr", "ptr"),
         Field("dbias_sum_batch", "i32"),
         Field("dbias_sum_heads", "i32"),
+        Field("dbias_add", "i32"),
         Field("bias_batch_step", "i32"),
         Field("bias_head_step", "i32"),
         Field("bias_row_step", "i32"),
@@ -173,4 +176,5 @@ class Sm90Bwd(Sm90Tile):
                                                                 Constant("mask_rows", "Kernel::kMaskRows"),
                                                                 Constant("min_queries", "Kernel::kMinQueries"),
                                                                 Constant("zeroes_hidden_dbias",
-                                                                         "Kernel::kZeroesHiddenDbias"))
+                                                                         "Kernel::kZeroesHiddenDbias"),
+                                                                Constant("adds_dbias", "Kernel::kAddsDbias"))

@@ -111,11 +111,13 @@ struct FlashgenAbiCheck_sm90_bwd {
                 "flashgen ABI: Params::dbias_sum_batch moved or changed size; update flashgen/spec/sm90_bwd.py");
   static_assert(offsetof(Params, dbias_sum_heads) == 764 && sizeof(((Params*)nullptr)->dbias_sum_heads) == 4,
                 "flashgen ABI: Params::dbias_sum_heads moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, bias_batch_step) == 768 && sizeof(((Params*)nullptr)->bias_batch_step) == 4,
+  static_assert(offsetof(Params, dbias_add) == 768 && sizeof(((Params*)nullptr)->dbias_add) == 4,
+                "flashgen ABI: Params::dbias_add moved or changed size; update flashgen/spec/sm90_bwd.py");
+  static_assert(offsetof(Params, bias_batch_step) == 772 && sizeof(((Params*)nullptr)->bias_batch_step) == 4,
                 "flashgen ABI: Params::bias_batch_step moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, bias_head_step) == 772 && sizeof(((Params*)nullptr)->bias_head_step) == 4,
+  static_assert(offsetof(Params, bias_head_step) == 776 && sizeof(((Params*)nullptr)->bias_head_step) == 4,
                 "flashgen ABI: Params::bias_head_step moved or changed size; update flashgen/spec/sm90_bwd.py");
-  static_assert(offsetof(Params, bias_row_step) == 776 && sizeof(((Params*)nullptr)->bias_row_step) == 4,
+  static_assert(offsetof(Params, bias_row_step) == 780 && sizeof(((Params*)nullptr)->bias_row_step) == 4,
                 "flashgen ABI: Params::bias_row_step moved or changed size; update flashgen/spec/sm90_bwd.py");
   static_assert(offsetof(Params, bias_map) == 896 && sizeof(((Params*)nullptr)->bias_map) == 128,
                 "flashgen ABI: Params::bias_map moved or changed size; update flashgen/spec/sm90_bwd.py");

@@ -62,4 +62,5 @@ extern "C" __constant__ long long sm90_bwd_f16_k128_q64x128_s2_band_softcap_bias
     (long long)(Kernel::kMaskRows),  // mask_rows
     (long long)(Kernel::kMinQueries),  // min_queries
     (long long)(Kernel::kZeroesHiddenDbias),  // zeroes_hidden_dbias
+    (long long)(Kernel::kAddsDbias),  // adds_dbias
 };

@@ -56,4 +56,5 @@ extern "C" __constant__ long long sm90_bwd_f16_k256_q64x64_s2_softcap_sm90a_meta
     (long long)(Kernel::kMaskRows),  // mask_rows
     (long long)(Kernel::kMinQueries),  // min_queries
     (long long)(Kernel::kZeroesHiddenDbias),  // zeroes_hidden_dbias
+    (long long)(Kernel::kAddsDbias),  // adds_dbias
 };

@@ -136,6 +136,11 @@ struct BwdParams {
   void* dbias_sum_ptr;
   int dbias_sum_batch;
   int dbias_sum_heads;
+  // kBias, nonzero: dbias_map describes the gradient in the caller's bias shape instead, [batch or 1,
+  // heads or 1, num_queries, keys] (the bias_*_step dims folded; zeroed by the caller), and the
+  // boxes are added into it (a TMA reduce-add in the input dtype) at (head * bias_head_step, batch *
+  // bias_batch_step): no per-plane dbias, no dbias_sum(), no hidden zeros to write.
+  int dbias_add;
   int bias_batch_step;
   int bias_head_step;
   int bias_row_step;
@@ -746,8 +751,13 @@ struct BwdKernel {
                                         : reinterpret_cast<char const*>(s.ds + buf * kBlockM * kBlockN) + wg_box_bytes;
         CUTE_UNROLL
         for (int i = 0; i < kBlockM / kBiasBox; ++i) {
-          SM90_TMA_STORE_4D::copy(&p.dbias_map, tile + i * kBiasBoxBytes, key0 + 64 * wg, query0 + kBiasBox * i, head,
-                                  seq.batch);
+          if (p.dbias_add) {
+            SM90_TMA_REDUCE_ADD_4D::copy(&p.dbias_map, tile + i * kBiasBoxBytes, key0 + 64 * wg, query0 + kBiasBox * i,
+                                         head * p.bias_head_step, seq.batch * p.bias_batch_step);
+          } else {
+            SM90_TMA_STORE_4D::copy(&p.dbias_map, tile + i * kBiasBoxBytes, key0 + 64 * wg, query0 + kBiasBox * i, head,
+                                    seq.batch);
+          }
         }
         asm volatile("cp.async.bulk.commit_group;" ::: "memory");
       }
@@ -1355,7 +1365,7 @@ struct BwdKernel {
         }
         if constexpr (kZeroesHiddenDbias) {  // the warps from kFirstZeroWarp on
           int const t = threadIdx.x - kConsumerThreads - 32 * kFirstZeroWarp;
-          if (t >= 0 && p.dbias_ptr != nullptr && p.seqstart_q == nullptr) {
+          if (t >= 0 && p.dbias_ptr != nullptr && !p.dbias_add && p.seqstart_q == nullptr) {
             zero_hidden_dbias(p, seq, n_block, head_kv, st, t);
           }
         }
@@ -1375,6 +1385,9 @@ struct BwdKernel {
   // need not clear all of dbias first (causal: twice the bytes, before the kernel).
   // Fixed-length batches only: the runtime clears a packed batch's dbias.
   static constexpr bool kZeroesHiddenDbias = kBias && kBand;
+  // Bias instances can add dbias into the bias's own shape (BwdParams::dbias_add): the manifest's
+  // adds_dbias tells the runtime.
+  static constexpr bool kAddsDbias = kBias;
   static constexpr int kFirstZeroWarp = kDqReduceWarps ? 1 + kWarpGroups : 1;
   static constexpr int kZeroThreads = 32 * (4 - kFirstZeroWarp);
   static_assert(!kZeroesHiddenDbias || kZeroThreads > 0, "a producer warp is left for dbias's zeros");

@@ -5,10 +5,11 @@ main kernel accumulates dQ in float32 and writes dK, dV; the convert kernel turn
 the dQ accumulator into dq.  The outputs and that workspace are carved from one
 allocation (``layout``), so a training step costs one pool call per backward.
 ``ThreeKernelBackward`` launches the three and replays their plan, for this family and for
-sm80_bwd, whose kernels keep the same contract (dbias included).  This family's bias instances have
-a fourth kernel, ``_dbias_sum``: where the caller's bias broadcasts over the batch or heads it adds
-dbias's planes into the gradient of the bias's shape, which a training step with a per-head bias
-would otherwise sum in torch (5 ms for [4, 32, 4096, 4096] on an H200, far below memory speed).
+sm80_bwd, whose kernels keep the same contract (dbias included).  Where the caller's bias broadcasts
+over the batch or heads, this family's bias instances add their dbias tiles into the gradient of the
+bias's shape (TMA reduce-adds), which a training step with a per-head bias would otherwise sum in
+torch (5 ms for [4, 32, 4096, 4096] on an H200, far below memory speed); with ``deterministic`` they
+write per-plane dbias and a fourth kernel, ``_dbias_sum``, adds the planes in a fixed order.
 
 A call with a ``block_mask`` runs here, sparse, when a ``sparse`` instance reads the mask's blocks and
 the call has nothing such an instance lacks (``block_mask_refusal``); else the mask goes dense
@@ -110,32 +111,44 @@ class ThreeKernelBackward:
         dq, dk, dv: dbias where the call asks for it; ``launch`` returns the arrays after dq, dk, dv, and
         plans none of those calls.  Where the family sums dbias (``SUMS_DBIAS``) over the dims the
         caller's bias broadcasts in, the array is the sum and the workspace the kernels' dbias, which
-        the launch keeps to the ``_dbias_sum`` kernel that reads it."""
-        dbias = self.dbias(call, kc)
-        if dbias is None:
+        the launch keeps to the ``_dbias_sum`` kernel that reads it -- unless the kernels add their tiles
+        into the sum themselves (constant ``adds_dbias``; not with ``deterministic``, whose sums must
+        repeat bit for bit): then the sum, zeroed, is all there is.  The kernels add a tile where they
+        read the bias's (batch and head times ``bias_*_step``), which is the sum's plane only where the
+        dims the sum folds are the dims the bias is read at stride 0: not for a bias the caller expanded
+        to the full batch at stride 0, which wants a gradient per batch."""
+        if not call.options["bias_requires_grad"]:
             return (), {}, ()
+        p, bias = call.p, call.bias
+        batches, heads = dbias_folds(call.options["attn_bias"], p.B, p.H)
+        folded = (p.B // batches, p.H // heads)
+        reads_folded = all(n == 1 or (fold > 1) == (stride == 0)
+                           for n, fold, stride in ((p.B, batches, bias.strides[0]), (p.H, heads, bias.strides[1])))
+        if (self.SUMS_DBIAS and batches * heads > 1 and kc.get("adds_dbias") and reads_folded
+                and not call.options["deterministic"]):
+            summed = self.dbias(call, kc, planes=folded)
+            return (summed,), dict(dbias_fields(summed), dbias_add=1), ()
+        dbias = self.dbias(call, kc)
         fields = dbias_fields(dbias)
-        batches, heads = dbias_folds(call.options["attn_bias"], call.p.B, call.p.H)
-        if not self.SUMS_DBIAS or batches * heads == 1 or (call.p.B // batches) * (call.p.H // heads) > MAX_GRID_Y:
+        if not self.SUMS_DBIAS or batches * heads == 1 or folded[0] * folded[1] > MAX_GRID_Y:
             return (dbias,), fields, ()
         rows = (dbias.shape[2], elem_strides(dbias)[2])  # M rows of the kernels' padded pitch
-        summed = cupy_module().empty((call.p.B // batches, call.p.H // heads) + rows, dtype=dbias.dtype)
+        summed = cupy_module().empty(folded + rows, dtype=dbias.dtype)
         summed = summed[..., :dbias.shape[3]]
         return (summed,), dict(fields, dbias_sum_ptr=summed.data.ptr, dbias_sum_batch=batches,
                                dbias_sum_heads=heads), (dbias,)
 
     @staticmethod
-    def dbias(call: Call, kc: dict):
-        """dbias [B, H, M, N] in q's dtype as example 41 returns it (rows padded to 8 elements), or None
-        when not asked for.  The kernels write every (query, key) they visit: all of them without a
-        band mask; band calls need zeros where no query sees a key, which kernels with the constant
-        ``zeroes_hidden_dbias`` write themselves for fixed-length batches, and the rest get cleared."""
-        if not call.options["bias_requires_grad"]:
-            return None
+    def dbias(call: Call, kc: dict, planes=None):
+        """dbias [B, H, M, N] in q's dtype as example 41 returns it (rows padded to 8 elements).  The
+        kernels write every (query, key) they visit: all of them without a band mask; band calls need
+        zeros where no query sees a key, which kernels with the constant ``zeroes_hidden_dbias`` write
+        themselves for fixed-length batches, and the rest get cleared.  With ``planes`` (batches,
+        heads), the zeroed sum of that many planes the kernels add into (``dbias_add``)."""
         cupy, p = cupy_module(), call.p
         band = p.mask != 0 or p.window is not None
-        cleared = band and not (kc.get("zeroes_hidden_dbias") and p.seqstart_q is None)
-        shape = (p.B, p.H, call.q.shape[1], -(-call.k.shape[1] // 8) * 8)
+        cleared = planes is not None or (band and not (kc.get("zeroes_hidden_dbias") and p.seqstart_q is None))
+        shape = (planes or (p.B, p.H)) + (call.q.shape[1], -(-call.k.shape[1] // 8) * 8)
         return (cupy.zeros if cleared else cupy.empty)(shape, dtype=call.q.dtype)[..., :call.k.shape[1]]
 
     def encode(self, params, call: Call, kc: dict, dbias) -> None:
