@@ -249,7 +249,7 @@ def checked_bias(cupy, attn_bias, c: Problem, q, rows: int, cols: int):
     if copied:
         # the kernels read bias rows with 16-byte loads: copy into rows padded to 8 elements, only the
         # caller's own extents (a bias shared by the batch stays one plane, read as such, broadcast again)
-        own = tuple(1 if extent == 1 else n for extent, n in zip((1,) * (4 - b.ndim) + b.shape, shape[:3])) + (cols,)
+        own = ((1,) * (4 - b.ndim) + tuple(b.shape))[:3] + (cols,)  # (broadcast_to passed: each extent 1 or whole)
         padded = padded_rows(cupy, own, b.dtype)
         padded[...] = cupy.broadcast_to(b, own)
         full = cupy.broadcast_to(padded, shape)

@@ -105,9 +105,9 @@ def encode_bias_map(params: np.ndarray, bias, p: Problem) -> None:
 
 def encode_dbias_map(params: np.ndarray, dbias, p: Problem) -> None:
     """Encode ``dbias_map``, through which sm90_bwd's bias instances store dbias [B, H, M, N] in the
-    bias's boxes, where the call wants it: as wide as a row's padded pitch, so that the masked keys'
-    zeros fill the padding past N (``_dbias_sum`` reads it with a row's last 16 bytes) instead of
-    leaving it unwritten."""
+    bias's boxes (or, with ``dbias_add``, add them into the bias's shape), where the call wants it: as
+    wide as a row's padded pitch, so that the masked keys' zeros fill the padding past N
+    (``_dbias_sum`` reads it with a row's last 16 bytes) instead of leaving it unwritten."""
     if dbias is not None:
         (B, H, M, _), (sb, sh, sm, sn) = dbias.shape, dbias.strides
         view = tensormap.View((B, M, H, sm // dbias.itemsize), (sb, sm, sh, sn), dbias.itemsize, dbias.data)
