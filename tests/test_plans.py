@@ -287,22 +287,64 @@ def test_bias_calls_take_plans_that_match_the_full_path(case):
 
 
 @gpu
-def test_bias_copies_and_bias_gradients_leave_no_plan():
-    """A bias whose rows validation re-pads (7 keys a row: not 16-byte rows) is a per-call copy, and
-    a dbias output is never replayed: neither call leaves a plan, and both stay right."""
-    r = np.random.default_rng(12)
-    q, do = randn(r, (1, 40, 2, 64), "f16"), randn(r, (1, 40, 2, 64), "f16")
-    k, v = randn(r, (1, 7, 2, 64), "f16"), randn(r, (1, 7, 2, 64), "f16")
-    bias = make_bias(r, "f16", 1, 2, 40, 7)
+@pytest.mark.parametrize("case", BIAS_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_bias_gradients_replay_plans_that_remake_dbias(case):
+    """A repeated call with bias_requires_grad replays a plan that remakes dbias (zeroed where the
+    kernels add into it or leave a band's holes) in a poisoned pool: new data gives the reference's
+    gradients, each of the full path's shape and strides."""
+    dtype, B, M, N, H, K, broadcast, causal = case
+    r = np.random.default_rng(13)
     plans.clear()
-    for _ in range(2):
-        out, lse = flashgen.attention_forward(q, k, v, attn_bias=bias)
-        grads = flashgen.attention_backward(do, q, k, v, out, lse, attn_bias=bias, bias_requires_grad=True)
-    assert not plans._plans
-    ref_out, _, ref_grads = reference(q, k, v, bias=bias, grad_out=do)
-    assert rel_err(out, ref_out) < FWD_TOL["f16"]
-    for g, want in zip(grads, ref_grads):
-        assert rel_err(g, want) < BWD_TOL["f16"]
+
+    def inputs():
+        q, k, v, do = (randn(r, shape, dtype) for shape in ((B, M, H, K), (B, N, H, K), (B, N, H, K), (B, M, H, K)))
+        return q, k, v, do, make_bias(r, dtype, B, H, M, N, broadcast)
+
+    def call(q, k, v, do, bias):
+        with poisoned_allocations():
+            out, lse = flashgen.attention_forward(q, k, v, attn_bias=bias, causal=causal)
+            return flashgen.attention_backward(do, q, k, v, out, lse, attn_bias=bias, bias_requires_grad=True,
+                                               causal=causal)
+
+    first = inputs()
+    call(*first)  # the full path
+    made = [plan for key, plan in plans._plans.items() if key[0] == "bwd"]
+    served = next(n for n, _, w in flashgen.explain(*first[:3], attn_bias=first[4], causal=causal, backward=True)
+                  if w == "selected")
+    if served.startswith("sm90_bwd_"):
+        assert [plan.sizes.get("dbias") is not None for plan in made] == [True], "no plan remakes dbias"
+    args = inputs()
+    planned = call(*args)
+    ref_grads = reference(*args[:3], bias=args[4], causal=causal, grad_out=args[3])[2]
+    dbias = planned[3].sum(axis=2, keepdims=True) if "M" in broadcast else planned[3]  # the API keeps M whole
+    for g, want in zip(planned[:3] + (dbias,), ref_grads):
+        assert rel_err(g, want) < BWD_TOL[dtype]
+    plans.clear()
+    fresh = call(*args)
+    for a, b in zip(planned, fresh):
+        assert a.shape == b.shape and a.strides == b.strides
+
+
+@gpu
+def test_bias_copies_and_summed_planes_leave_no_plan():
+    """A bias whose rows validation re-pads (7 keys a row: not 16-byte rows) is a per-call copy, and
+    deterministic dbias planes of a broadcast bias go through a fourth kernel (_dbias_sum): neither
+    call leaves a backward plan, and both stay right."""
+    r = np.random.default_rng(12)
+    q, do = randn(r, (2, 40, 2, 64), "f16"), randn(r, (2, 40, 2, 64), "f16")
+    for N, deterministic in ((7, False), (64, True)):
+        k, v = randn(r, (2, N, 2, 64), "f16"), randn(r, (2, N, 2, 64), "f16")
+        bias = make_bias(r, "f16", 2, 2, 40, N, "B")
+        plans.clear()
+        for _ in range(2):
+            out, lse = flashgen.attention_forward(q, k, v, attn_bias=bias)
+            grads = flashgen.attention_backward(do, q, k, v, out, lse, attn_bias=bias, bias_requires_grad=True,
+                                                deterministic=deterministic)
+        assert not [key for key in plans._plans if key[0] == "bwd"]
+        ref_out, _, ref_grads = reference(q, k, v, bias=bias, grad_out=do)
+        assert rel_err(out, ref_out) < FWD_TOL["f16"]
+        for g, want in zip(grads, ref_grads):
+            assert rel_err(g, want) < BWD_TOL["f16"]
 
 
 class FakeTensor:

@@ -259,3 +259,77 @@ def test_the_api_folds_what_the_kernels_left_per_plane_in_float32():
     assert np.array_equal(both, full.astype(np.float32).sum((0, 1), keepdims=True).astype(np.float16))
     assert validate.fold_dbias(np, batch, FakeArray((1, 3, 5, 7)), 2, 3) is batch  # summed by sm90's kernel
     assert validate.fold_dbias(np, full, FakeArray((2, 3, 1, 7)), 2, 3) is full  # no broadcast batch or heads
+
+
+@pytest.mark.parametrize("family,bias_shape,kc,options,recipe", [
+    ("sm90_bwd", (1, 3, 5, 7), {"adds_dbias": 1}, {}, ((1, 3, 5, 8), True)),       # added into: zeroed
+    ("sm90_bwd", (2, 3, 5, 7), {}, {}, ((2, 3, 5, 8), False)),                     # every tile stored
+    ("sm90_bwd", (2, 3, 5, 7), {}, {"causal": "top_left"}, ((2, 3, 5, 8), True)),  # band holes to clear
+    ("sm90_bwd", (1, 3, 5, 7), {"adds_dbias": 1}, {"deterministic": True}, None),  # planes for _dbias_sum
+    ("sm90_bwd", (1, 3, 5, 7), {}, {}, None),                                      # stale kernels: _dbias_sum
+    ("sm80_bwd", (1, 3, 5, 7), {}, {}, None),                                      # planes the API folds
+    ("sm80_bwd", (2, 3, 5, 7), {}, {}, ((2, 3, 5, 8), False)),
+    ("sm90_bwd", (1, 3, 5, 7), {"adds_dbias": 1}, {"bias_requires_grad": False}, None),
+])
+def test_a_replay_remakes_dbias_only_where_the_launch_leaves_it_final(monkeypatch, family, bias_shape, kc, options,
+                                                                    recipe):
+    """A dbias call is planned (``replayable_dbias``) where the kernels' one array is the gradient the
+    API returns: added into (zeroed) or stored whole; not where a fourth kernel sums planes or the
+    API folds them."""
+    from flashgen.runtime.families import sm80_bwd
+
+    runtime = {"sm90_bwd": sm90_bwd, "sm80_bwd": sm80_bwd}[family].RUNTIME
+    allocate = lambda shape, dtype: np.zeros(shape, dtype=dtype).view(DeviceLike)  # noqa: E731
+    monkeypatch.setattr(sm90_bwd, "cupy_module", lambda: SimpleNamespace(empty=allocate, zeros=allocate))
+    folded = tuple(0 if n == 1 else s for n, s in zip(bias_shape, (105, 35, 7, 1)))
+    options = dict(dict(bias_requires_grad=True, deterministic=False), **options)
+    call = fake_call("bwd", bias=FakeArray((2, 3, 5, 7), strides=folded), attn_bias=FakeArray(bias_shape), **options)
+    extra, fields, workspace = runtime.own_outputs(call, kc)
+    assert runtime.replayable_dbias(call, kc, extra, fields, workspace) == recipe
+
+
+class ReplayMemory:
+    """numpy stand-ins for a caller's memory: carved arrays and zeroed ones, each at its own address."""
+
+    def __init__(self):
+        self.zeroed = []
+
+    ptr = staticmethod(lambda x: x.data.ptr)
+
+    def empty(self, shape, near):
+        return np.full(shape, np.nan, dtype=np.float16).view(DeviceLike)
+
+    def zeros(self, shape, near, stream):
+        self.zeroed.append((shape, stream))
+        return np.zeros(shape, dtype=np.float16).view(DeviceLike)
+
+    def carve(self, pieces, workspace_at, total, stream):
+        return [self.empty(shape, near) for _, shape, near in pieces], 0x1000, None
+
+    def stream(self, stream, device):
+        return 77
+
+
+@pytest.mark.parametrize("remade", [((1, 3, 5, 8), True), ((2, 3, 5, 8), False)])
+def test_a_replay_points_the_dbias_map_after_the_bias_and_its_pointer_last(monkeypatch, remade):
+    """The plan's tensor maps are (q, k, v, dO, bias, dbias) and its pointers end with dbias_ptr after
+    any trailing arrays' (``launch``'s order): the replay hands dbias's address to both, zeroes it on
+    the launch's stream only where the recipe says, and returns it N keys wide."""
+    import contextlib
+
+    monkeypatch.setattr(sm90_bwd, "on_device", lambda cupy, device: contextlib.nullcontext())
+    monkeypatch.setattr(sm90_bwd, "cupy_module", lambda: None)
+    launched = []
+    plan = SimpleNamespace(sizes={"layout": (0,) * 7, "trailing": 1, "dbias": remade}, device=0,
+                           launch=lambda pointers, seed, offset, stream: launched.append((pointers, stream)))
+    arrays = [np.zeros(s, dtype=np.float16).view(DeviceLike) for s in
+              [(2, 5, 3, 64), (2, 5, 3, 64), (2, 7, 3, 64), (2, 7, 3, 64), (2, 5, 3, 64), (2, 3, 8), (1, 3, 5, 8), (4,)]]
+    grad_out, q, k, v, out, lse, bias, mask = arrays
+    memory = ReplayMemory()
+    *_, dbias = sm90_bwd.RUNTIME.replay(plan, memory, arrays, None, 0, None)
+    (pointers, stream), = launched
+    ptr = memory.ptr
+    assert dbias.shape == remade[0][:3] + (7,) and stream == 77
+    assert memory.zeroed == ([(remade[0], 77)] if remade[1] else [])
+    assert pointers[:6] == (ptr(q), ptr(k), ptr(v), ptr(grad_out), ptr(bias), ptr(dbias))
+    assert pointers[6:9] == (ptr(out), ptr(grad_out), ptr(lse)) and pointers[-2:] == (ptr(mask), ptr(dbias))

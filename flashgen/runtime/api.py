@@ -146,14 +146,14 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
     cupy = cupy_module()
     registry = registry or default_registry()
     memory, key = memory_for(q, cupy), None
-    if memory is not None and not bias_requires_grad and cu_seqlens_q is None and cu_seqlens_k is None:
+    if memory is not None and cu_seqlens_q is None and cu_seqlens_k is None:
         # as in the forward: a block mask's (transposed) arrays end the signature, its block size joins the
         # options, and so do a score mod's captured tensors
         sparse = () if block_mask is None else _mask_arrays(memory, block_mask, "backward_arrays")
         captured, names = _mod_arrays(score_mod, mod_tensors)
         arrays = (grad_out, q, k, v, out, lse) + (() if attn_bias is None else (attn_bias,)) + sparse + captured
         key, plan = plans.find(memory.signature, "bwd", arrays, (causal, scale, dropout_p, window, softcap,
-                                                                   deterministic, registry,
+                                                                   deterministic, bias_requires_grad, registry,
                                                                    getattr(block_mask, "block", None), score_mod,
                                                                    names))
         if plan is not None:

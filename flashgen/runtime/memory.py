@@ -35,6 +35,12 @@ class CupyMemory:
     def full_f32(self, shape, value: float, near):
         return self.cupy.full(shape, value, dtype=self.cupy.float32)
 
+    def zeros(self, shape, near, stream: int):
+        """``empty``'s array cleared in the order of the CUDA stream handle ``stream`` (the launch's)."""
+        x = self.empty(shape, near)
+        self.cupy.cuda.runtime.memsetAsync(x.data.ptr, 0, x.nbytes, stream)
+        return x
+
     def carve(self, pieces, workspace_at: int, total: int, stream: int):
         """Contiguous arrays ``(byte offset, shape, like)`` (like's dtype; float32 for like=None)
         and a workspace of bytes ``workspace_at:total``, laid out as one allocation of ``total``
@@ -112,6 +118,15 @@ class TorchMemory:
 
     def full_f32(self, shape, value: float, near):
         return near.new_full(shape, value, dtype=self.torch.float32)
+
+    def zeros(self, shape, near, stream: int):
+        """``empty``'s tensor cleared in the order of the CUDA stream handle ``stream`` (the launch's,
+        which need not be torch's current one)."""
+        from cupy.cuda import runtime
+
+        x = self.empty(shape, near)
+        runtime.memsetAsync(x.data_ptr(), 0, x.nbytes, stream)
+        return x
 
     def carve(self, pieces, workspace_at: int, total: int, stream: int):
         """As CuPy's, but each array its own tensor (views cost torch as much Python as

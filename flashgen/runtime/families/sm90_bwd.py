@@ -19,6 +19,7 @@ replay reads the call's own mask.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Tuple
 
 from flashgen.runtime import dropout, plans
@@ -96,6 +97,7 @@ class ThreeKernelBackward:
     BIAS_MAPS: Tuple[str, ...] = ()
     BIAS_AT = 0
     SUMS_DBIAS = False  # its bias instances have a ``_dbias_sum`` kernel (dbias_folds' sums on the GPU)
+    DBIAS_MAPS: Tuple[str, ...] = ()  # dbias's tensor map, if the kernels store it by one (after the bias's)
 
     def own_fields(self, call: Call) -> Tuple[dict, dict]:
         """(int32 fields, other fields) that only this family's Params has."""
@@ -108,8 +110,8 @@ class ThreeKernelBackward:
 
     def own_outputs(self, call: Call, kc: dict) -> Tuple[tuple, dict, tuple]:
         """(arrays, their Params fields, workspace) of what the kernels (constants ``kc``) write beside
-        dq, dk, dv: dbias where the call asks for it; ``launch`` returns the arrays after dq, dk, dv, and
-        plans none of those calls.  Where the family sums dbias (``SUMS_DBIAS``) over the dims the
+        dq, dk, dv: dbias where the call asks for it; ``launch`` returns the arrays after dq, dk, dv
+        (and plans the call where a replay can remake them: ``replayable_dbias``).  Where the family sums dbias (``SUMS_DBIAS``) over the dims the
         caller's bias broadcasts in, the array is the sum and the workspace the kernels' dbias, which
         the launch keeps to the ``_dbias_sum`` kernel that reads it -- unless the kernels add their tiles
         into the sum themselves (constant ``adds_dbias``; not with ``deterministic``, whose sums must
@@ -139,17 +141,24 @@ class ThreeKernelBackward:
                                dbias_sum_heads=heads), (dbias,)
 
     @staticmethod
-    def dbias(call: Call, kc: dict, planes=None):
-        """dbias [B, H, M, N] in q's dtype as example 41 returns it (rows padded to 8 elements).  The
-        kernels write every (query, key) they visit: all of them without a band mask; band calls need
-        zeros where no query sees a key, which kernels with the constant ``zeroes_hidden_dbias`` write
-        themselves for fixed-length batches, and the rest get cleared.  With ``planes`` (batches,
-        heads), the zeroed sum of that many planes the kernels add into (``dbias_add``)."""
-        cupy, p = cupy_module(), call.p
+    def dbias_recipe(call: Call, kc: dict, planes=None) -> Tuple[tuple, bool]:
+        """(shape, zeroed) of the array the kernels write dbias into: [B, H, M, N] in q's dtype as example
+        41 returns it, rows padded to 8 elements.  The kernels write every (query, key) they visit: all of
+        them without a band mask; band calls need zeros where no query sees a key, which kernels with the
+        constant ``zeroes_hidden_dbias`` write themselves for fixed-length batches, and the rest get
+        cleared.  With ``planes`` (batches, heads), the zeroed sum of that many planes the kernels add
+        into (``dbias_add``)."""
+        p = call.p
         band = p.mask != 0 or p.window is not None
-        cleared = planes is not None or (band and not (kc.get("zeroes_hidden_dbias") and p.seqstart_q is None))
-        shape = (planes or (p.B, p.H)) + (call.q.shape[1], -(-call.k.shape[1] // 8) * 8)
-        return (cupy.zeros if cleared else cupy.empty)(shape, dtype=call.q.dtype)[..., :call.k.shape[1]]
+        zeroed = planes is not None or (band and not (kc.get("zeroes_hidden_dbias") and p.seqstart_q is None))
+        return tuple(planes or (p.B, p.H)) + (call.q.shape[1], -(-call.k.shape[1] // 8) * 8), zeroed
+
+    @staticmethod
+    def dbias(call: Call, kc: dict, planes=None):
+        """dbias as ``dbias_recipe`` lays it out, N keys wide (a view of the padded rows)."""
+        shape, zeroed = ThreeKernelBackward.dbias_recipe(call, kc, planes)
+        cupy = cupy_module()
+        return (cupy.zeros if zeroed else cupy.empty)(shape, dtype=call.q.dtype)[..., :call.k.shape[1]]
 
     def encode(self, params, call: Call, kc: dict, dbias) -> None:
         """Write what ``fill`` cannot (tensor maps) into the filled ``params``; ``dbias`` is the array
@@ -174,7 +183,8 @@ class ThreeKernelBackward:
                                                                           memory.stream(call.stream, p.device))
         os_, gos, ls = elem_strides(out), elem_strides(grad_out), elem_strides(lse)
         own_int32, own = self.own_fields(call)
-        extra, extra_fields, dbias_planes = self.own_outputs(call, kc)
+        with call.stream or contextlib.nullcontext():  # a zeroed dbias is cleared in the launches' stream order
+            extra, extra_fields, dbias_planes = self.own_outputs(call, kc)
         strides = dict(out_stride_m=os_[1], out_stride_h=os_[2], dout_stride_m=gos[1], dout_stride_h=gos[2],
                        dq_stride_m=p.H * p.K, dq_stride_h=p.K, dkv_stride_n=k.shape[2] * p.K, dkv_stride_h=p.K,
                        lse_stride_b=ls[0], lse_stride_h=ls[1], **own_int32)
@@ -199,20 +209,36 @@ class ThreeKernelBackward:
             launch(call.registry, binary, p.device, (-(-plane_chunks // kc["aux_threads"]),
                    summed.shape[0] * summed.shape[1]), aux_block, params, call.stream, "_dbias_sum")
         zero_unpacked_rows(p, dq, dk, dv)
-        if extra:  # never planned (api.py plans no call that asks for dbias): a replay returns dq, dk, dv
-            return (dq, dk, dv) + extra
+        remade = self.replayable_dbias(call, kc, extra, extra_fields, dbias_planes)
         # a bias's map or pointer where BIAS_AT says (replay: the arrays in order); a block mask's pointers, or
-        # a score mod's tensors', follow POINTERS (their arrays end the replayed ones: the plan's ``trailing``)
-        if plan_key is not None:
+        # a score mod's tensors', follow POINTERS (their arrays end the replayed ones: the plan's ``trailing``);
+        # dbias's map follows the bias's, its pointer ends them all
+        if plan_key is not None and (not extra or remade is not None):
             entry = lambda name: handle(call.registry, binary, p.device, name)  # noqa: E731
             maps, pointers = (self.MAPS, self.POINTERS) if call.bias is None else (self.BIAS_MAPS, self.BIAS_POINTERS)
             trailing = trailing_pointers(call)
+            sizes = {"layout": tuple(offsets), "trailing": len(trailing)}
+            if remade is not None:
+                maps, trailing, sizes["dbias"] = maps + self.DBIAS_MAPS, trailing + ("dbias_ptr",), remade
             plans.remember(plan_key, plans.LaunchPlan.from_params(
                 entry(""), p.device, grid, block, kc["shared_memory_bytes"], params, pointers + trailing,
-                p.dropout_p > 0, {"layout": tuple(offsets), "trailing": len(trailing)}, tensor_maps=maps,
-                family=self.name, before=[(entry("_prep"), aux_grid, aux_block)],
-                after=[(entry("_convert"), aux_grid, aux_block)], rng_fields=dropout.RNG_FIELDS))
-        return dq, dk, dv
+                p.dropout_p > 0, sizes, tensor_maps=maps, family=self.name,
+                before=[(entry("_prep"), aux_grid, aux_block)], after=[(entry("_convert"), aux_grid, aux_block)],
+                rng_fields=dropout.RNG_FIELDS))
+        return (dq, dk, dv) + extra
+
+    def replayable_dbias(self, call: Call, kc: dict, extra: tuple, fields: dict, workspace: tuple):
+        """The ``dbias_recipe`` a replay remakes the call's dbias from, or None where a replay could not
+        stand in for the launch: no dbias asked for, planes ``_dbias_sum`` reads (a fourth launch), or
+        planes the API still has to fold (``fold_dbias``)."""
+        if not extra or workspace:
+            return None
+        p = call.p
+        batches, heads = dbias_folds(call.options["attn_bias"], p.B, p.H)
+        planes = extra[0].shape[:2]
+        if planes != (p.B // batches, p.H // heads):
+            return None
+        return self.dbias_recipe(call, kc, planes if fields.get("dbias_add") else None)
 
     def replay(self, plan, memory, arrays, seed, offset, stream):
         lead = len(arrays) - plan.sizes.get("trailing", 0)  # a block mask's or a mod's arrays end ``arrays``
@@ -221,12 +247,20 @@ class ThreeKernelBackward:
         given = self.replay_pointers(ptr, q, k, v, out, grad_out, lse)
         if bias:  # its address where the plan was made to take it
             given = given[:self.BIAS_AT] + (ptr(bias[0]),) + given[self.BIAS_AT:]
+        remade = plan.sizes.get("dbias")
         with on_device(cupy_module(), plan.device):
             handle_ = memory.stream(stream, plan.device)
             dq, dk, dv, carved, workspace = buffers(memory, plan.sizes["layout"], q, k, v, handle_)
-            plan.launch(given + carved + tuple(map(ptr, trailing)), seed, offset, handle_)
+            tail = tuple(map(ptr, trailing))
+            if remade is not None:
+                shape, zeroed = remade
+                padded = memory.zeros(shape, q, handle_) if zeroed else memory.empty(shape, q)
+                at = self.BIAS_AT + 1  # the bias's map, then dbias's
+                given = given[:at] + (ptr(padded),) * len(self.DBIAS_MAPS) + given[at:]
+                tail += (ptr(padded),)
+            plan.launch(given + carved + tail, seed, offset, handle_)
             del workspace  # after the launch: the allocator reuses it in stream order
-        return dq, dk, dv
+        return (dq, dk, dv) if remade is None else (dq, dk, dv, padded[..., :k.shape[1]])
 
 
 class Sm90BwdRuntime(ThreeKernelBackward, HopperFamily):
@@ -237,6 +271,7 @@ class Sm90BwdRuntime(ThreeKernelBackward, HopperFamily):
     BIAS_POINTERS = POINTERS
     BIAS_MAPS = MAPS + ("bias_map",)
     BIAS_AT = len(MAPS)
+    DBIAS_MAPS = ("dbias_map",)
     reads_block_masks = True
 
     def block_mask_refusal(self, call: Call):
