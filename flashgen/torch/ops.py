@@ -278,8 +278,8 @@ class EagerAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         if grad_out is None:  # only lse (not differentiable) reached the loss
             return None, None, None, None, None, None, None
-        if ctx.plan is not None and not ctx.needs_input_grad[3]:
-            return _replayed_gradients(ctx, grad_out) + (None, None, None, None)
+        if ctx.plan is not None:
+            return _replayed_gradients(ctx, grad_out) + (None, None, None)
         return _gradients(ctx, grad_out, _grads) + (None, None, None)
 
 
@@ -306,29 +306,33 @@ def _replayed_forward(plan, q, k, v, attn_bias, options: tuple) -> Tuple[Tensor,
     return families.replay(plan, memory_for(q, cupy_module()), arrays, seed if dropout_p else None, offset, None)
 
 
-def _replayed_gradients(ctx, grad_out: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of a step whose forward replayed the launch plan ``ctx.plan``.
+def _replayed_gradients(ctx, grad_out: Tensor) -> tuple:
+    """dq, dk, dv, dbias (None unless the bias requires grad) of a step whose forward replayed the
+    launch plan ``ctx.plan``.
 
     Such a forward laid out out and lse as its plan lays them out, and autograd hands the backward
     a grad_out of out's shape, dtype and device; so the forward plan, grad_out's strides and
-    alignment and ``deterministic`` decide the backward's plan.  The forward plan keeps it
-    (``followers``) after the first such backward, which takes the runtime's path; later ones
-    replay it without the lookup by the signature of six tensors (a fifth of the backward's
-    host time on a small problem)."""
+    alignment, ``deterministic`` and whether dbias is wanted decide the backward's plan.  The
+    forward plan keeps it (``followers``) after the first such backward, which takes the runtime's
+    path; later ones replay it without the lookup by the signature of six or seven tensors (a fifth
+    of the backward's host time on a small problem)."""
     q, k, v, attn_bias, out, lse = ctx.saved_tensors  # (eager calls save no captured tensors)
     if grad_out.stride(-1) != 1:  # as _grads: the kernels need a contiguous head dim
         grad_out = grad_out.contiguous()
     dropout_p, seed, offset, *_, deterministic = ctx.options[5:]
-    follower = (grad_out.stride(), grad_out.data_ptr() % plans.ALIGNMENT_BYTES, deterministic)
+    bias_grad = attn_bias is not None and ctx.needs_input_grad[3]
+    follower = (grad_out.stride(), grad_out.data_ptr() % plans.ALIGNMENT_BYTES, deterministic, bias_grad)
     plan = ctx.plan.followers.get(follower)
     if plan is None:
-        dq, dk, dv, _ = _grads(grad_out, q, k, v, out, lse, attn_bias, False, None, None, *ctx.options[3:])
+        grads = _grads(grad_out, q, k, v, out, lse, attn_bias, bias_grad, None, None, *ctx.options[3:])
         made = plans.served()
         if made is not None:
             ctx.plan.followers[follower] = made
-        return dq, dk, dv
-    arrays = (grad_out, q, k, v, out, lse) if attn_bias is None else (grad_out, q, k, v, out, lse, attn_bias)
-    return families.replay(plan, memory_for(q, cupy_module()), arrays, seed if dropout_p else None, offset, None)
+    else:
+        arrays = (grad_out, q, k, v, out, lse) if attn_bias is None else (grad_out, q, k, v, out, lse, attn_bias)
+        grads = families.replay(plan, memory_for(q, cupy_module()), arrays, seed if dropout_p else None, offset, None)
+    dbias = grads[3].sum_to_size(attn_bias.shape) if bias_grad else None
+    return grads[0], grads[1], grads[2], dbias
 
 
 # torch's C apply, under Function.apply's Python layer: that layer only serves functorch transforms
