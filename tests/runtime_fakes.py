@@ -97,8 +97,8 @@ def write_build(directory: Path, kernels, schema_version=manifest.SCHEMA_VERSION
     directory.mkdir(parents=True, exist_ok=True)
     entries, files = {}, {}
     for spec, targets in kernels:
-        entry = {"name": spec.name, "family": spec.FAMILY, "params": spec.params, "symbol": spec.name,
-                 "meta_symbol": spec.meta_symbol, "targets": {}}
+        entry = {"name": spec.name, "family": spec.FAMILY, "params": spec.params, "abi": spec.abi_digest(),
+                 "symbol": spec.name, "meta_symbol": spec.meta_symbol, "targets": {}}
         for target, consts in targets.items():
             kind = "ptx" if target.startswith("compute") else "cubin"
             rel = f"{target}/{spec.name}.{kind}"

@@ -200,18 +200,24 @@ def test_kernel_built_outside_its_arch_range_traps_with_a_message(toolchain, tmp
 
 def test_an_earlier_manifest_keeps_only_kernels_this_flashgen_still_describes(tmp_path):
     """A later `flashgen build` into the same directory carries earlier entries on -- except ones
-    whose params no longer make a kernel of that name (a family changed its axes), which the
-    runtime would refuse to load and a rebuild could never replace."""
+    whose params no longer make a kernel of that name (a family changed its axes) or that were
+    built for another Params layout (or before manifests recorded it), which the runtime would
+    refuse to load and a rebuild could never replace."""
     current = next(k for k in default_kernels() if k.FAMILY == "sm90_bwd")
     (tmp_path / "a.cubin").write_bytes(b"a")
     target = {"sm90a": {"cubin": "a.cubin", "sha256": sha256_file(tmp_path / "a.cubin")}}
     stale_params = {k: v for k, v in current.params.items() if k not in ("band", "softcap")}
+    abi = current.abi_digest()
     old = {"toolchain": {"nvcc": "x"}, "kernels": [
-        {"name": current.name, "family": current.FAMILY, "params": current.params, "targets": target},
+        {"name": current.name, "family": current.FAMILY, "params": current.params, "abi": abi, "targets": target},
         {"name": "sm90_bwd_f16_k64_q128x128_s2_causal_sm90a", "family": "sm90_bwd",
-         "params": dict(stale_params, causal=True), "targets": target},
-        {"name": "renamed", "family": current.FAMILY, "params": current.params, "targets": target},
+         "params": dict(stale_params, causal=True), "abi": abi, "targets": target},
+        {"name": "renamed", "family": current.FAMILY, "params": current.params, "abi": abi, "targets": target},
+        {"name": current.name, "family": current.FAMILY, "params": current.params, "abi": "0" * 16,
+         "targets": target},
+        {"name": current.name, "family": current.FAMILY, "params": current.params, "targets": target},
         {"name": "someone_elses", "family": "not_a_flashgen_family", "params": {"x": 1}, "targets": target},
     ]}
     kept = manifest.surviving_entries(tmp_path, old, {"nvcc": "x"})
     assert sorted(kept) == sorted([current.name, "someone_elses"])
+    assert kept[current.name]["abi"] == abi  # neither later entry of that name replaced it

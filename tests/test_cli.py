@@ -73,7 +73,7 @@ def test_list_reports_tampered_binaries(tmp_path):
     record = {"cubin": f"sm80/{k.name}.cubin", "sha256": __import__("hashlib").sha256(cubin.read_bytes()).hexdigest(),
               "size": cubin.stat().st_size, "shared_memory_dynamic": 1, "threads_per_block": 128,
               "min_blocks_per_sm": 1, "registers": 1, "spill_stores": 0, "spill_loads": 0, "constants": {}}
-    entry = {"name": k.name, "family": k.FAMILY, "params": k.params, "targets": {"sm80": record}}
+    entry = {"name": k.name, "family": k.FAMILY, "params": k.params, "abi": k.abi_digest(), "targets": {"sm80": record}}
     (tmp_path / "manifest.json").write_text(json.dumps({"schema_version": manifest.SCHEMA_VERSION,
                                                          "toolchain": {}, "kernels": [entry]}))
     ok = run("list", "--build-dir", str(tmp_path), "--json")

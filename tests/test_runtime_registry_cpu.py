@@ -2,6 +2,7 @@
 (tests/runtime_fakes.py writes the manifests and fake cubins)."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -224,6 +225,41 @@ def test_newer_schema_is_refused_naming_the_file(tmp_path):
         Registry([tmp_path])
     assert str(tmp_path / manifest.MANIFEST_NAME) in str(e.value)
     assert "newer" in str(e.value) and "upgrade" in str(e.value)
+
+
+@pytest.mark.parametrize("abi", [None, "0123456789abcdef"])
+def test_a_kernel_built_for_another_params_layout_is_refused(tmp_path, abi):
+    """A manifest entry records the digest of the Params layout its kernel was compiled against;
+    one from another layout (a field moved, same size: the launch would write fields where the
+    kernel reads others) or from before digests were recorded must be rebuilt, not launched."""
+    k = bwd(max_k=64)
+    write_build(tmp_path, [(k, {"sm90": constants(k, 44288)})])
+    path = tmp_path / manifest.MANIFEST_NAME
+    data = json.loads(path.read_text())
+    assert data["kernels"][0]["abi"] == k.abi_digest()
+    assert Registry([tmp_path]).binaries  # as written: loads
+    if abi is None:
+        del data["kernels"][0]["abi"]
+    else:
+        data["kernels"][0]["abi"] = abi
+    path.write_text(json.dumps(data))
+    with pytest.raises(manifest.ManifestError, match="rebuild it with this version") as e:
+        Registry([tmp_path])
+    assert str(path) in str(e.value) and k.name in str(e.value) and k.abi_digest() in str(e.value)
+
+
+def test_params_layout_digests_follow_every_field_and_only_the_layout():
+    """The digest is a function of the fields' names, types and offsets and the size: stable for a
+    family, different between families, and changed by moving one field."""
+    from flashgen.spec.mem_eff_fwd import MemEffFwd
+    from flashgen.spec.sm90_bwd import Sm90Bwd
+
+    assert Sm90Bwd.abi_digest() == Sm90Bwd.abi_digest() and Sm90Bwd.abi_digest() != MemEffFwd.abi_digest()
+    fields = Sm90Bwd.ABI
+    swapped = fields[:1] + (fields[2], fields[1]) + fields[3:]  # two fields trade places
+    moved = type("Moved", (Sm90Bwd,), {"ABI": swapped})
+    assert moved.params_dtype().itemsize == Sm90Bwd.params_dtype().itemsize  # the same size ...
+    assert moved.abi_digest() != Sm90Bwd.abi_digest()  # ... another layout
 
 
 def test_truncated_manifest_is_refused_naming_the_file(tmp_path):

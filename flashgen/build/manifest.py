@@ -1,6 +1,6 @@
 """``manifest.json``: what a build directory holds, next to the cubins.
 
-One entry per kernel, with its family, parameters and entry symbol, and per
+One entry per kernel, with its family, parameters, ``Params`` layout digest and entry symbol, and per
 target the cubin's path, sha256 and size, what ptxas reported (registers,
 spills, stack frame) and the constants read back from the cubin itself
 (threads, shared memory, tile sizes, workspace sizing, ...).  The runtime
@@ -77,7 +77,7 @@ def kernel_record(job: Job) -> dict:
     runs it only for that declaration)."""
     k = job.kernel
     mod = getattr(k, "score_mod", "")
-    return {"name": k.name, "family": k.FAMILY, "params": k.params, "symbol": k.name,
+    return {"name": k.name, "family": k.FAMILY, "params": k.params, "abi": k.abi_digest(), "symbol": k.name,
             "meta_symbol": k.meta_symbol, **({"score_mod": score_mods.record(mod)} if mod else {}), "targets": {}}
 
 
@@ -139,13 +139,14 @@ def surviving_entries(build_dir: Path, old: dict, toolchain: dict) -> Dict[str, 
 
 
 def _describes(entry: dict) -> bool:
-    """Whether this flashgen's family of ``entry`` makes a kernel of the same name from its params
-    (families it does not know are left alone, as the runtime leaves them)."""
+    """Whether this flashgen's family of ``entry`` makes a kernel of the same name from its params,
+    with the same ``Params`` layout (families it does not know are left alone, as the runtime
+    leaves them)."""
     cls = FAMILIES.get(entry.get("family"))
     if cls is None:
         return True
     try:
-        return cls(**entry.get("params", {})).name == entry.get("name")
+        return cls(**entry.get("params", {})).name == entry.get("name") and entry.get("abi") == cls.abi_digest()
     except TypeError:
         return False
 

@@ -75,6 +75,12 @@ class Registry:
                     raise manifest.ManifestError(
                         f"{path}: kernel {entry['name']}: its params do not match this flashgen's "
                         f"{cls.FAMILY} spec; rebuild it with this version") from None
+                if entry.get("abi") != cls.abi_digest():
+                    raise manifest.ManifestError(
+                        f"{path}: kernel {entry['name']} was built for "
+                        f"{'another' if entry.get('abi') else 'an unrecorded'} {cls.FAMILY} Params layout "
+                        f"(this flashgen's is {cls.abi_digest()}): the runtime would write its fields where the "
+                        f"kernel does not read them; rebuild it with this version")
                 for target, rec in entry["targets"].items():
                     missing = [c.name for c in cls.CONSTANTS if c.name not in rec.get("constants", {})]
                     if missing:

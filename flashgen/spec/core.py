@@ -11,6 +11,8 @@ build graph, manifest, dispatch -- is derived from that one declaration.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import itertools
 import re
 from dataclasses import dataclass
@@ -202,3 +204,14 @@ class KernelSpec:
     @classmethod
     def params_dtype(cls) -> np.dtype:
         return params_dtype(cls.ABI)
+
+    @classmethod
+    @functools.lru_cache(maxsize=None)
+    def abi_digest(cls) -> str:
+        """A digest of the ``Params`` layout (every field's name, type and offset, and the size): the
+        generated ABI header holds the compiled struct to this layout, the manifest records it per
+        kernel, and the registry refuses a kernel built for another one (a field moved at the same
+        size would otherwise be read at its old offset)."""
+        dtype = cls.params_dtype()
+        layout = [(f.name, f.ctype, dtype.fields[f.numpy_name][1]) for f in cls.ABI] + [dtype.itemsize]
+        return hashlib.sha256(repr(layout).encode()).hexdigest()[:16]
