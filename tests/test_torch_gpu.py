@@ -176,6 +176,53 @@ def test_packed_sequences_match_each_sequence_alone():
             assert rel_err(cp(g)[None], r, 8.0) < BWD_TOL["f16"], s
 
 
+def packed_reference_errors(q, k, v, out, cu_q, cu_k):
+    """Each packed sequence's relative error against float64 attention on it alone."""
+    errors = []
+    for s in range(cu_q.numel() - 1):
+        qs, ks = slice(int(cu_q[s]), int(cu_q[s + 1])), slice(int(cu_k[s]), int(cu_k[s + 1]))
+        if qs.stop > qs.start:
+            ref, _, _ = grouped_reference(cp(q[qs])[None], cp(k[ks])[None], cp(v[ks])[None],
+                                          cupy.zeros((1,) + tuple(out[qs].shape), cupy.float16), causal="top_left")
+            errors.append(rel_err(cp(out[qs])[None], ref))
+    return errors
+
+
+def test_a_step_reads_its_offsets_once_while_torch_says_they_are_unchanged():
+    """Every layer of a packed-sequence step passes the same cu_seqlens tensors: the first call reads
+    them on the host (waiting for the GPU), later ones reuse that copy and leave the GPU's queue
+    running; an in-place write (torch bumps the version) or a new tensor is read again, and every
+    call matches each sequence alone."""
+    from flashgen.runtime import host_offsets
+
+    host_offsets.clear()
+    q, k, v = randn((300, 4, 64), "f16", 1), randn((260, 2, 64), "f16", 2), randn((260, 2, 64), "f16", 3)
+    cu_q = torch.tensor([0, 100, 100, 300], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 60, 130, 260], dtype=torch.int32, device="cuda")
+    first = ft.attention_varlen(q, k, v, cu_q, cu_k, 200, 130, causal="top_left")  # reads both
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of the next call
+    again = ft.attention_varlen(q, k, v, cu_q, cu_k, 200, 130, causal="top_left")
+    assert not torch.cuda.current_stream().query(), "the call waited for the GPU (read its offsets again)"
+    torch.cuda.synchronize()
+    assert torch.equal(first, again)
+    assert max(packed_reference_errors(q, k, v, again, cu_q, cu_k)) < FWD_TOL["f16"]
+    cu_q.copy_(torch.tensor([0, 150, 170, 300], dtype=torch.int32))  # in place: a new version
+    moved = ft.attention_varlen(q, k, v, cu_q, cu_k, 150, 130, causal="top_left")
+    assert max(packed_reference_errors(q, k, v, moved, cu_q, cu_k)) < FWD_TOL["f16"]
+    del cu_k  # a new tensor, perhaps at the freed one's address
+    cu_k = torch.tensor([0, 10, 200, 260], dtype=torch.int32, device="cuda")
+    fresh = ft.attention_varlen(q, k, v, cu_q, cu_k, 150, 190, causal="top_left")
+    assert max(packed_reference_errors(q, k, v, fresh, cu_q, cu_k)) < FWD_TOL["f16"]
+    do = torch.randn_like(fresh)
+    dq, dk, dv = torch.autograd.grad(fresh, (q, k, v), do)  # the backward reuses the forward's copies
+    for s in range(3):
+        qs, ks = slice(int(cu_q[s]), int(cu_q[s + 1])), slice(int(cu_k[s]), int(cu_k[s + 1]))
+        _, _, (rq, rk, rv, _) = grouped_reference(cp(q[qs])[None], cp(k[ks])[None], cp(v[ks])[None],
+                                                  cp(do[qs])[None], causal="top_left")
+        for g, r in zip((dq[qs], dk[ks], dv[ks]), (rq, rk, rv)):
+            assert rel_err(cp(g)[None], r, 8.0) < BWD_TOL["f16"], s
+
+
 def test_torch_tensors_take_launch_plans_and_torchs_memory():
     plans.clear()
     q, k, v = (randn((2, 256, 4, 64), "bf16", s) for s in (1, 2, 3))

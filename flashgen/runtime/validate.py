@@ -15,7 +15,7 @@ from typing import Callable, Optional, Tuple
 import numpy as np
 
 from flashgen.errors import UnsupportedError
-from flashgen.runtime import score_mods
+from flashgen.runtime import host_offsets, score_mods
 from flashgen.runtime.arrays import as_array, check_strides, cupy_module, dtype_name, elem_strides, padded_rows
 from flashgen.runtime.block_masks import BlockMask
 from flashgen.runtime.limits import SPLIT_ROWS, check_input_offsets, check_kernel_limits, check_offset
@@ -67,8 +67,16 @@ class Problem:
 
 
 def read_offsets(cu, name, total):
-    """Validate cu_seqlens on the host: returns (cu, host copy); cu may become a CuPy view."""
+    """Validate cu_seqlens on the host: returns (cu, host copy); cu may become a CuPy view.  A torch
+    CUDA tensor's copy serves its later calls while torch says it is unchanged (host_offsets)."""
     cupy = cupy_module()
+    cached = getattr(cu, "is_cuda", False) is True
+    host = host_offsets.lookup(cu) if cached else None
+    if host is not None:
+        if host[-1] > total:
+            raise ValueError(f"{name} ends at {host[-1]} but the packed sequence has {total} rows")
+        return as_array(cu, name), host
+    given = cu
     if isinstance(cu, cupy.ndarray):
         host = cupy.asnumpy(cu)
     else:
@@ -85,6 +93,8 @@ def read_offsets(cu, name, total):
         raise ValueError(f"{name} must start at 0 and never decrease; got {host.tolist()[:8]}")
     if host[-1] > total:
         raise ValueError(f"{name} ends at {host[-1]} but the packed sequence has {total} rows")
+    if cached:
+        host_offsets.remember(given, host)
     return cu, host
 
 
