@@ -7,9 +7,11 @@ call serves the rest, and the host runs ahead of the GPU again from the second c
 
 A copy is reused only for the same tensor object (held by a weak reference: a new tensor at a freed
 one's address is never taken for it) at the same ``_version`` (torch bumps it on every in-place
-write, ``copy_`` included), and never while the stream is being captured into a CUDA graph: a graph
-would bake the offsets' longest sequence into its grid, so such a call still reads them, and the
-capture refuses the read, as before.  CuPy arrays have no version counter: they are read every call.
+write, ``copy_`` included; a write that bypasses torch, such as a CuPy kernel on a DLPack view of
+the tensor, is not seen: pass a new tensor after one), and never while the stream is being captured
+into a CUDA graph: a graph would bake the offsets' longest sequence into its grid, so such a call
+still reads them, and the capture refuses the read, as before.  CuPy arrays have no version counter:
+they are read every call.
 """
 from __future__ import annotations
 
