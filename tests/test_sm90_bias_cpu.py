@@ -322,8 +322,8 @@ def test_a_replay_points_the_dbias_map_after_the_bias_and_its_pointer_last(monke
     launched = []
     plan = SimpleNamespace(sizes={"layout": (0,) * 7, "trailing": 1, "dbias": remade}, device=0,
                            launch=lambda pointers, seed, offset, stream: launched.append((pointers, stream)))
-    arrays = [np.zeros(s, dtype=np.float16).view(DeviceLike) for s in
-              [(2, 5, 3, 64), (2, 5, 3, 64), (2, 7, 3, 64), (2, 7, 3, 64), (2, 5, 3, 64), (2, 3, 8), (1, 3, 5, 8), (4,)]]
+    shapes = [(2, 5, 3, 64), (2, 5, 3, 64), (2, 7, 3, 64), (2, 7, 3, 64), (2, 5, 3, 64), (2, 3, 8), (1, 3, 5, 8), (4,)]
+    arrays = [np.zeros(s, dtype=np.float16).view(DeviceLike) for s in shapes]
     grad_out, q, k, v, out, lse, bias, mask = arrays
     memory = ReplayMemory()
     *_, dbias = sm90_bwd.RUNTIME.replay(plan, memory, arrays, None, 0, None)

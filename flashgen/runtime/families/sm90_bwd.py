@@ -111,14 +111,15 @@ class ThreeKernelBackward:
     def own_outputs(self, call: Call, kc: dict) -> Tuple[tuple, dict, tuple]:
         """(arrays, their Params fields, workspace) of what the kernels (constants ``kc``) write beside
         dq, dk, dv: dbias where the call asks for it; ``launch`` returns the arrays after dq, dk, dv
-        (and plans the call where a replay can remake them: ``replayable_dbias``).  Where the family sums dbias (``SUMS_DBIAS``) over the dims the
-        caller's bias broadcasts in, the array is the sum and the workspace the kernels' dbias, which
-        the launch keeps to the ``_dbias_sum`` kernel that reads it -- unless the kernels add their tiles
-        into the sum themselves (constant ``adds_dbias``; not with ``deterministic``, whose sums must
-        repeat bit for bit): then the sum, zeroed, is all there is.  The kernels add a tile where they
-        read the bias's (batch and head times ``bias_*_step``), which is the sum's plane only where the
-        dims the sum folds are the dims the bias is read at stride 0: not for a bias the caller expanded
-        to the full batch at stride 0, which wants a gradient per batch."""
+        (and plans the call where a replay can remake them: ``replayable_dbias``).  Where the family
+        sums dbias (``SUMS_DBIAS``) over the dims the caller's bias broadcasts in, the array is the sum
+        and the workspace the kernels' dbias, which the launch keeps to the ``_dbias_sum`` kernel that
+        reads it -- unless the kernels add their tiles into the sum themselves (constant
+        ``adds_dbias``; not with ``deterministic``, whose sums must repeat bit for bit): then the sum,
+        zeroed, is all there is.  The kernels add a tile where they read the bias's (batch and head
+        times ``bias_*_step``), which is the sum's plane only where the dims the sum folds are the dims
+        the bias is read at stride 0: not for a bias the caller expanded to the full batch at stride 0,
+        which wants a gradient per batch."""
         if not call.options["bias_requires_grad"]:
             return (), {}, ()
         p, bias = call.p, call.bias
