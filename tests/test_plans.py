@@ -247,41 +247,46 @@ BIAS_CASES = [  # dtype, B, M, N, H, K, the bias's broadcast dims, causal
 ]
 
 
+def bias_inputs(r, case):
+    """q, k, v, dO and a bias of a BIAS_CASES case, random."""
+    dtype, B, M, N, H, K, broadcast, _ = case
+    q, k, v, do = (randn(r, shape, dtype) for shape in ((B, M, H, K), (B, N, H, K), (B, N, H, K), (B, M, H, K)))
+    return q, k, v, do, make_bias(r, dtype, B, H, M, N, broadcast)
+
+
+def bias_call(case, q, k, v, do, bias, **backward):
+    """Forward and backward with the bias, in a poisoned pool: (out, lse, the gradients)."""
+    causal = case[-1]
+    with poisoned_allocations():
+        out, lse = flashgen.attention_forward(q, k, v, attn_bias=bias, causal=causal)
+        grads = flashgen.attention_backward(do, q, k, v, out, lse, attn_bias=bias, causal=causal, **backward)
+    return (out, lse) + tuple(grads)
+
+
 @gpu
 @pytest.mark.parametrize("case", BIAS_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_bias_calls_take_plans_that_match_the_full_path(case):
     """A repeated call with attn_bias replays a plan (sm90_fwd/sm90_bwd make them) with the new
     bias's address: new data gives the reference's results, bitwise the full path's forward."""
-    dtype, B, M, N, H, K, broadcast, causal = case
+    dtype, causal = case[0], case[-1]
     r = np.random.default_rng(11)
     plans.clear()
-
-    def inputs():
-        q, k, v, do = (randn(r, shape, dtype) for shape in ((B, M, H, K), (B, N, H, K), (B, N, H, K), (B, M, H, K)))
-        return q, k, v, do, make_bias(r, dtype, B, H, M, N, broadcast)
-
-    def call(q, k, v, do, bias):
-        with poisoned_allocations():
-            out, lse = flashgen.attention_forward(q, k, v, attn_bias=bias, causal=causal)
-            grads = flashgen.attention_backward(do, q, k, v, out, lse, attn_bias=bias, causal=causal)
-        return (out, lse) + tuple(grads)
-
-    first = inputs()
-    call(*first)  # the full path
+    first = bias_inputs(r, case)
+    bias_call(case, *first)  # the full path
     made = {key[0]: plan.family for key, plan in plans._plans.items()}
     served = {d: next(n for n, _, w in flashgen.explain(*first[:3], attn_bias=first[4], causal=causal,
                                                           backward=d == "bwd") if w == "selected")
               for d in ("fwd", "bwd")}
     for direction, family in (("fwd", "sm90_fwd"), ("bwd", "sm90_bwd")):  # the families that plan bias calls
         assert (made.get(direction) == family) == served[direction].startswith(family + "_"), (made, served)
-    args = inputs()
-    planned = call(*args)
+    args = bias_inputs(r, case)
+    planned = bias_call(case, *args)
     ref_out, ref_lse, ref_grads = reference(*args[:3], bias=args[4], causal=causal, grad_out=args[3])
     assert rel_err(planned[0], ref_out) < FWD_TOL[dtype] and lse_err(planned[1], ref_lse) < FWD_TOL[dtype]
     for g, want in zip(planned[2:], ref_grads):
         assert rel_err(g, want) < BWD_TOL[dtype]
     plans.clear()
-    fresh = call(*args)
+    fresh = bias_call(case, *args)
     np.testing.assert_array_equal(cupy.asnumpy(planned[0]), cupy.asnumpy(fresh[0]))
     np.testing.assert_array_equal(cupy.asnumpy(planned[1]), cupy.asnumpy(fresh[1]))
 
@@ -292,35 +297,24 @@ def test_bias_gradients_replay_plans_that_remake_dbias(case):
     """A repeated call with bias_requires_grad replays a plan that remakes dbias (zeroed where the
     kernels add into it or leave a band's holes) in a poisoned pool: new data gives the reference's
     gradients, each of the full path's shape and strides."""
-    dtype, B, M, N, H, K, broadcast, causal = case
+    dtype, broadcast, causal = case[0], case[6], case[-1]
     r = np.random.default_rng(13)
     plans.clear()
-
-    def inputs():
-        q, k, v, do = (randn(r, shape, dtype) for shape in ((B, M, H, K), (B, N, H, K), (B, N, H, K), (B, M, H, K)))
-        return q, k, v, do, make_bias(r, dtype, B, H, M, N, broadcast)
-
-    def call(q, k, v, do, bias):
-        with poisoned_allocations():
-            out, lse = flashgen.attention_forward(q, k, v, attn_bias=bias, causal=causal)
-            return flashgen.attention_backward(do, q, k, v, out, lse, attn_bias=bias, bias_requires_grad=True,
-                                               causal=causal)
-
-    first = inputs()
-    call(*first)  # the full path
+    first = bias_inputs(r, case)
+    bias_call(case, *first, bias_requires_grad=True)  # the full path
     made = [plan for key, plan in plans._plans.items() if key[0] == "bwd"]
     served = next(n for n, _, w in flashgen.explain(*first[:3], attn_bias=first[4], causal=causal, backward=True)
                   if w == "selected")
     if served.startswith("sm90_bwd_"):
         assert [plan.sizes.get("dbias") is not None for plan in made] == [True], "no plan remakes dbias"
-    args = inputs()
-    planned = call(*args)
+    args = bias_inputs(r, case)
+    planned = bias_call(case, *args, bias_requires_grad=True)[2:]
     ref_grads = reference(*args[:3], bias=args[4], causal=causal, grad_out=args[3])[2]
     dbias = planned[3].sum(axis=2, keepdims=True) if "M" in broadcast else planned[3]  # the API keeps M whole
     for g, want in zip(planned[:3] + (dbias,), ref_grads):
         assert rel_err(g, want) < BWD_TOL[dtype]
     plans.clear()
-    fresh = call(*args)
+    fresh = bias_call(case, *args, bias_requires_grad=True)[2:]
     for a, b in zip(planned, fresh):
         assert a.shape == b.shape and a.strides == b.strides
 
