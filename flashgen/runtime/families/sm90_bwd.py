@@ -184,7 +184,8 @@ class ThreeKernelBackward:
                                                                           memory.stream(call.stream, p.device))
         os_, gos, ls = elem_strides(out), elem_strides(grad_out), elem_strides(lse)
         own_int32, own = self.own_fields(call)
-        with call.stream or contextlib.nullcontext():  # a zeroed dbias is cleared in the launches' stream order
+        # a zeroed dbias is cleared in the launches' stream order
+        with call.stream if call.stream is not None else contextlib.nullcontext():
             extra, extra_fields, dbias_planes = self.own_outputs(call, kc)
         strides = dict(out_stride_m=os_[1], out_stride_h=os_[2], dout_stride_m=gos[1], dout_stride_h=gos[2],
                        dq_stride_m=p.H * p.K, dq_stride_h=p.K, dkv_stride_n=k.shape[2] * p.K, dkv_stride_h=p.K,
