@@ -9,10 +9,12 @@ A ``Point`` with ``mask`` set times attention under that mask instead of a causa
   gets the document mask and ``causal="top_left"`` beside it, as a user writes it (the calls fold
   the causal mask into the mask's lists); flex one mask function with both.
 
-flashgen gets a ``flashgen.block_mask`` of the mask (its sparse kernels where they serve the call,
-else the dense fallback: what a user gets), flex a ``create_block_mask`` of the same function, both
-with 128 x 128 blocks, built once per point outside the timings.  SDPA and FlashAttention-4 take no
-block mask: their cells say so (a dense boolean ``attn_mask`` would time a dense attention).
+flashgen gets a ``flashgen.block_mask`` of the built-in mask mod that declares the mask (``document``
+with the documents' ids, ``sliding_window`` with its width: issue 17's AOT Flex path; its sparse kernels
+where they serve the call, else the dense fallback: what a user gets), flex a ``create_block_mask`` of
+the same mask as a Python function, both with 128 x 128 blocks, built once per point outside the
+timings.  SDPA and FlashAttention-4 take no block mask: their cells say so (a dense boolean
+``attn_mask`` would time a dense attention).
 FLOPs count only the scores the mask shows (``visible``), so TFLOP/s compare the work it leaves.
 """
 from __future__ import annotations
@@ -63,14 +65,23 @@ def flashgen_options(mask: str) -> dict:
     return {"causal": "top_left"} if mask.endswith("-causal") else {}
 
 
+def declared_mask(mask: str, seqlen: int, xp) -> tuple:
+    """(built-in mask mod, its captured tensors as arrays of module ``xp``) declaring ``mask`` without
+    its causal part (``flashgen_options`` passes that): the documents' ids, or the window's width."""
+    _check(mask)
+    if mask.startswith("document8"):
+        return "document", {"doc": (xp.arange(seqlen, dtype=xp.int32) * DOCUMENTS // seqlen)[None]}
+    return "sliding_window", {"window": xp.asarray([WINDOW], dtype=xp.int32)}
+
+
 def flashgen_block_mask(p: Point):
     """The point's mask as flashgen takes it, built on the GPU (broadcast over batch and heads)."""
     import cupy
 
     import flashgen
 
-    elements = p.mask[:-len("-causal")] if p.mask.endswith("-causal") else p.mask  # the causal part: an option
-    return flashgen.block_mask(mask_mod(elements, p.seqlen, cupy.arange), 1, 1, p.seqlen, p.seqlen, block=BLOCK)
+    mod, tensors = declared_mask(p.mask, p.seqlen, cupy)
+    return flashgen.block_mask(mod, 1, 1, p.seqlen, p.seqlen, block=BLOCK, mod_tensors=tensors)
 
 
 def flex_block_mask(p: Point, torch):

@@ -150,3 +150,23 @@ def test_all_instances_are_not_timed_at_a_masked_point(monkeypatch):
     assert [(r.impl, r.direction, r.tflops) for r in results] == [("flashgen[*]", "fwd", None),
                                                                   ("flashgen[*]", "bwd", None)]
     assert results[0].note == "instances not timed at block-mask points: flashgen tune measures unmasked shapes only"
+
+
+@pytest.mark.parametrize("seqlen", [1000, 1024, 2500])  # 2500: past the window, ragged documents and blocks
+@pytest.mark.parametrize("mask", bench_masks.MASKS)
+def test_flashgens_declared_mask_mod_builds_the_block_mask_of_the_masks_function(mask, seqlen):
+    """flashgen's side gets the point's mask as a built-in mask mod with its tensors (the AOT Flex
+    path); flex gets the Python function.  Both must describe the same mask: on the host, the block
+    mask of the mod equals the block mask of the function (its causal part passed as the option)."""
+    import flashgen
+
+    elements = mask[:-len("-causal")] if mask.endswith("-causal") else mask
+    from_function = flashgen.block_mask(bench_masks.mask_mod(elements, seqlen, np.arange), 1, 1, seqlen, seqlen,
+                                        block=bench_masks.BLOCK, device="cpu")
+    mod, tensors = bench_masks.declared_mask(mask, seqlen, np)
+    from_mod = flashgen.block_mask(mod, 1, 1, seqlen, seqlen, block=bench_masks.BLOCK, device="cpu",
+                                   mod_tensors=tensors)
+    for a, b in zip(from_function.kernel_arrays() + from_function.backward_arrays(),
+                    from_mod.kernel_arrays() + from_mod.backward_arrays()):
+        np.testing.assert_array_equal(a, b)
+    assert from_mod.kv_num_blocks.sum() + from_mod.full_kv_num_blocks.sum() > 0  # the mask shows something
