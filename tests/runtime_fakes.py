@@ -206,3 +206,31 @@ def fake_call(direction="fwd", bias=None, **options):
     extra = {"out": FakeArray(q.shape), "grad_out": FakeArray(q.shape)} if direction == "bwd" else {}
     return validate.Call(direction, c, q, k, v, bias, options, None, **extra)
 
+
+class Tensor:
+    """A stand-in torch tensor of int32 offsets, for a stand-in ``torch`` module (CI has no torch):
+    what host_offsets reads of one -- identity, ``_version`` (bumped by in-place writes), ``is_cuda``."""
+
+    is_cuda = False
+
+    def __init__(self, *values):
+        self.values, self._version = np.array(values, np.int32), 0
+
+    def add_(self, n):
+        self.values += n
+        self._version += 1
+
+    def numpy(self):
+        return self.values
+
+
+class InferenceTensor(Tensor):
+    """A stand-in inference-mode tensor: it has no version counter."""
+
+    @property
+    def _version(self):
+        raise RuntimeError("Inference tensors do not track version counter.")
+
+    @_version.setter
+    def _version(self, value):
+        pass

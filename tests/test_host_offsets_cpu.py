@@ -12,38 +12,12 @@ import numpy as np
 import pytest
 
 from flashgen.runtime import host_offsets
-
-
-class Tensor:
-    """What host_offsets reads of a torch tensor: identity, ``_version`` (bumped by in-place
-    writes), ``is_cuda``."""
-
-    is_cuda = False
-
-    def __init__(self, *values):
-        self.values, self._version = np.array(values, np.int32), 0
-
-    def add_(self, n):
-        self.values += n
-        self._version += 1
-
-    def numpy(self):
-        return self.values
-
-
-class InferenceTensor(Tensor):
-    @property
-    def _version(self):
-        raise RuntimeError("Inference tensors do not track version counter.")
-
-    @_version.setter
-    def _version(self, value):
-        pass
+from runtime_fakes import InferenceTensor, Tensor
 
 
 @pytest.fixture
 def fake_torch(monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(Tensor=Tensor))
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(Tensor=Tensor))  # runtime_fakes' stand-in
     host_offsets.clear()
     yield
     host_offsets.clear()
