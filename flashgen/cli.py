@@ -271,8 +271,9 @@ def _verify(directory: Path, record: dict) -> str:
                    "else the kernels installed with the package).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def list_(family, arch, dtype, max_k, kernels_glob, build_dir, as_json) -> None:
-    """List kernels: what a build or the installed package holds (each binary's sha256 checked),
-    or, where nothing is built, what the families would build.  Exits 1 if a binary fails its check."""
+    """List kernels: what a build or the installed package holds (each binary's sha256 checked, and
+    the Params layout it was built for), or, where nothing is built, what the families would build.
+    Exits 1 if a binary fails its check."""
     from flashgen.build import manifest
 
     targets = [normalize_target(t) for t in _split(arch)]
@@ -294,8 +295,9 @@ def list_(family, arch, dtype, max_k, kernels_glob, build_dir, as_json) -> None:
         for e in entries:
             if e["name"] not in selected:
                 continue
-            records = {t: dict(r, verified=_verify(directory, r)) for t, r in e["targets"].items()
-                       if not targets or t in targets or t.startswith("compute")}
+            stale = e["family"] in FAMILIES and e.get("abi") != FAMILIES[e["family"]].abi_digest()
+            records = {t: dict(r, verified="stale layout, rebuild" if stale else _verify(directory, r))
+                       for t, r in e["targets"].items() if not targets or t in targets or t.startswith("compute")}
             rows.append({"name": e["name"], "family": e["family"], "params": e["params"], "targets": records})
     bad = [(row["name"], t, r["verified"]) for row in rows for t, r in row["targets"].items() if r["verified"] != "ok"]
     if as_json:

@@ -85,6 +85,26 @@ def test_list_reports_tampered_binaries(tmp_path):
     assert f"FAILED CHECK {k.name} (sm80): mismatch" in bad.stderr
 
 
+def test_list_fails_kernels_built_for_another_params_layout(tmp_path):
+    """A kernel whose manifest entry records another Params layout (or none) is one the runtime
+    refuses: list says so and exits 1, naming the rebuild."""
+    k = default_kernels()[0]
+    cubin = tmp_path / "sm80" / f"{k.name}.cubin"
+    cubin.parent.mkdir()
+    cubin.write_bytes(b"\x7fELF pretend cubin")
+    record = {"cubin": f"sm80/{k.name}.cubin", "sha256": __import__("hashlib").sha256(cubin.read_bytes()).hexdigest(),
+              "size": cubin.stat().st_size, "shared_memory_dynamic": 1, "threads_per_block": 128,
+              "min_blocks_per_sm": 1, "registers": 1, "spill_stores": 0, "spill_loads": 0, "constants": {}}
+    for abi in ("0" * 16, None):
+        entry = {"name": k.name, "family": k.FAMILY, "params": k.params, "abi": abi, "targets": {"sm80": record}}
+        (tmp_path / "manifest.json").write_text(json.dumps({"schema_version": manifest.SCHEMA_VERSION,
+                                                             "toolchain": {}, "kernels": [entry]}))
+        result = CliRunner().invoke(main, ["list", "--build-dir", str(tmp_path), "--json"])
+        assert result.exit_code == 1
+        assert json.loads(result.stdout)[0]["targets"]["sm80"]["verified"] == "stale layout, rebuild"
+        assert f"FAILED CHECK {k.name} (sm80): stale layout, rebuild" in result.stderr
+
+
 def test_list_refuses_bad_manifests(tmp_path):
     (tmp_path / "manifest.json").write_text('{"schema_version": 1, "kern')
     result = run("list", "--build-dir", str(tmp_path))
