@@ -65,17 +65,25 @@ def test_list_rejects_unknown_family():
     assert result.exit_code == 1 and "unknown family 'flash3'" in result.output
 
 
-def test_list_reports_tampered_binaries(tmp_path):
+def one_built_kernel(tmp_path, abi="current"):
+    """A build directory holding one pretend cubin of the first default kernel, its manifest entry
+    recording ``abi`` (the family's Params layout digest by default): (kernel, cubin path)."""
     k = default_kernels()[0]
     cubin = tmp_path / "sm80" / f"{k.name}.cubin"
-    cubin.parent.mkdir()
+    cubin.parent.mkdir(exist_ok=True)
     cubin.write_bytes(b"\x7fELF pretend cubin")
     record = {"cubin": f"sm80/{k.name}.cubin", "sha256": __import__("hashlib").sha256(cubin.read_bytes()).hexdigest(),
               "size": cubin.stat().st_size, "shared_memory_dynamic": 1, "threads_per_block": 128,
               "min_blocks_per_sm": 1, "registers": 1, "spill_stores": 0, "spill_loads": 0, "constants": {}}
-    entry = {"name": k.name, "family": k.FAMILY, "params": k.params, "abi": k.abi_digest(), "targets": {"sm80": record}}
+    entry = {"name": k.name, "family": k.FAMILY, "params": k.params,
+             "abi": k.abi_digest() if abi == "current" else abi, "targets": {"sm80": record}}
     (tmp_path / "manifest.json").write_text(json.dumps({"schema_version": manifest.SCHEMA_VERSION,
                                                          "toolchain": {}, "kernels": [entry]}))
+    return k, cubin
+
+
+def test_list_reports_tampered_binaries(tmp_path):
+    k, cubin = one_built_kernel(tmp_path)
     ok = run("list", "--build-dir", str(tmp_path), "--json")
     assert ok.exit_code == 0 and json.loads(ok.output)[0]["targets"]["sm80"]["verified"] == "ok"
     cubin.write_bytes(b"\x7fELF tampered")
@@ -85,24 +93,15 @@ def test_list_reports_tampered_binaries(tmp_path):
     assert f"FAILED CHECK {k.name} (sm80): mismatch" in bad.stderr
 
 
-def test_list_fails_kernels_built_for_another_params_layout(tmp_path):
+@pytest.mark.parametrize("abi", ["0" * 16, None])
+def test_list_fails_kernels_built_for_another_params_layout(tmp_path, abi):
     """A kernel whose manifest entry records another Params layout (or none) is one the runtime
     refuses: list says so and exits 1, naming the rebuild."""
-    k = default_kernels()[0]
-    cubin = tmp_path / "sm80" / f"{k.name}.cubin"
-    cubin.parent.mkdir()
-    cubin.write_bytes(b"\x7fELF pretend cubin")
-    record = {"cubin": f"sm80/{k.name}.cubin", "sha256": __import__("hashlib").sha256(cubin.read_bytes()).hexdigest(),
-              "size": cubin.stat().st_size, "shared_memory_dynamic": 1, "threads_per_block": 128,
-              "min_blocks_per_sm": 1, "registers": 1, "spill_stores": 0, "spill_loads": 0, "constants": {}}
-    for abi in ("0" * 16, None):
-        entry = {"name": k.name, "family": k.FAMILY, "params": k.params, "abi": abi, "targets": {"sm80": record}}
-        (tmp_path / "manifest.json").write_text(json.dumps({"schema_version": manifest.SCHEMA_VERSION,
-                                                             "toolchain": {}, "kernels": [entry]}))
-        result = CliRunner().invoke(main, ["list", "--build-dir", str(tmp_path), "--json"])
-        assert result.exit_code == 1
-        assert json.loads(result.stdout)[0]["targets"]["sm80"]["verified"] == "stale layout, rebuild"
-        assert f"FAILED CHECK {k.name} (sm80): stale layout, rebuild" in result.stderr
+    k, _ = one_built_kernel(tmp_path, abi)
+    result = CliRunner().invoke(main, ["list", "--build-dir", str(tmp_path), "--json"])
+    assert result.exit_code == 1
+    assert json.loads(result.stdout)[0]["targets"]["sm80"]["verified"] == "stale layout, rebuild"
+    assert f"FAILED CHECK {k.name} (sm80): stale layout, rebuild" in result.stderr
 
 
 def test_list_refuses_bad_manifests(tmp_path):
