@@ -295,7 +295,7 @@ def list_(family, arch, dtype, max_k, kernels_glob, build_dir, as_json) -> None:
         for e in entries:
             if e["name"] not in selected:
                 continue
-            stale = e["family"] in FAMILIES and e.get("abi") != FAMILIES[e["family"]].abi_digest()
+            stale = manifest.stale_layout(e)
             records = {t: dict(r, verified="stale layout, rebuild" if stale else _verify(directory, r))
                        for t, r in e["targets"].items() if not targets or t in targets or t.startswith("compute")}
             rows.append({"name": e["name"], "family": e["family"], "params": e["params"], "targets": records})

@@ -146,9 +146,17 @@ def _describes(entry: dict) -> bool:
     if cls is None:
         return True
     try:
-        return cls(**entry.get("params", {})).name == entry.get("name") and entry.get("abi") == cls.abi_digest()
+        return cls(**entry.get("params", {})).name == entry.get("name") and not stale_layout(entry)
     except TypeError:
         return False
+
+
+def stale_layout(entry: dict) -> bool:
+    """Whether ``entry``'s kernel was built for another ``Params`` layout than this flashgen's family
+    of it has (or before manifests recorded it): the runtime refuses such a kernel.  False for a
+    family this flashgen does not know."""
+    cls = FAMILIES.get(entry.get("family"))
+    return cls is not None and entry.get("abi") != cls.abi_digest()
 
 
 def binary_path(record: dict) -> str:

@@ -75,7 +75,7 @@ class Registry:
                     raise manifest.ManifestError(
                         f"{path}: kernel {entry['name']}: its params do not match this flashgen's "
                         f"{cls.FAMILY} spec; rebuild it with this version") from None
-                if entry.get("abi") != cls.abi_digest():
+                if manifest.stale_layout(entry):
                     raise manifest.ManifestError(
                         f"{path}: kernel {entry['name']} was built for "
                         f"{'another' if entry.get('abi') else 'an unrecorded'} {cls.FAMILY} Params layout "
