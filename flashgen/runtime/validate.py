@@ -69,14 +69,23 @@ class Problem:
 def read_offsets(cu, name, total):
     """Validate cu_seqlens on the host: returns (cu, host copy); cu may become a CuPy view.  A torch
     CUDA tensor's copy serves its later calls while torch says it is unchanged (host_offsets)."""
-    cupy = cupy_module()
-    cached = getattr(cu, "is_cuda", False) is True
+    given, cached = cu, getattr(cu, "is_cuda", False) is True
     host = host_offsets.lookup(cu) if cached else None
-    if host is not None:
-        if host[-1] > total:
-            raise ValueError(f"{name} ends at {host[-1]} but the packed sequence has {total} rows")
-        return as_array(cu, name), host
-    given = cu
+    if host is None:
+        cu, host = _read_host(cu, name)
+        if cached:
+            host_offsets.remember(given, host)
+    else:
+        cu = as_array(cu, name)
+    if host[-1] > total:
+        raise ValueError(f"{name} ends at {host[-1]} but the packed sequence has {total} rows")
+    return cu, host
+
+
+def _read_host(cu, name):
+    """(cu, its validated host copy), read from the device (waiting for the GPU): cu may become a
+    CuPy view."""
+    cupy = cupy_module()
     if isinstance(cu, cupy.ndarray):
         host = cupy.asnumpy(cu)
     else:
@@ -91,10 +100,6 @@ def read_offsets(cu, name, total):
         raise ValueError(f"{name} must be 1-D with at least 2 entries (start offsets + end)")
     if host[0] != 0 or np.any(np.diff(host) < 0):
         raise ValueError(f"{name} must start at 0 and never decrease; got {host.tolist()[:8]}")
-    if host[-1] > total:
-        raise ValueError(f"{name} ends at {host[-1]} but the packed sequence has {total} rows")
-    if cached:
-        host_offsets.remember(given, host)
     return cu, host
 
 
