@@ -46,6 +46,20 @@ def test_forward_fake_for_packed_sequences_sizes_lse_by_max_seqlen_q():
     assert (lse.shape, lse.stride()) == ((5, 4, 100), (4 * 128, 128, 1))
 
 
+@pytest.mark.parametrize("longest,rows", [(90, 130), (1, 7), (100, 128), (33, 1000)])
+def test_a_packed_lse_shorter_than_max_seqlen_q_is_padded_into_the_promised_layout(longest, rows):
+    """The runtime's lse covers the longest sequence; the op promises max_seqlen_q rows in rows padded
+    to 32, the pad (and rows past the longest) +inf -- also past the last head, where an allocation
+    sized for ``rows`` alone would end."""
+    lse = torch.randn(3, 4, longest)
+    fixed = ops._with_lse_layout(lse, 4, rows)
+    padded = -(-rows // 32) * 32
+    assert (fixed.shape, fixed.stride()) == ((3, 4, rows), (4 * padded, padded, 1))
+    assert torch.equal(fixed[:, :, :longest], lse)
+    whole = fixed.as_strided((3, 4, padded), fixed.stride())
+    assert bool((whole[:, :, longest:] == float("inf")).all())
+
+
 @pytest.mark.parametrize("bias_grad,bias_shape,dbias_shape", [
     (False, (1, 8, 33, 65), (0,)),
     (True, (1, 8, 33, 65), (1, 8, 33, 65)),    # summed over the batch, as the runtime returns it

@@ -101,10 +101,10 @@ def _with_lse_layout(lse: Tensor, heads: int, rows: int) -> Tensor:
     strides = _lse_strides(heads, rows)
     if tuple(lse.shape[1:]) == (heads, rows) and lse.stride() == strides:
         return lse
-    fixed = torch.empty_strided((lse.shape[0], heads, rows), strides, dtype=torch.float32, device=lse.device)
-    fixed.as_strided((lse.shape[0], heads, strides[1]), (strides[0], strides[1], 1)).fill_(float("inf"))
-    fixed[:, :, :lse.shape[2]] = lse
-    return fixed
+    # the whole padded block, so the pad after the last head's rows lies inside the storage too
+    padded = torch.full((lse.shape[0], heads, strides[1]), float("inf"), dtype=torch.float32, device=lse.device)
+    padded[:, :, :lse.shape[2]] = lse
+    return padded[:, :, :rows]
 
 
 def _contiguous(x: Tensor) -> Tensor:
