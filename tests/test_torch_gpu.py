@@ -223,6 +223,54 @@ def test_a_step_reads_its_offsets_once_while_torch_says_they_are_unchanged():
             assert rel_err(cp(g)[None], r, 8.0) < BWD_TOL["f16"], s
 
 
+def test_packed_steps_replay_plans_that_clear_the_rows_past_the_last_sequence(monkeypatch):
+    """From the third call with the same offsets tensors (the first reads them, the second leaves a
+    plan keyed by their contents), a packed forward and backward replay their plans: in poisoned
+    memory the rows past the last sequence come back zero and every sequence matches float64 on new
+    data; offsets changed in place key another plan."""
+    from flashgen.runtime import host_offsets
+
+    plans.clear()
+    host_offsets.clear()
+    replayed = []
+    find = plans.find
+
+    def recording(sig, direction, *args):
+        found = find(sig, direction, *args)
+        replayed.append((direction, found[1] is not None))
+        return found
+
+    monkeypatch.setattr(plans, "find", recording)
+    cu_q = torch.tensor([0, 50, 50, 180], dtype=torch.int32, device="cuda")  # rows 180.. are in no sequence
+    cu_k = torch.tensor([0, 70, 100, 160], dtype=torch.int32, device="cuda")
+    for step in range(4):
+        if step == 3:
+            cu_q.copy_(torch.tensor([0, 90, 120, 190], dtype=torch.int32))
+        ends, before = (int(cu_q[-1]), int(cu_k[-1])), len(replayed)
+        q, k, v = randn((200, 4, 64), "bf16", 10 * step + 1), randn((170, 2, 64), "bf16", 10 * step + 2), \
+            randn((170, 2, 64), "bf16", 10 * step + 3)
+        poison_torch_cache()
+        out = ft.attention_varlen(q, k, v, cu_q, cu_k, 130, 70, causal="top_left")
+        do = torch.randn_like(out)
+        poison_torch_cache()
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+        for x, end in ((out, ends[0]), (dq, ends[0]), (dk, ends[1]), (dv, ends[1])):
+            assert bool((x[end:] == 0).all()), f"step {step}: rows past the last sequence are not zero"
+        for s in range(3):
+            qs, ks = slice(int(cu_q[s]), int(cu_q[s + 1])), slice(int(cu_k[s]), int(cu_k[s + 1]))
+            if qs.stop == qs.start:
+                continue
+            ref_out, _, ref = grouped_reference(cp(q[qs])[None], cp(k[ks])[None], cp(v[ks])[None], cp(do[qs])[None],
+                                                causal="top_left")
+            assert rel_err(cp(out[qs])[None], ref_out) < FWD_TOL["bf16"], (step, s)
+            for g, r in zip((dq[qs], dk[ks], dv[ks]), ref):
+                assert rel_err(cp(g)[None], r, 8.0) < BWD_TOL["bf16"], (step, s)
+        if step == 2:
+            assert replayed[before:] == [("fwd", True), ("bwd", True)], replayed
+        if step == 3:  # written in place: the forward reads them again, the backward finds no plan for them
+            assert replayed[before:] == [("bwd", False)], replayed
+
+
 def test_torch_tensors_take_launch_plans_and_torchs_memory():
     plans.clear()
     q, k, v = (randn((2, 256, 4, 64), "bf16", s) for s in (1, 2, 3))

@@ -22,7 +22,7 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from flashgen.runtime import block_fallback, families, plans
+from flashgen.runtime import block_fallback, families, host_offsets, plans
 from flashgen.runtime.arrays import cupy_module
 from flashgen.runtime.block_masks import BlockMask, fold_band
 from flashgen.runtime.launch import on_device
@@ -68,16 +68,19 @@ def attention_forward(q, k, v, *, attn_bias=None, block_mask=None, causal=None, 
     cupy = cupy_module()
     registry = registry or default_registry()
     memory, key = memory_for(q, cupy), None
-    if memory is not None and cu_seqlens_q is None and cu_seqlens_k is None:
+    packed = None if memory is None else _packed_offsets(cu_seqlens_q, cu_seqlens_k)
+    if packed is not None:
         # a block mask's arrays end the signature (a sparse plan points at them), its block size joins
         # the options; one that is not a BlockMask (validation says why) or lacks bits gets no plan;
-        # so do a score mod's captured tensors (the mod and their names join the options)
+        # so do a score mod's captured tensors (the mod and their names join the options), and packed
+        # offsets (their contents join the options)
         sparse = () if block_mask is None else _mask_arrays(memory, block_mask, "kernel_arrays")
         captured, names = _mod_arrays(score_mod, mod_tensors)
-        arrays = ((q, k, v) if attn_bias is None else (q, k, v, attn_bias)) + sparse + captured
+        offsets, contents = packed
+        arrays = ((q, k, v) if attn_bias is None else (q, k, v, attn_bias)) + sparse + captured + offsets
         key, plan = plans.find(memory.signature, "fwd", arrays, (causal, scale, dropout_p, window, softcap, registry,
                                                                    getattr(block_mask, "block", None), score_mod,
-                                                                   names))
+                                                                   names, contents))
         if plan is not None:
             if dropout_p or seed is not None or offset:
                 check_rng(dropout_p, seed, offset)
@@ -146,16 +149,19 @@ def attention_backward(grad_out, q, k, v, out, lse, *, attn_bias=None, bias_requ
     cupy = cupy_module()
     registry = registry or default_registry()
     memory, key = memory_for(q, cupy), None
-    if memory is not None and cu_seqlens_q is None and cu_seqlens_k is None:
+    packed = None if memory is None else _packed_offsets(cu_seqlens_q, cu_seqlens_k)
+    if packed is not None:
         # as in the forward: a block mask's (transposed) arrays end the signature, its block size joins the
-        # options, and so do a score mod's captured tensors
+        # options, and so do a score mod's captured tensors and packed offsets
         sparse = () if block_mask is None else _mask_arrays(memory, block_mask, "backward_arrays")
         captured, names = _mod_arrays(score_mod, mod_tensors)
-        arrays = (grad_out, q, k, v, out, lse) + (() if attn_bias is None else (attn_bias,)) + sparse + captured
+        offsets, contents = packed
+        arrays = ((grad_out, q, k, v, out, lse) + (() if attn_bias is None else (attn_bias,)) + sparse + captured +
+                  offsets)
         key, plan = plans.find(memory.signature, "bwd", arrays, (causal, scale, dropout_p, window, softcap,
                                                                    deterministic, bias_requires_grad, registry,
                                                                    getattr(block_mask, "block", None), score_mod,
-                                                                   names))
+                                                                   names, contents))
         if plan is not None:
             if dropout_p or seed is not None or offset:
                 check_rng(dropout_p, seed, offset)
@@ -213,6 +219,20 @@ def _mask_arrays(memory, block_mask, which: str) -> tuple:
     if not isinstance(block_mask, BlockMask):
         return (None,)
     return memory.mask_arrays(block_mask, which)
+
+
+def _packed_offsets(cu_seqlens_q, cu_seqlens_k) -> Optional[tuple]:
+    """(arrays, contents) that put a call's packed offsets into its plan's key -- the arrays end the
+    signature (a plan points the kernels at them), their validated host copies join the options --
+    ``((), None)`` for a call without them, and None where their contents are not known without
+    reading them (a torch tensor's copy is kept while torch says it is unchanged: host_offsets; a
+    CuPy array has no version counter): that call takes the full path, which reads them."""
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        return (), None
+    hosts = [host_offsets.lookup(cu) for cu in (cu_seqlens_q, cu_seqlens_k)]
+    if hosts[0] is None or hosts[1] is None:
+        return None
+    return (cu_seqlens_q, cu_seqlens_k), (hosts[0].tobytes(), hosts[1].tobytes())
 
 
 def _mod_arrays(score_mod, mod_tensors) -> tuple:

@@ -90,6 +90,14 @@ def elem_strides(x):
     return tuple(s // x.itemsize for s in x.strides)
 
 
+def device_address(x) -> Optional[int]:
+    """The device address of a CuPy array or a torch CUDA tensor; None for anything else."""
+    if getattr(x, "is_cuda", False) is True:
+        return x.data_ptr()
+    ptr = getattr(getattr(x, "data", None), "ptr", None)
+    return ptr if isinstance(ptr, int) else None
+
+
 def alignment(arrays, dims) -> int:
     """Largest of 8/4/2/1 dividing every pointer (in elements), stride and dim that matters."""
     values = list(dims)

@@ -16,7 +16,8 @@ import numpy as np
 
 from flashgen.errors import UnsupportedError
 from flashgen.runtime import host_offsets, score_mods
-from flashgen.runtime.arrays import as_array, check_strides, cupy_module, dtype_name, elem_strides, padded_rows
+from flashgen.runtime.arrays import (as_array, check_strides, cupy_module, device_address, dtype_name, elem_strides,
+                                     padded_rows)
 from flashgen.runtime.block_masks import BlockMask
 from flashgen.runtime.limits import SPLIT_ROWS, check_input_offsets, check_kernel_limits, check_offset
 from flashgen.runtime.registry import default_registry
@@ -415,8 +416,18 @@ def forward_call(q, k, v, options: dict, entry: Callable, plan_key=None) -> Call
     mod = score_mods.bind(options, p, q, k)
     # a block mask's arrays are in the plan's key (api.py); a plan is left only where a sparse kernel
     # reads them (the dense fallback clears the key: block_fallback.dense_call)
-    return Call("fwd", p, q, k, v, b, options, entry, plan_key=None if copied else plan_key, block_mask=bm,
+    planned = not (copied or offsets_copied(p, options))
+    return Call("fwd", p, q, k, v, b, options, entry, plan_key=plan_key if planned else None, block_mask=bm,
                 score_mod=mod)
+
+
+def offsets_copied(p: Problem, options: dict) -> bool:
+    """Whether the kernels read a copy of the caller's cu_seqlens (strided, or not on q's GPU), which
+    a launch plan, reading the caller's own arrays, would not see."""
+    if p.seqstart_q is None:
+        return False
+    return any(seq.data.ptr != device_address(options[name])
+               for seq, name in ((p.seqstart_q, "cu_seqlens_q"), (p.seqstart_k, "cu_seqlens_k")))
 
 
 def backward_call(grad_out, q, k, v, out, lse, options: dict, entry: Callable, plan_key=None) -> Call:
@@ -447,4 +458,5 @@ def backward_call(grad_out, q, k, v, out, lse, options: dict, entry: Callable, p
     check_varlen_bottom_right(p)
     mod = score_mods.bind(options, p, q, k)
     return Call("bwd", p, q, k, v, b, options, entry, out=out, grad_out=grad_out, lse=lse,
-                plan_key=None if copied else plan_key, block_mask=bm, score_mod=mod)  # as forward_call
+                plan_key=None if copied or offsets_copied(p, options) else plan_key, block_mask=bm,
+                score_mod=mod)  # as forward_call

@@ -263,9 +263,10 @@ class EagerAttention(torch.autograd.Function):
             out, lse = _replayed_forward(plan, q, k, v, attn_bias, options)
         else:
             out, lse = _forward(q, k, v, attn_bias, *options[:-1], block_mask=block_mask, mods=mods)
-            # the forward's launch plan when it replayed one; none with a block mask or a score mod, whose
-            # backward plans end with arrays the follower replay does not pass (api.py's own plans serve them)
-            plan = plans.served() if block_mask is None and mods is None else None
+            # the forward's launch plan when it replayed one; none with a block mask, a score mod or packed
+            # offsets, whose backward plans end with arrays the follower replay does not pass (api.py's own
+            # plans serve them)
+            plan = plans.served() if block_mask is None and mods is None and options[0] is None else None
             if plan is not None and key is not None:
                 plans.remember(key, plan)
         ctx.plan = plan

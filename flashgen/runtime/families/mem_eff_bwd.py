@@ -187,7 +187,7 @@ class MemEffBwdRuntime(RuntimeFamily):
              gK_strideH=p.K, gV_strideH=p.Kv, gB_strideH=gbs[1])
         grid, block = (splits, p.H, p.batches), (kc["threads_per_block"], 1, 1)
         launch(call.registry, binary, p.device, grid, block, params, call.stream)
-        if call.plan_key is not None and bias is None:  # replay passes no bias
+        if call.plan_key is not None and bias is None and p.seqstart_q is None:  # replay passes no bias, no offsets
             plans.remember(call.plan_key, plans.LaunchPlan.from_params(
                 handle(call.registry, binary, p.device), p.device, grid, block, kc["shared_memory_bytes"], params,
                 POINTERS, p.dropout_p > 0,

@@ -26,8 +26,8 @@ from flashgen.runtime import dropout, plans
 from flashgen.runtime.arrays import cupy_module, elem_strides
 from flashgen.runtime.families.sm90_common import (SPARSE_POINTERS, HopperFamily, band_fields, bias_fields,
                                                    check_compiled, dbias_fields, encode_bias_map, encode_dbias_map,
-                                                   encode_maps, mod_fields, sparse_refusal, trailing_pointers,
-                                                   zero_unpacked_rows)
+                                                   encode_maps, mod_fields, packed_ends, sparse_refusal,
+                                                   trailing_pointers, zero_replayed_rows, zero_unpacked_rows)
 from flashgen.runtime.launch import fill, handle, launch, on_device, packed_offsets, params_buffer
 from flashgen.runtime.memory import CupyMemory
 from flashgen.runtime.limits import check_int32
@@ -219,7 +219,7 @@ class ThreeKernelBackward:
             entry = lambda name: handle(call.registry, binary, p.device, name)  # noqa: E731
             maps, pointers = (self.MAPS, self.POINTERS) if call.bias is None else (self.BIAS_MAPS, self.BIAS_POINTERS)
             trailing = trailing_pointers(call)
-            sizes = {"layout": tuple(offsets), "trailing": len(trailing)}
+            sizes = {"layout": tuple(offsets), "trailing": len(trailing), "packed_ends": packed_ends(p)}
             if remade is not None:
                 maps, trailing, sizes["dbias"] = maps + self.DBIAS_MAPS, trailing + ("dbias_ptr",), remade
             plans.remember(plan_key, plans.LaunchPlan.from_params(
@@ -260,6 +260,7 @@ class ThreeKernelBackward:
                 at = self.BIAS_AT + 1  # the bias's map, then dbias's
                 given = given[:at] + (ptr(padded),) * len(self.DBIAS_MAPS) + given[at:]
                 tail += (ptr(padded),)
+            zero_replayed_rows(memory, plan.sizes.get("packed_ends", ()), (dq, dk, dv), handle_)
             plan.launch(given + carved + tail, seed, offset, handle_)
             del workspace  # after the launch: the allocator reuses it in stream order
         return (dq, dk, dv) if remade is None else (dq, dk, dv, padded[..., :k.shape[1]])

@@ -155,6 +155,7 @@ def check_compiled_dropout(binary: KernelBinary, call: Call) -> None:
 # a sparse call's block mask: its arrays' pointers, in Params order (BlockMask.kernel_arrays' for the
 # forward, backward_arrays' for the backward): after the family's own per-call pointers
 SPARSE_POINTERS = tuple(field.name for field in SPARSE_POINTER_FIELDS)
+PACKED_POINTERS = ("seqstart_q", "seqstart_k")  # a packed batch's offsets (Params of the sm90 and sm80 pairs)
 
 
 def sparse_refusal(call: Call) -> Optional[str]:
@@ -188,10 +189,19 @@ def mod_fields(call: Call) -> dict:
 
 def trailing_pointers(call: Call) -> Tuple[str, ...]:
     """The Params pointer fields a plan takes from the arrays that end a call's signature (api.py):
-    its block mask's, or its score mod's captured tensors' (a call has at most one of the two)."""
+    its block mask's, its score mod's captured tensors' or its packed offsets' (a call has at most
+    one of the three)."""
     if call.block_mask is not None:
         return SPARSE_POINTERS
+    if call.p.seqstart_q is not None:
+        return PACKED_POINTERS
     return () if call.score_mod is None else call.score_mod.plan_pointers()
+
+
+def packed_ends(p: Problem) -> Tuple[int, ...]:
+    """Where a packed batch's last sequence ends in q's rows and in k's (a plan's ``packed_ends``:
+    ``zero_unpacked_rows`` clears the rows past them); () for a batch that is not packed."""
+    return () if p.seqstart_q is None else (int(p.starts_q[-1]), int(p.starts_k[-1]))
 
 
 def check_compiled_sparse(binary: KernelBinary, call: Call) -> None:
@@ -230,6 +240,19 @@ def zero_unpacked_rows(p: Problem, *arrays) -> None:
     for x, end in zip(arrays, (p.starts_q[-1], p.starts_k[-1], p.starts_k[-1])):
         if end < x.shape[1]:
             x[:, int(end):] = 0
+
+
+def zero_replayed_rows(memory, ends: Tuple[int, ...], arrays: Sequence, stream: int) -> None:
+    """``zero_unpacked_rows`` for a replay's outputs (contiguous, [1, rows, ...], out or dq, dk, dv):
+    each cleared past its plan's ``packed_ends`` by a memset in the launch's stream order."""
+    if not ends:
+        return
+    runtime = cupy_module().cuda.runtime
+    for x, end in zip(arrays, ends[:1] + ends[1:] * 2):
+        rows = x.shape[1]
+        if end < rows:
+            row_bytes = x.nbytes // rows
+            runtime.memsetAsync(memory.ptr(x) + end * row_bytes, 0, (rows - end) * row_bytes, stream)
 
 
 def encode_maps(params: np.ndarray, maps: Sequence[str], arrays: Sequence, box_rows: Sequence[int], p: Problem,
@@ -395,7 +418,9 @@ def replay_forward(plan, memory, arrays, stream, seed=0, offset=0):
     q, ptr = arrays[0], memory.ptr
     lead = len(arrays) - plan.sizes.get("trailing", 0)
     with on_device(cupy_module(), plan.device):
+        handle_ = memory.stream(stream, plan.device)
         out, lse = planned_forward_outputs(memory, plan.sizes, q)
+        zero_replayed_rows(memory, plan.sizes.get("packed_ends", ()), (out,), handle_)
         plan.launch(tuple(map(ptr, arrays[:lead])) + (ptr(out), ptr(lse)) + tuple(map(ptr, arrays[lead:])), seed,
-                    offset, memory.stream(stream, plan.device))
+                    offset, handle_)
     return out, visible_lse(lse, plan.sizes["M"])

@@ -20,7 +20,7 @@ from flashgen.runtime.device import device_info
 from flashgen.runtime.families import visible_lse
 from flashgen.runtime.families.sm90_common import (SPARSE_POINTERS, HopperFamily, band_fields, bias_fields,
                                                    check_compiled, encode_bias_map, encode_maps, mod_fields,
-                                                   replay_forward, sparse_refusal, trailing_pointers,
+                                                   packed_ends, replay_forward, sparse_refusal, trailing_pointers,
                                                    zero_unpacked_rows)
 from flashgen.runtime.launch import fill, handle, launch, params_buffer
 from flashgen.runtime.limits import check_int32, lse_rows
@@ -99,14 +99,15 @@ class Sm90FwdRuntime(HopperFamily):
         block = (kc["threads_per_block"], 1, 1)
         launch(call.registry, binary, p.device, grid, block, params, call.stream)
         zero_unpacked_rows(p, out)
-        # a bias's map follows q's, k's and v's (replay: the arrays in order); a block mask's or a score
-        # mod's arrays end the call's, their pointers the plan's (``trailing``)
+        # a bias's map follows q's, k's and v's (replay: the arrays in order); a block mask's, a score
+        # mod's or packed offsets' arrays end the call's, their pointers the plan's (``trailing``)
         if call.plan_key is not None:
             trailing = trailing_pointers(call)
             plans.remember(call.plan_key, plans.LaunchPlan.from_params(
                 handle(call.registry, binary, p.device), p.device, grid, block, kc["shared_memory_bytes"], params,
                 POINTERS + trailing, p.dropout_p > 0,
-                {"out": out.shape, "lse": lse.shape, "M": p.M, "trailing": len(trailing)},
+                {"out": out.shape, "lse": lse.shape, "M": p.M, "trailing": len(trailing),
+                 "packed_ends": packed_ends(p)},
                 tensor_maps=MAPS + (() if call.bias is None else ("bias_map",)), family=self.name,
                 rng_fields=dropout.RNG_FIELDS))
         return out, visible_lse(lse, p.M)
