@@ -223,13 +223,16 @@ def test_a_step_reads_its_offsets_once_while_torch_says_they_are_unchanged():
             assert rel_err(cp(g)[None], r, 8.0) < BWD_TOL["f16"], s
 
 
-def test_packed_steps_replay_plans_that_clear_the_rows_past_the_last_sequence(monkeypatch):
+@pytest.mark.parametrize("families", ["", "sm80_fwd,sm80_bwd"])
+def test_packed_steps_replay_plans_that_clear_the_rows_past_the_last_sequence(monkeypatch, families):
     """From the third call with the same offsets tensors (the first reads them, the second leaves a
     plan keyed by their contents), a packed forward and backward replay their plans: in poisoned
     memory the rows past the last sequence come back zero and every sequence matches float64 on new
-    data; offsets changed in place key another plan."""
+    data; offsets changed in place key another plan.  On the dispatch's own families, and forced onto
+    the Ampere pair (where it is built for this GPU)."""
     from flashgen.runtime import host_offsets
 
+    monkeypatch.setenv(plans.FAMILIES_VARIABLE, families)
     plans.clear()
     host_offsets.clear()
     replayed = []
@@ -250,7 +253,10 @@ def test_packed_steps_replay_plans_that_clear_the_rows_past_the_last_sequence(mo
         q, k, v = randn((200, 4, 64), "bf16", 10 * step + 1), randn((170, 2, 64), "bf16", 10 * step + 2), \
             randn((170, 2, 64), "bf16", 10 * step + 3)
         poison_torch_cache()
-        out = ft.attention_varlen(q, k, v, cu_q, cu_k, 130, 70, causal="top_left")
+        try:
+            out = ft.attention_varlen(q, k, v, cu_q, cu_k, 130, 70, causal="top_left")
+        except UnsupportedError as e:
+            pytest.skip(f"{families or 'the default families'}: {e}")
         do = torch.randn_like(out)
         poison_torch_cache()
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)

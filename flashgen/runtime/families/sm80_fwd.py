@@ -17,7 +17,8 @@ from flashgen.runtime import dropout, plans
 from flashgen.runtime.arrays import cupy_module, elem_strides
 from flashgen.runtime.families import visible_lse
 from flashgen.runtime.families.sm90_common import (AmpereFamily, ampere_bias_fields, band_fields, check_compiled,
-                                                   replay_forward, zero_unpacked_rows)
+                                                   packed_ends, replay_forward, trailing_pointers,
+                                                   zero_unpacked_rows)
 from flashgen.runtime.launch import fill, handle, launch, params_buffer
 from flashgen.runtime.limits import check_int32, lse_rows
 from flashgen.runtime.registry import KernelBinary
@@ -55,11 +56,13 @@ class Sm80FwdRuntime(AmpereFamily):
         block = (kc["threads_per_block"], 1, 1)
         launch(call.registry, binary, p.device, grid, block, params, call.stream)
         zero_unpacked_rows(p, out)
-        if call.plan_key is not None and p.seqstart_q is None:
+        if call.plan_key is not None:  # packed offsets' pointers end the plan's (``trailing``)
+            trailing = trailing_pointers(call)
             plans.remember(call.plan_key, plans.LaunchPlan.from_params(
                 handle(call.registry, binary, p.device), p.device, grid, block, kc["shared_memory_bytes"], params,
-                POINTERS if call.bias is None else BIAS_POINTERS, p.dropout_p > 0,
-                {"out": out.shape, "lse": lse.shape, "M": p.M}, family=self.name, rng_fields=dropout.RNG_FIELDS))
+                (POINTERS if call.bias is None else BIAS_POINTERS) + trailing, p.dropout_p > 0,
+                {"out": out.shape, "lse": lse.shape, "M": p.M, "trailing": len(trailing),
+                 "packed_ends": packed_ends(p)}, family=self.name, rng_fields=dropout.RNG_FIELDS))
         return out, visible_lse(lse, p.M)
 
     def replay(self, plan, memory, arrays, seed, offset, stream):
