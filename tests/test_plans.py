@@ -320,25 +320,47 @@ def test_bias_gradients_replay_plans_that_remake_dbias(case):
 
 
 @gpu
-def test_bias_copies_and_summed_planes_leave_no_plan():
-    """A bias whose rows validation re-pads (7 keys a row: not 16-byte rows) is a per-call copy, and
-    deterministic dbias planes of a broadcast bias go through a fourth kernel (_dbias_sum): neither
-    call leaves a backward plan, and both stay right."""
+def test_bias_copies_leave_no_plan():
+    """A bias whose rows validation re-pads (7 keys a row: not 16-byte rows) is a per-call copy: the
+    call leaves no backward plan, and stays right."""
     r = np.random.default_rng(12)
     q, do = randn(r, (2, 40, 2, 64), "f16"), randn(r, (2, 40, 2, 64), "f16")
-    for N, deterministic in ((7, False), (64, True)):
-        k, v = randn(r, (2, N, 2, 64), "f16"), randn(r, (2, N, 2, 64), "f16")
-        bias = make_bias(r, "f16", 2, 2, 40, N, "B")
-        plans.clear()
-        for _ in range(2):
-            out, lse = flashgen.attention_forward(q, k, v, attn_bias=bias)
-            grads = flashgen.attention_backward(do, q, k, v, out, lse, attn_bias=bias, bias_requires_grad=True,
-                                                deterministic=deterministic)
-        assert not [key for key in plans._plans if key[0] == "bwd"]
-        ref_out, _, ref_grads = reference(q, k, v, bias=bias, grad_out=do)
-        assert rel_err(out, ref_out) < FWD_TOL["f16"]
-        for g, want in zip(grads, ref_grads):
-            assert rel_err(g, want) < BWD_TOL["f16"]
+    k, v = randn(r, (2, 7, 2, 64), "f16"), randn(r, (2, 7, 2, 64), "f16")
+    bias = make_bias(r, "f16", 2, 2, 40, 7, "B")
+    plans.clear()
+    for _ in range(2):
+        out, lse = flashgen.attention_forward(q, k, v, attn_bias=bias)
+        grads = flashgen.attention_backward(do, q, k, v, out, lse, attn_bias=bias, bias_requires_grad=True)
+    assert not [key for key in plans._plans if key[0] == "bwd"]
+    ref_out, _, ref_grads = reference(q, k, v, bias=bias, grad_out=do)
+    assert rel_err(out, ref_out) < FWD_TOL["f16"]
+    for g, want in zip(grads, ref_grads):
+        assert rel_err(g, want) < BWD_TOL["f16"]
+
+
+@gpu
+@pytest.mark.parametrize("broadcast,causal", [("B", None), ("BH", "top_left")])
+def test_deterministic_summed_planes_replay_the_same_bits(broadcast, causal):
+    """deterministic=True with a broadcast bias: the kernels write dbias per plane and _dbias_sum adds
+    them in a fixed order; a replay remakes the planes (zeroed for a band's holes) and the sum, and
+    gives the full path's bits for the same data, and the reference's gradients."""
+    r = np.random.default_rng(14)
+    case = ("bf16", 3, 130, 136, 4, 64, broadcast, causal)
+    args = bias_inputs(r, case)
+    plans.clear()
+    fresh = bias_call(case, *args, bias_requires_grad=True, deterministic=True)[2:]  # the full path
+    made = [plan for key, plan in plans._plans.items() if key[0] == "bwd"]
+    served = next(n for n, _, w in flashgen.explain(*args[:3], attn_bias=args[4], causal=causal, backward=True)
+                  if w == "selected")
+    if served.startswith("sm90_bwd_"):
+        assert [plan.sizes["dbias"][2] is not None for plan in made] == [True], "no plan sums dbias's planes"
+    planned = bias_call(case, *args, bias_requires_grad=True, deterministic=True)[2:]
+    for a, b in zip(planned, fresh):
+        assert a.shape == b.shape and a.strides == b.strides
+        np.testing.assert_array_equal(cupy.asnumpy(a), cupy.asnumpy(b))
+    ref_grads = reference(*args[:3], bias=args[4], causal=causal, grad_out=args[3])[2]
+    for g, want in zip(planned, ref_grads):
+        assert rel_err(g, want) < BWD_TOL["bf16"]
 
 
 class FakeTensor:

@@ -262,20 +262,21 @@ def test_the_api_folds_what_the_kernels_left_per_plane_in_float32():
 
 
 @pytest.mark.parametrize("family,bias_shape,kc,options,recipe", [
-    ("sm90_bwd", (1, 3, 5, 7), {"adds_dbias": 1}, {}, ((1, 3, 5, 8), True)),       # added into: zeroed
-    ("sm90_bwd", (2, 3, 5, 7), {}, {}, ((2, 3, 5, 8), False)),                     # every tile stored
-    ("sm90_bwd", (2, 3, 5, 7), {}, {"causal": "top_left"}, ((2, 3, 5, 8), True)),  # band holes to clear
-    ("sm90_bwd", (1, 3, 5, 7), {"adds_dbias": 1}, {"deterministic": True}, None),  # planes for _dbias_sum
-    ("sm90_bwd", (1, 3, 5, 7), {}, {}, None),                                      # stale kernels: _dbias_sum
-    ("sm80_bwd", (1, 3, 5, 7), {}, {}, None),                                      # planes the API folds
-    ("sm80_bwd", (2, 3, 5, 7), {}, {}, ((2, 3, 5, 8), False)),
+    ("sm90_bwd", (1, 3, 5, 7), {"adds_dbias": 1}, {}, ((1, 3, 5, 8), True, None)),       # added into: zeroed
+    ("sm90_bwd", (2, 3, 5, 7), {}, {}, ((2, 3, 5, 8), False, None)),                     # every tile stored
+    ("sm90_bwd", (2, 3, 5, 7), {}, {"causal": "top_left"}, ((2, 3, 5, 8), True, None)),  # band holes to clear
+    ("sm90_bwd", (1, 3, 5, 7), {"adds_dbias": 1}, {"deterministic": True},               # planes _dbias_sum adds
+     ((2, 3, 5, 8), False, (1, 3, 5, 8))),
+    ("sm90_bwd", (1, 1, 5, 7), {}, {"causal": "top_left"}, ((2, 3, 5, 8), True, (1, 1, 5, 8))),  # kernels before adds
+    ("sm80_bwd", (1, 3, 5, 7), {}, {}, None),                                            # planes the API folds
+    ("sm80_bwd", (2, 3, 5, 7), {}, {}, ((2, 3, 5, 8), False, None)),
     ("sm90_bwd", (1, 3, 5, 7), {"adds_dbias": 1}, {"bias_requires_grad": False}, None),
 ])
 def test_a_replay_remakes_dbias_only_where_the_launch_leaves_it_final(monkeypatch, family, bias_shape, kc, options,
                                                                     recipe):
-    """A dbias call is planned (``replayable_dbias``) where the kernels' one array is the gradient the
-    API returns: added into (zeroed) or stored whole; not where a fourth kernel sums planes or the
-    API folds them."""
+    """A dbias call is planned (``replayable_dbias``) where what its launches leave is the gradient the
+    API returns: the kernels' one array, added into (zeroed) or stored whole, or the sum _dbias_sum
+    writes of their planes; not where the API folds planes itself."""
     from flashgen.runtime.families import sm80_bwd
 
     runtime = {"sm90_bwd": sm90_bwd, "sm80_bwd": sm80_bwd}[family].RUNTIME
@@ -310,11 +311,13 @@ class ReplayMemory:
         return 77
 
 
-@pytest.mark.parametrize("remade", [((1, 3, 5, 8), True), ((2, 3, 5, 8), False)])
+@pytest.mark.parametrize("remade", [((1, 3, 5, 8), True, None), ((2, 3, 5, 8), False, None),
+                                    ((2, 3, 5, 8), True, (1, 3, 5, 8))])
 def test_a_replay_points_the_dbias_map_after_the_bias_and_its_pointer_last(monkeypatch, remade):
-    """The plan's tensor maps are (q, k, v, dO, bias, dbias) and its pointers end with dbias_ptr after
-    any trailing arrays' (``launch``'s order): the replay hands dbias's address to both, zeroes it on
-    the launch's stream only where the recipe says, and returns it N keys wide."""
+    """The plan's tensor maps are (q, k, v, dO, bias, dbias) and its pointers end with dbias_ptr (then
+    dbias_sum_ptr) after any trailing arrays' (``launch``'s order): the replay hands the kernels'
+    dbias address to both, zeroes it on the launch's stream only where the recipe says, and returns
+    it -- or the sum of its planes -- N keys wide."""
     import contextlib
 
     monkeypatch.setattr(sm90_bwd, "on_device", lambda cupy, device: contextlib.nullcontext())
@@ -329,7 +332,13 @@ def test_a_replay_points_the_dbias_map_after_the_bias_and_its_pointer_last(monke
     *_, dbias = sm90_bwd.RUNTIME.replay(plan, memory, arrays, None, 0, None)
     (pointers, stream), = launched
     ptr = memory.ptr
-    assert dbias.shape == remade[0][:3] + (7,) and stream == 77
-    assert memory.zeroed == ([(remade[0], 77)] if remade[1] else [])
-    assert pointers[:6] == (ptr(q), ptr(k), ptr(v), ptr(grad_out), ptr(bias), ptr(dbias))
-    assert pointers[6:9] == (ptr(out), ptr(grad_out), ptr(lse)) and pointers[-2:] == (ptr(mask), ptr(dbias))
+    shape, zeroed, sum_shape = remade
+    assert dbias.shape == (sum_shape or shape)[:3] + (7,) and stream == 77
+    assert memory.zeroed == ([(shape, 77)] if zeroed else [])
+    assert pointers[6:9] == (ptr(out), ptr(grad_out), ptr(lse))
+    if sum_shape is None:
+        assert pointers[:6] == (ptr(q), ptr(k), ptr(v), ptr(grad_out), ptr(bias), ptr(dbias))
+        assert pointers[-2:] == (ptr(mask), ptr(dbias))
+    else:  # the kernels write planes (the map's and dbias_ptr's address), _dbias_sum the result
+        assert pointers[:5] == (ptr(q), ptr(k), ptr(v), ptr(grad_out), ptr(bias)) and pointers[5] != ptr(dbias)
+        assert pointers[-3] == ptr(mask) and pointers[-2] == pointers[5] and pointers[-1] == ptr(dbias)

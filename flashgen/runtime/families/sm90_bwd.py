@@ -208,39 +208,46 @@ class ThreeKernelBackward:
         if dbias_planes:  # dbias summed over the planes the caller's bias broadcasts in
             summed = extra[0]
             plane_chunks = summed.shape[2] * elem_strides(summed)[2] // 8
-            launch(call.registry, binary, p.device, (-(-plane_chunks // kc["aux_threads"]),
-                   summed.shape[0] * summed.shape[1]), aux_block, params, call.stream, "_dbias_sum")
+            sum_grid = (-(-plane_chunks // kc["aux_threads"]), summed.shape[0] * summed.shape[1], 1)
+            launch(call.registry, binary, p.device, sum_grid, aux_block, params, call.stream, "_dbias_sum")
         zero_unpacked_rows(p, dq, dk, dv)
         remade = self.replayable_dbias(call, kc, extra, extra_fields, dbias_planes)
         # a bias's map or pointer where BIAS_AT says (replay: the arrays in order); a block mask's pointers, or
         # a score mod's tensors', follow POINTERS (their arrays end the replayed ones: the plan's ``trailing``);
-        # dbias's map follows the bias's, its pointer ends them all
+        # dbias's map follows the bias's, its pointer (and its sum's) end them all
         if plan_key is not None and (not extra or remade is not None):
             entry = lambda name: handle(call.registry, binary, p.device, name)  # noqa: E731
             maps, pointers = (self.MAPS, self.POINTERS) if call.bias is None else (self.BIAS_MAPS, self.BIAS_POINTERS)
             trailing = trailing_pointers(call)
             sizes = {"layout": tuple(offsets), "trailing": len(trailing), "packed_ends": packed_ends(p)}
+            after = [(entry("_convert"), aux_grid, aux_block)]
             if remade is not None:
                 maps, trailing, sizes["dbias"] = maps + self.DBIAS_MAPS, trailing + ("dbias_ptr",), remade
+                if dbias_planes:
+                    trailing += ("dbias_sum_ptr",)
+                    after.append((entry("_dbias_sum"), sum_grid, aux_block))
             plans.remember(plan_key, plans.LaunchPlan.from_params(
                 entry(""), p.device, grid, block, kc["shared_memory_bytes"], params, pointers + trailing,
                 p.dropout_p > 0, sizes, tensor_maps=maps, family=self.name,
-                before=[(entry("_prep"), aux_grid, aux_block)], after=[(entry("_convert"), aux_grid, aux_block)],
-                rng_fields=dropout.RNG_FIELDS))
+                before=[(entry("_prep"), aux_grid, aux_block)], after=after, rng_fields=dropout.RNG_FIELDS))
         return (dq, dk, dv) + extra
 
     def replayable_dbias(self, call: Call, kc: dict, extra: tuple, fields: dict, workspace: tuple):
-        """The ``dbias_recipe`` a replay remakes the call's dbias from, or None where a replay could not
-        stand in for the launch: no dbias asked for, planes ``_dbias_sum`` reads (a fourth launch), or
-        planes the API still has to fold (``fold_dbias``)."""
-        if not extra or workspace:
+        """(shape, zeroed, sum's shape) a replay remakes the call's dbias from: the array the kernels
+        write (``dbias_recipe``) and, where ``_dbias_sum`` folds its planes, the padded shape of the sum
+        it writes (else None); or None where a replay could not stand in for the launch: no dbias asked
+        for, or planes the API still has to fold (``fold_dbias``)."""
+        if not extra:
             return None
         p = call.p
         batches, heads = dbias_folds(call.options["attn_bias"], p.B, p.H)
-        planes = extra[0].shape[:2]
-        if planes != (p.B // batches, p.H // heads):
+        folded = (p.B // batches, p.H // heads)
+        if tuple(extra[0].shape[:2]) != folded:
             return None
-        return self.dbias_recipe(call, kc, planes if fields.get("dbias_add") else None)
+        if workspace:  # the kernels' planes, which _dbias_sum adds into extra[0]
+            shape, zeroed = self.dbias_recipe(call, kc)
+            return shape, zeroed, folded + shape[2:]
+        return self.dbias_recipe(call, kc, folded if fields.get("dbias_add") else None) + (None,)
 
     def replay(self, plan, memory, arrays, seed, offset, stream):
         lead = len(arrays) - plan.sizes.get("trailing", 0)  # a block mask's or a mod's arrays end ``arrays``
@@ -255,15 +262,16 @@ class ThreeKernelBackward:
             dq, dk, dv, carved, workspace = buffers(memory, plan.sizes["layout"], q, k, v, handle_)
             tail = tuple(map(ptr, trailing))
             if remade is not None:
-                shape, zeroed = remade
-                padded = memory.zeros(shape, q, handle_) if zeroed else memory.empty(shape, q)
+                shape, zeroed, sum_shape = remade
+                planes = memory.zeros(shape, q, handle_) if zeroed else memory.empty(shape, q)
                 at = self.BIAS_AT + 1  # the bias's map, then dbias's
-                given = given[:at] + (ptr(padded),) * len(self.DBIAS_MAPS) + given[at:]
-                tail += (ptr(padded),)
+                given = given[:at] + (ptr(planes),) * len(self.DBIAS_MAPS) + given[at:]
+                dbias = planes if sum_shape is None else memory.empty(sum_shape, q)
+                tail += (ptr(planes),) + (() if sum_shape is None else (ptr(dbias),))
             zero_replayed_rows(memory, plan.sizes.get("packed_ends", ()), (dq, dk, dv), handle_)
             plan.launch(given + carved + tail, seed, offset, handle_)
-            del workspace  # after the launch: the allocator reuses it in stream order
-        return (dq, dk, dv) if remade is None else (dq, dk, dv, padded[..., :k.shape[1]])
+            del workspace  # after the launch: the allocator reuses it (and the summed planes) in stream order
+        return (dq, dk, dv) if remade is None else (dq, dk, dv, dbias[..., :k.shape[1]])
 
 
 class Sm90BwdRuntime(ThreeKernelBackward, HopperFamily):
