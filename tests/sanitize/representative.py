@@ -143,6 +143,24 @@ for K in (64, 128):
     out, lse = flashgen.attention_forward(q, kv, kv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal="top_left")
     flashgen.attention_backward(out, q, kv, kv, out, lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal="top_left")
 cupy.cuda.runtime.deviceSynchronize()
+# packed batches through flashgen.torch (where torch is installed): the same offsets tensors three
+# times, so the third forward and backward replay plans keyed by the offsets' contents, which point the
+# kernels at the caller's offsets and clear the rows past the last sequence (q's 20, k's 40)
+try:
+    import torch
+    import flashgen.torch as flashgen_torch
+except ImportError:
+    torch = None
+    print("no torch: the packed plans' replay is skipped")
+if torch is not None:
+    cu_q = torch.tensor([0, 100, 100, 280], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 60, 200, 260], dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        q = torch.randn(300, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.randn(300, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out = flashgen_torch.attention_varlen(q, kv, kv, cu_q, cu_k, 180, 140, causal="top_left")
+        torch.autograd.grad(out, (q, kv), torch.ones_like(out))
+    torch.cuda.synchronize()
 # sm90_fwd's and sm90_bwd's sparse instances (block masks of 128 x 128 blocks, on a 9.0 GPU; served dense
 # elsewhere): partial and full blocks, a query block and rows without keys, ragged last blocks (M = 300: the
 # 64-query steps of head dim 128 stop at the last query), the mask broadcast over the batch, grouped-query
