@@ -10,8 +10,8 @@ __version__ = "0.1.0"
 
 from flashgen.errors import UnsupportedError  # noqa: E402
 
-_RUNTIME = ("attention_forward", "attention_backward", "explain", "block_mask", "BlockMask", "set_kernel_path",
-            "use_tuning_table")
+_RUNTIME = ("attention_forward", "attention_backward", "explain", "block_mask", "BlockMask", "packed_offsets",
+            "PackedOffsets", "set_kernel_path", "use_tuning_table")
 
 
 def __getattr__(name):

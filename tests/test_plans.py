@@ -396,3 +396,39 @@ def test_torch_tensors_are_keyed_by_shape_strides_dtype_device_and_alignment():
     assert sig(FakeTensor((2, 3), 4096), FakeTensor((2, 3), 8192, is_cuda=False)) is None
     assert sig(FakeTensor((2, 3), 4096), FakeArray((2, 3), 8192)) is None
     assert plans.signature((FakeArray((2, 3), 4096), FakeArray((2, 3), 8192)), FakeArray) != a
+
+
+SPIN = r'extern "C" __global__ void spin(long long cycles) { long long t = clock64(); while (clock64() - t < cycles) {} }'
+
+
+@gpu
+def test_packed_offsets_are_read_by_no_call_and_key_plans_by_their_contents():
+    """Offsets built once with flashgen.packed_offsets: the calls give what the same offsets as CuPy
+    arrays give (bitwise forward, rows past the last sequence zero in poisoned memory); from the
+    second call on they replay plans keyed by the offsets' contents; and a call leaves the GPU's
+    queue running, where a CuPy array's offsets are read (waiting for it)."""
+    r = np.random.default_rng(21)
+    cu_q, cu_k = np.array([0, 50, 50, 180], np.int32), np.array([0, 70, 100, 160], np.int32)
+    q, do = randn(r, (1, 200, 4, 64), "bf16"), randn(r, (1, 200, 4, 64), "bf16")
+    k, v = randn(r, (1, 170, 2, 64), "bf16"), randn(r, (1, 170, 2, 64), "bf16")
+    offsets = dict(cu_seqlens_q=flashgen.packed_offsets(cu_q), cu_seqlens_k=flashgen.packed_offsets(cu_k))
+    arrays = dict(cu_seqlens_q=cupy.asarray(cu_q), cu_seqlens_k=cupy.asarray(cu_k))
+    plans.clear()
+    results = []
+    for given in (arrays, offsets, offsets):  # read; not read, leaving plans; replayed
+        with poisoned_allocations():
+            out, lse = flashgen.attention_forward(q, k, v, causal="top_left", **given)
+            grads = flashgen.attention_backward(do, q, k, v, out, lse, causal="top_left", **given)
+        results.append((out, lse) + tuple(grads))
+    assert {key[0] for key in plans._plans} >= {"fwd", "bwd"}, "packed offsets left no plan"
+    reference_run = results[0]
+    for run_ in results[1:]:
+        np.testing.assert_array_equal(cupy.asnumpy(run_[0]), cupy.asnumpy(reference_run[0]))
+        for got, want, end in zip(run_[2:], reference_run[2:], (180, 160, 160)):
+            assert bool((got[:, end:] == 0).all()), "rows past the last sequence are not zero"
+            assert rel_err(got[:, :end], want[:, :end]) < BWD_TOL["bf16"]
+    spin = cupy.RawKernel(SPIN, "spin")
+    spin((1,), (1,), (np.int64(2_000_000_000),))  # about a second of one SM's clock
+    flashgen.attention_forward(q, k, v, causal="top_left", **offsets)
+    assert not cupy.cuda.get_current_stream().done, "the call waited for the GPU"
+    cupy.cuda.runtime.deviceSynchronize()

@@ -28,6 +28,7 @@ from flashgen.runtime.block_masks import BlockMask, fold_band
 from flashgen.runtime.launch import on_device
 from flashgen.runtime.limits import lse_rows
 from flashgen.runtime.memory import memory_for
+from flashgen.runtime.packed import PackedOffsets
 from flashgen.runtime.registry import Registry, default_registry
 from flashgen.runtime.validate import Call, backward_call, check_rng, fold_dbias, forward_call, rows_without_keys
 
@@ -40,7 +41,9 @@ def attention_forward(q, k, v, *, attn_bias=None, block_mask=None, causal=None, 
     ``causal``: None, "top_left" (query i sees keys <= i) or "bottom_right"
     (the diagonal ends at the last key).  With ``cu_seqlens_q/k`` (int32,
     [S+1] offsets) the batch is S packed sequences in dim 1 of a batch of 1;
-    ``lse`` is then [S, H, max_seqlen_q].  ``dropout_p > 0`` needs ``seed``;
+    ``lse`` is then [S, H, max_seqlen_q].  The offsets are read on the host, which waits for the
+    GPU, except from a ``flashgen.packed_offsets`` (validated once) or a torch tensor torch says is
+    unchanged since an earlier call read it.  ``dropout_p > 0`` needs ``seed``;
     pass the same ``seed``/``offset`` to the backward.
     ``window=(left, right)``: a sliding window -- query i sees keys i + d - left
     .. i + d + right (None: no limit on that side), d = N - M with
@@ -225,14 +228,16 @@ def _packed_offsets(cu_seqlens_q, cu_seqlens_k) -> Optional[tuple]:
     """(arrays, contents) that put a call's packed offsets into its plan's key -- the arrays end the
     signature (a plan points the kernels at them), their validated host copies join the options --
     ``((), None)`` for a call without them, and None where their contents are not known without
-    reading them (a torch tensor's copy is kept while torch says it is unchanged: host_offsets; a
-    CuPy array has no version counter): that call takes the full path, which reads them."""
+    reading them (a ``PackedOffsets`` carries its own; a torch tensor's copy is kept while torch says
+    it is unchanged: host_offsets; a CuPy array has no version counter): that call takes the full
+    path, which reads them."""
     if cu_seqlens_q is None and cu_seqlens_k is None:
         return (), None
-    hosts = [host_offsets.lookup(cu) for cu in (cu_seqlens_q, cu_seqlens_k)]
-    if hosts[0] is None or hosts[1] is None:
+    known = [(cu.array, cu.host) if isinstance(cu, PackedOffsets) else (cu, host_offsets.lookup(cu))
+             for cu in (cu_seqlens_q, cu_seqlens_k)]
+    if known[0][1] is None or known[1][1] is None:
         return None
-    return (cu_seqlens_q, cu_seqlens_k), (hosts[0].tobytes(), hosts[1].tobytes())
+    return (known[0][0], known[1][0]), (known[0][1].tobytes(), known[1][1].tobytes())
 
 
 def _mod_arrays(score_mod, mod_tensors) -> tuple:

@@ -20,6 +20,7 @@ from flashgen.runtime.arrays import (as_array, check_strides, cupy_module, devic
                                      padded_rows)
 from flashgen.runtime.block_masks import BlockMask
 from flashgen.runtime.limits import SPLIT_ROWS, check_input_offsets, check_kernel_limits, check_offset
+from flashgen.runtime.packed import PackedOffsets
 from flashgen.runtime.registry import default_registry
 
 MASKS = {None: 0, "top_left": 1, "bottom_right": 2}
@@ -68,17 +69,21 @@ class Problem:
 
 
 def read_offsets(cu, name, total):
-    """Validate cu_seqlens on the host: returns (cu, host copy); cu may become a CuPy view.  A torch
-    CUDA tensor's copy serves its later calls while torch says it is unchanged (host_offsets)."""
-    given, cached = cu, getattr(cu, "is_cuda", False) is True
-    host = host_offsets.lookup(cu) if cached else None
+    """Validate cu_seqlens on the host: returns (cu, host copy); cu may become a CuPy view.  Read once,
+    not per call: a ``PackedOffsets`` (validated when built), and a torch CUDA tensor while torch says
+    it is unchanged (host_offsets).  ``total``: the rows the offsets index (None: not checked here)."""
+    given, host = cu, None
+    if isinstance(cu, PackedOffsets):
+        cu, host = cu.array, cu.host
+    elif getattr(cu, "is_cuda", False) is True:  # a torch CUDA tensor: its copy, if it is unchanged
+        host = host_offsets.lookup(cu)
+        if host is not None:
+            cu = as_array(cu, name)
     if host is None:
         cu, host = _read_host(cu, name)
-        if cached:
+        if getattr(given, "is_cuda", False) is True:
             host_offsets.remember(given, host)
-    else:
-        cu = as_array(cu, name)
-    if host[-1] > total:
+    if total is not None and host[-1] > total:
         raise ValueError(f"{name} ends at {host[-1]} but the packed sequence has {total} rows")
     return cu, host
 
@@ -426,8 +431,9 @@ def offsets_copied(p: Problem, options: dict) -> bool:
     a launch plan, reading the caller's own arrays, would not see."""
     if p.seqstart_q is None:
         return False
-    return any(seq.data.ptr != device_address(options[name])
-               for seq, name in ((p.seqstart_q, "cu_seqlens_q"), (p.seqstart_k, "cu_seqlens_k")))
+    given = [options[name] for name in ("cu_seqlens_q", "cu_seqlens_k")]
+    given = [cu.array if isinstance(cu, PackedOffsets) else cu for cu in given]
+    return any(seq.data.ptr != device_address(cu) for seq, cu in zip((p.seqstart_q, p.seqstart_k), given))
 
 
 def backward_call(grad_out, q, k, v, out, lse, options: dict, entry: Callable, plan_key=None) -> Call:
