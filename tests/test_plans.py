@@ -398,7 +398,8 @@ def test_torch_tensors_are_keyed_by_shape_strides_dtype_device_and_alignment():
     assert plans.signature((FakeArray((2, 3), 4096), FakeArray((2, 3), 8192)), FakeArray) != a
 
 
-SPIN = r'extern "C" __global__ void spin(long long cycles) { long long t = clock64(); while (clock64() - t < cycles) {} }'
+SPIN = (r'extern "C" __global__ void spin(long long cycles) '
+        r'{ long long t = clock64(); while (clock64() - t < cycles) {} }')
 
 
 @gpu
