@@ -3,6 +3,7 @@ key, which calls get none, which Params fields a plan points at the offsets, and
 the rows past the last sequence."""
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -10,20 +11,19 @@ import pytest
 
 from flashgen.runtime import api, host_offsets, validate
 from flashgen.runtime.families import sm90_common
-from runtime_fakes import FakeArray, fake_call
-
-torch = pytest.importorskip("torch")
+from runtime_fakes import FakeArray, Tensor, fake_call
 
 
 @pytest.fixture(autouse=True)
-def empty_cache():
+def fake_torch(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(Tensor=Tensor))  # runtime_fakes' stand-in
     host_offsets.clear()
     yield
     host_offsets.clear()
 
 
 def offsets(*values):
-    return torch.tensor(values, dtype=torch.int32)
+    return Tensor(*values)
 
 
 def test_offsets_join_the_key_only_when_their_contents_are_known_without_a_read():
