@@ -1,7 +1,8 @@
 """Time a packed-sequence training step through flashgen.torch on a GPU: ``layers`` layers of
 ``attention_varlen`` (q = k = v = the layer's input) and a matmul, forward and backward, every layer
 passing the same cu_seqlens tensors.  Prints the median step time with the offsets' host copy reused
-(flashgen/runtime/host_offsets.py) and with it read every call (what varlen calls did before).
+(flashgen/runtime/host_offsets.py; the packed calls then replay launch plans keyed by the offsets'
+contents) and with it read every call (no plan either: what varlen calls did before).
 
     FLASHGEN_KERNEL_PATH=build/kernels python tools/packed_step.py [--layers 16]
 """
