@@ -29,7 +29,10 @@ served dense; a causal mask or window beside them folded into their lists), and 
 ALiBi instances (``score_mod="alibi"``, checked as the additive bias -slope[h] * |i - j|; drawn only
 there and where the kernel path holds them -- an sm90a build, not a plain one -- so a reproducer
 redraws the same case on the same kind of GPU and build).  Outputs come from poisoned
-memory, so an unwritten element fails.
+memory, so an unwritten element fails.  A quarter of the cases make two earlier calls with the same
+shapes on other data first, so that the checked call replays the launch plan they left (a stale
+pointer or size in a plan reads the earlier call's data); half the packed ones pass their offsets as
+``flashgen.packed_offsets``, whose calls take plans keyed by the offsets' contents.
 
 A gradient passes if it matches the exact float64 gradient, or the exact
 gradient of the kernel's own rounded output: every flash-style backward takes
@@ -126,6 +129,10 @@ def draw(seed: int, case: int) -> dict:
         p.update(bias=None, softcap=0.0)
         if p["causal"] == "bottom_right" and p["M"] > p["N"]:
             p["causal"] = "top_left"
+    # drawn last: the checked call as the third of its kind (a launch plan's replay), and packed offsets
+    # given as a PackedOffsets (whose calls plan; an array's read every call do not)
+    p["calls"] = 3 if r.random() < 0.25 else 1
+    p["packed_offsets"] = bool(p["varlen"] and r.random() < 0.5)
     return p
 
 
@@ -172,7 +179,18 @@ def make(r, shape, dtype, layout):
 
 def run_case(seed: int, case: int) -> dict:
     p = draw(seed, case)
-    r = np.random.default_rng([seed, case, 1])
+    # the same calls on other data, unchecked, so that the checked one replays their plan; their arrays stay
+    # alive until it is done (freed, their memory could hold the checked call's, and a stale pointer pass)
+    earlier = [call_case(p, np.random.default_rng([seed, case, 2, call]), check=False)
+               for call in range(p["calls"] - 1)]
+    result = call_case(p, np.random.default_rng([seed, case, 1]), check=True)
+    del earlier
+    return result
+
+
+def call_case(p: dict, r: np.random.Generator, check: bool):
+    """The case's forward and backward on inputs drawn from ``r``; with ``check``, their errors against
+    the float64 reference ({"params", "errors"}), else the arrays the calls took and made."""
     dt, tol_f, tol_b = p["dtype"], FWD_TOL[p["dtype"]], BWD_TOL[p["dtype"]]
     errors = {}
     if p["varlen"]:
@@ -180,14 +198,17 @@ def run_case(seed: int, case: int) -> dict:
         cu_k = np.concatenate([[0], np.cumsum([n for _, n in p["varlen"]])]).astype(np.int32)
         q, k = randn(r, (1, int(cu_q[-1]), p["H"], p["K"]), dt), randn(r, (1, int(cu_k[-1]), p["H"], p["K"]), dt)
         v, do = randn(r, (1, int(cu_k[-1]), p["H"], p["Kv"]), dt), randn(r, (1, int(cu_q[-1]), p["H"], p["Kv"]), dt)
-        opts = dict(causal=p["causal"], scale=p["scale"], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, window=p["window"],
-                    softcap=p["softcap"])
+        offsets = flashgen.packed_offsets if p["packed_offsets"] else (lambda cu: cu)
+        opts = dict(causal=p["causal"], scale=p["scale"], cu_seqlens_q=offsets(cu_q), cu_seqlens_k=offsets(cu_k),
+                    window=p["window"], softcap=p["softcap"])
         with poisoned_allocations():
             out, lse = flashgen.attention_forward(q, k, v, **opts)
             if FORWARD_ONLY:
                 dq = dk = dv = None
             else:
                 dq, dk, dv = flashgen.attention_backward(do, q, k, v, out, lse, deterministic=p["deterministic"], **opts)
+        if not check:
+            return q, k, v, do, opts, out, lse, dq, dk, dv
         for s, (m, n) in enumerate(p["varlen"]):
             qs, ks = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
             if m == 0:
@@ -233,9 +254,12 @@ def run_case(seed: int, case: int) -> dict:
     keep = None
     if p["dropout"]:
         opts.update(dropout_p=p["dropout"], seed=p["seed"])
-        keep = recover_keep_mask(q, k, p["dropout"], p["seed"], v=v, causal=p["causal"])  # the rule where a pair draws
+        if check:  # the rule where a pair draws
+            keep = recover_keep_mask(q, k, p["dropout"], p["seed"], v=v, causal=p["causal"])
     with poisoned_allocations():
         out, lse = flashgen.attention_forward(q, k, v, **opts)
+        if FORWARD_ONLY and not check:
+            return q, k, v, do, opts, out, lse
         if FORWARD_ONLY:
             ro, rl = reference(q, k, v, bias=bias, causal=p["causal"], scale=p["scale"], keep=keep, p=p["dropout"],
                                window=p["window"], softcap=p["softcap"])
@@ -243,6 +267,9 @@ def run_case(seed: int, case: int) -> dict:
             return {"params": p, "errors": errors}
         grads = flashgen.attention_backward(do, q, k, v, out, lse, bias_requires_grad=opts["attn_bias"] is not None,
                                             deterministic=p["deterministic"], **opts)
+    if not check:
+        return q, k, v, do, opts, out, lse, grads
+
     def user_bias_grads(grads):
         """The reference's gradients with dbias that of the caller's bias (the reference took the mask
         with it, which may not broadcast where the bias does): summed where the bias broadcasts."""
