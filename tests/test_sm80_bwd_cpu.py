@@ -10,7 +10,7 @@ import pytest
 
 from flashgen import generator
 from flashgen.errors import UnsupportedError
-from flashgen.runtime import families, validate
+from flashgen.runtime import families, tuning, validate
 from flashgen.runtime.families import sm80_bwd, sm90_common
 from flashgen.runtime.registry import Registry
 from flashgen.runtime.select import Request, Selector
@@ -229,6 +229,29 @@ def test_out_and_grad_out_are_read_at_the_inputs_alignment(monkeypatch, registry
     assert "needs 8-element alignment" in runtime.refusal(backward_of(registry=registry, grad_out=skewed))
     assert "needs 8-element alignment" in runtime.refusal(backward_of(registry=registry, out=skewed))
     assert runtime.refusal(backward_of(registry=registry)) is None
+
+
+def test_explain_shows_the_kernel_a_tuning_table_steers_the_call_to(monkeypatch, registry):
+    """A table's tile (here the k192 tier's 64 x 64 for a head-dim-96 call) is the kernel selection runs,
+    and flashgen.explain says so: the family's explain marks the same kernel as kernel() picks."""
+    monkeypatch.setattr(sm90_common, "device_info", lambda index: A100)
+    monkeypatch.setattr(families, "device_info", lambda index: A100)
+    call = backward_of(arrays=qkv(K=96), registry=registry, causal="top_left")
+    runtime = sm80_bwd.RUNTIME
+    req, p = runtime.request(call), call.p
+    untuned = runtime.kernel(call, req)
+    wide = next(b for b in registry.for_device("sm80_bwd", A100)
+                if b.spec.max_k == 192 and b.spec.block_m == 64 and b.spec.dtype == "f16" and not b.spec.dropout)
+    bucket = tuning.Bucket.of(req.family, p.dtype, p.K, p.Kv, p.mask != 0, p.M, p.N, p.batches * p.H)
+    tuning.use_table(tuning.Table(A100.name, A100.cc, {bucket: tuning.Choice(tuning.tile_of(wide.spec))}, {}))
+    try:
+        picked = runtime.kernel(call, req)
+        selected = [name for name, _, why in runtime.explain(call) if why == "selected"]
+    finally:
+        tuning.use_table(None)
+    assert picked.name == wide.name != untuned.name
+    assert selected == [wide.name]
+    assert [name for name, _, why in runtime.explain(call) if why == "selected"] == [untuned.name]
 
 
 def test_explain_names_why_a_99_kb_part_skips_the_larger_tile(monkeypatch, registry):

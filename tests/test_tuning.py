@@ -129,6 +129,23 @@ def test_a_tuned_tile_wins_over_the_priority_order_when_it_accepts_the_call(reg)
     assert sel.select(req(head_dim=64, device=RTX3090), prefer).spec == F16_K64
 
 
+def test_explain_tries_the_tuned_tile_first_and_selects_what_selection_does(reg):
+    """With a table's choice, explain lists the kernels in the order find tries them and marks the one it
+    picks; the kernel the priority order would have picked says the table's tile came first."""
+    sel = Selector(reg)
+    prefer = tuning.Choice(tuning.tile_of(F16_K128_BIG))
+    for r in (req(head_dim=64), req(head_dim=64, dropout=True), req(head_dim=64, device=RTX3090)):
+        rows = sel.explain(r, prefer)
+        assert [name for name, _, why in rows if why == "selected"] == [sel.select(r, prefer).name]
+        assert sorted(name for name, *_ in rows) == sorted(name for name, *_ in sel.explain(r))  # each kernel once
+    rows = sel.explain(req(head_dim=64), prefer)
+    assert rows[0][0] == F16_K128_BIG.name and rows[0][2] == "selected"
+    passed_over = {name: why for name, _, why in rows}[F16_K64.name]
+    assert passed_over.startswith("not tried: the tuning table's tile") and "FLASHGEN_TUNING=off" in passed_over
+    # without a choice, the priority order (and no mention of a table)
+    assert {name: why for name, _, why in sel.explain(req(head_dim=64))}[F16_K64.name] == "selected"
+
+
 def test_split_policies():
     assert num_splits_key(K64, 4, 1, 4096, H100, policy="auto") == 64  # 4096 / 64 key blocks
     assert num_splits_key(K64, 4, 1, 4096, H100, policy="key_blocks") == 64

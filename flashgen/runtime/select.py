@@ -147,16 +147,26 @@ class Selector:
         self.registry = registry
         self._cache: Dict[Tuple[Request, Optional[Choice]], Optional[KernelBinary]] = {}
 
-    def explain(self, req: Request) -> List[Tuple[str, str, str]]:
-        """(kernel, target, verdict) for every candidate, in the order they are tried."""
-        rows, chosen = [], False
-        for b in self.registry.for_device(req.family, req.device):
+    def explain(self, req: Request, prefer: Optional[Choice] = None) -> List[Tuple[str, str, str]]:
+        """(kernel, target, verdict) for every candidate, in the order ``find`` tries them: a tuning
+        table's tile (``prefer``) first, then the priority order."""
+        candidates = self.registry.for_device(req.family, req.device)
+        if prefer is not None:
+            first = [b for b in candidates if prefer.matches(b.spec)]
+            candidates = first + [b for b in candidates if not prefer.matches(b.spec)]
+        rows, chosen = [], None
+        for b in candidates:
             why = rejection(b, req)
-            if why is None and not chosen:
+            if why is None and chosen is None:
                 rows.append((b.name, b.target, "selected"))
-                chosen = True
+                chosen = b
+            elif why is None:
+                tuned = prefer is not None and prefer.matches(chosen.spec) and not prefer.matches(b.spec)
+                rows.append((b.name, b.target, "not tried: the tuning table's tile for this shape was selected "
+                             "(FLASHGEN_TUNING=off: the priority order)" if tuned
+                             else "not tried: an earlier kernel was selected"))
             else:
-                rows.append((b.name, b.target, why or "not tried: an earlier kernel was selected"))
+                rows.append((b.name, b.target, why))
         return rows
 
     def find(self, req: Request, prefer: Optional[Choice] = None) -> Optional[KernelBinary]:
@@ -181,7 +191,7 @@ class Selector:
         found = self.find(req, prefer)
         if found is not None:
             return found
-        listing = "\n".join(f"  {name} ({target}): {why}" for name, target, why in self.explain(req))
+        listing = "\n".join(f"  {name} ({target}): {why}" for name, target, why in self.explain(req, prefer))
         hint = ""
         if req.alignment < 4:
             hint = ("\nthe example-41 kernels need head dims, strides and pointers that are multiples of 4 "

@@ -84,7 +84,8 @@ class RuntimeFamily:
         why = score_mod_refusal(self, call) or self.unfit(call)
         if why is not None:
             return [(b.name, b.target, why) for b in kernels]
-        return selector(call.registry).explain(self.request(call))
+        req = self.request(call)
+        return selector(call.registry).explain(req, tuned(req, call.p))
 
 
 _selectors: Dict[int, Selector] = {}
