@@ -130,6 +130,23 @@ def test_varlen_takes_packed_3d_tensors_and_a_positive_max_seqlen():
         ft.attention_varlen(q, q, q, cu, cu, 0, 6)
 
 
+def test_varlen_offsets_that_are_not_tensors_are_refused_naming_them():
+    """A CuPy caller's PackedOffsets is pointed back at what flashgen.torch does instead; lists and
+    NumPy arrays are named too (torch's dispatcher would only say it wanted a Tensor)."""
+    from flashgen.runtime.packed import PackedOffsets
+
+    q = torch.zeros(10, 2, 64, dtype=torch.float16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    packed = PackedOffsets(None, cu.numpy(), 0)
+    with pytest.raises(TypeError, match=r"^cu_seqlens_q must be an int32 CUDA tensor; got a PackedOffsets; "
+                                        r"flashgen.packed_offsets is for the CuPy API"):
+        ft.attention_varlen(q, q, q, packed, cu, 6, 6)
+    with pytest.raises(TypeError, match=r"^cu_seqlens_k must be an int32 CUDA tensor; got a list$"):
+        ft.attention_varlen(q, q, q, cu, [0, 4, 10], 6, 6)
+    with pytest.raises(TypeError, match=r"^cu_seqlens_q must be an int32 CUDA tensor; got a ndarray$"):
+        ft.attention_varlen(q, q, q, cu.numpy(), cu, 6, 6)
+
+
 def test_window_and_causal_reach_the_runtime_as_its_options():
     assert ops._runtime_options(2, 0.5, 0.0, 7, 3, 4, -1, 2.0) == dict(
         causal="bottom_right", scale=0.5, dropout_p=0.0, seed=None, offset=3, window=(4, None), softcap=2.0)

@@ -21,6 +21,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from flashgen.runtime.packed import PackedOffsets
 from flashgen.torch import ops
 from flashgen.torch.transformers import register_transformers
 
@@ -115,6 +116,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
             raise ValueError(f"{name} must be 3-D [total, heads, head_dim] for attention_varlen; got {tuple(x.shape)}")
     if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 1:
         raise ValueError(f"max_seqlen_q must be a positive int; got {max_seqlen_q!r}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            hint = ("; flashgen.packed_offsets is for the CuPy API -- flashgen.torch reads a tensor's offsets once "
+                    "and again only after the tensor changes" if isinstance(cu, PackedOffsets) else "")
+            raise TypeError(f"{name} must be an int32 CUDA tensor; got a {type(cu).__name__}{hint}")
     out, lse = _run(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                     causal, scale, dropout_p, seed, offset, window, softcap, deterministic)
     return (out[0], lse) if return_lse else out[0]
