@@ -4,6 +4,7 @@
     FLASHGEN_KERNEL_PATH=build/kernels python tests/fuzz/fuzz_attention.py --seed 1 --case 417
     FLASHGEN_KERNEL_PATH=build/kernels python tests/fuzz/fuzz_attention.py \
         --families sm80_fwd,sm80_bwd,mem_eff_fwd,mem_eff_bwd
+    FLASHGEN_KERNEL_PATH=build/kernels python tests/fuzz/fuzz_attention.py --seed 1 --torch
 
 ``--families`` sets FLASHGEN_FAMILIES (the families dispatch may ask), so one family can be
 fuzzed where an earlier one would serve the calls: the Ampere forward and backward (sm80_fwd,
@@ -32,7 +33,10 @@ redraws the same case on the same kind of GPU and build).  Outputs come from poi
 memory, so an unwritten element fails.  A quarter of the cases make two earlier calls with the same
 shapes on other data first, so that the checked call replays the launch plan they left (a stale
 pointer or size in a plan reads the earlier call's data); half the packed ones pass their offsets as
-``flashgen.packed_offsets``, whose calls take plans keyed by the offsets' contents.
+``flashgen.packed_offsets``, whose calls take plans keyed by the offsets' contents.  ``--torch`` sends
+every call through flashgen.torch instead (tests/fuzz/torch_path.py: autograd for the gradients, packed
+cases through ``attention_varlen`` with lse rows past the longest sequence, outputs from torch's
+allocator filled with NaN first).
 
 A gradient passes if it matches the exact float64 gradient, or the exact
 gradient of the kernel's own rounded output: every flash-style backward takes
@@ -64,6 +68,7 @@ from attention_reference import (  # noqa: E402
 import flashgen  # noqa: E402
 
 FORWARD_ONLY = False  # --forward-only: no backward call, out and lse checked
+TORCH = False  # --torch: the calls go through flashgen.torch (tests/fuzz/torch_path.py)
 ALIBI_RUNS = False  # GPU 0 is a 9.0 part and the kernel path holds sm90 ALiBi instances (set in main)
 SM90_BWD_RUNS = False  # GPU 0 is a 9.0 part and the kernel path holds sm90_bwd kernels (set in main)
 BIAS_PATTERNS = tuple(b or "full" for b in BIAS_BROADCASTS)  # the dims a drawn bias broadcasts ("full": none)
@@ -133,6 +138,7 @@ def draw(seed: int, case: int) -> dict:
     # given as a PackedOffsets (whose calls plan; an array's read every call do not)
     p["calls"] = 3 if r.random() < 0.25 else 1
     p["packed_offsets"] = bool(p["varlen"] and r.random() < 0.5)
+    p["lse_extra"] = int(pick([0, 0, 1, 31, 100])) if p["varlen"] else 0  # --torch: max_seqlen_q past the longest
     return p
 
 
@@ -181,14 +187,15 @@ def run_case(seed: int, case: int) -> dict:
     p = draw(seed, case)
     # the same calls on other data, unchecked, so that the checked one replays their plan; their arrays stay
     # alive until it is done (freed, their memory could hold the checked call's, and a stale pointer pass)
-    earlier = [call_case(p, np.random.default_rng([seed, case, 2, call]), check=False)
+    shared = {}  # what the case's calls share: --torch's offsets tensors
+    earlier = [call_case(p, np.random.default_rng([seed, case, 2, call]), shared, check=False)
                for call in range(p["calls"] - 1)]
-    result = call_case(p, np.random.default_rng([seed, case, 1]), check=True)
+    result = call_case(p, np.random.default_rng([seed, case, 1]), shared, check=True)
     del earlier
     return result
 
 
-def call_case(p: dict, r: np.random.Generator, check: bool):
+def call_case(p: dict, r: np.random.Generator, shared: dict, check: bool):
     """The case's forward and backward on inputs drawn from ``r``; with ``check``, their errors against
     the float64 reference ({"params", "errors"}), else the arrays the calls took and made."""
     dt, tol_f, tol_b = p["dtype"], FWD_TOL[p["dtype"]], BWD_TOL[p["dtype"]]
@@ -202,11 +209,17 @@ def call_case(p: dict, r: np.random.Generator, check: bool):
         opts = dict(causal=p["causal"], scale=p["scale"], cu_seqlens_q=offsets(cu_q), cu_seqlens_k=offsets(cu_k),
                     window=p["window"], softcap=p["softcap"])
         with poisoned_allocations():
-            out, lse = flashgen.attention_forward(q, k, v, **opts)
-            if FORWARD_ONLY:
-                dq = dk = dv = None
+            if TORCH:
+                if "offsets" not in shared:  # one pair for the case's calls: the later ones find them read
+                    shared["offsets"] = torch_path.offsets(cu_q, cu_k)
+                out, lse, grads = torch_path.calls(p, q, k, v, do, opts, shared["offsets"], FORWARD_ONLY)
+                dq, dk, dv = grads or (None, None, None)
             else:
-                dq, dk, dv = flashgen.attention_backward(do, q, k, v, out, lse, deterministic=p["deterministic"], **opts)
+                out, lse = flashgen.attention_forward(q, k, v, **opts)
+                dq = dk = dv = None
+                if not FORWARD_ONLY:
+                    dq, dk, dv = flashgen.attention_backward(do, q, k, v, out, lse, deterministic=p["deterministic"],
+                                                             **opts)
         if not check:
             return q, k, v, do, opts, out, lse, dq, dk, dv
         for s, (m, n) in enumerate(p["varlen"]):
@@ -257,7 +270,10 @@ def call_case(p: dict, r: np.random.Generator, check: bool):
         if check:  # the rule where a pair draws
             keep = recover_keep_mask(q, k, p["dropout"], p["seed"], v=v, causal=p["causal"])
     with poisoned_allocations():
-        out, lse = flashgen.attention_forward(q, k, v, **opts)
+        if TORCH:
+            out, lse, grads = torch_path.calls(p, q, k, v, do, opts, None, FORWARD_ONLY)
+        else:
+            out, lse = flashgen.attention_forward(q, k, v, **opts)
         if FORWARD_ONLY and not check:
             return q, k, v, do, opts, out, lse
         if FORWARD_ONLY:
@@ -265,8 +281,10 @@ def call_case(p: dict, r: np.random.Generator, check: bool):
                                window=p["window"], softcap=p["softcap"])
             errors.update(out=(rel_err(out, ro), tol_f), lse=(lse_err(lse, rl), tol_f))
             return {"params": p, "errors": errors}
-        grads = flashgen.attention_backward(do, q, k, v, out, lse, bias_requires_grad=opts["attn_bias"] is not None,
-                                            deterministic=p["deterministic"], **opts)
+        if not TORCH:
+            grads = flashgen.attention_backward(do, q, k, v, out, lse,
+                                                bias_requires_grad=opts["attn_bias"] is not None,
+                                                deterministic=p["deterministic"], **opts)
     if not check:
         return q, k, v, do, opts, out, lse, grads
 
@@ -326,9 +344,13 @@ def main(argv=None) -> int:
                     help="comma-separated families dispatch may ask (sets FLASHGEN_FAMILIES), e.g. "
                          "sm80_fwd,sm80_bwd,mem_eff_fwd,mem_eff_bwd")
     ap.add_argument("--forward-only", action="store_true", help="check the forward only (out and lse)")
+    ap.add_argument("--torch", action="store_true",
+                    help="call through flashgen.torch (autograd for the gradients), the path torch users take")
     args = ap.parse_args(argv)
-    global FORWARD_ONLY, ALIBI_RUNS, SM90_BWD_RUNS
-    FORWARD_ONLY = args.forward_only
+    global FORWARD_ONLY, ALIBI_RUNS, SM90_BWD_RUNS, TORCH, torch_path
+    FORWARD_ONLY, TORCH = args.forward_only, args.torch
+    if TORCH:
+        import torch_path  # tests/fuzz/ is on the path as the script's own directory
     from flashgen.runtime.device import device_info
 
     from flashgen.runtime.registry import default_registry
@@ -340,7 +362,7 @@ def main(argv=None) -> int:
         os.environ["FLASHGEN_FAMILIES"] = args.families
     cases = [args.case] if args.case is not None else range(args.cases)
     extra = (f" --families {args.families}" if args.families is not None else "") + \
-        (" --forward-only" if args.forward_only else "")
+        (" --forward-only" if args.forward_only else "") + (" --torch" if args.torch else "")
     start, ran, mismatches, cuda_errors, results, worst = time.monotonic(), 0, 0, 0, [], {}
     outside = 0  # cases no forced family serves (only with --families)
     for case in cases:
@@ -376,6 +398,7 @@ def main(argv=None) -> int:
     cupy.cuda.runtime.deviceSynchronize()
     summary = (f"fuzz: {ran} cases, {mismatches} mismatches, {cuda_errors} CUDA errors "
                + (f"({outside} outside the forced families, checked unforced) " if args.families else "")
+               + ("through flashgen.torch " if args.torch else "")
                + f"(seed {args.seed}, {time.monotonic() - start:.0f} s)")
     print("worst relative errors: " + ", ".join(f"{d}/{n} {e:.1e}" for (d, n), e in sorted(worst.items())))
     print(summary)
