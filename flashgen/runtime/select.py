@@ -140,6 +140,14 @@ def rejection(binary: KernelBinary, req: Request) -> Optional[str]:
     return None
 
 
+def order(candidates: List[KernelBinary], prefer: Optional[Choice]) -> List[KernelBinary]:
+    """The order selection tries ``candidates`` (the registry's priority order) in: a tuning table's
+    tile (``prefer``) first, then the rest."""
+    if prefer is None:
+        return candidates
+    return [b for b in candidates if prefer.matches(b.spec)] + [b for b in candidates if not prefer.matches(b.spec)]
+
+
 class Selector:
     """First-fit selection over a registry, cached per request."""
 
@@ -148,14 +156,9 @@ class Selector:
         self._cache: Dict[Tuple[Request, Optional[Choice]], Optional[KernelBinary]] = {}
 
     def explain(self, req: Request, prefer: Optional[Choice] = None) -> List[Tuple[str, str, str]]:
-        """(kernel, target, verdict) for every candidate, in the order ``find`` tries them: a tuning
-        table's tile (``prefer``) first, then the priority order."""
-        candidates = self.registry.for_device(req.family, req.device)
-        if prefer is not None:
-            first = [b for b in candidates if prefer.matches(b.spec)]
-            candidates = first + [b for b in candidates if not prefer.matches(b.spec)]
+        """(kernel, target, verdict) for every candidate, in the order ``find`` tries them (``order``)."""
         rows, chosen = [], None
-        for b in candidates:
+        for b in order(self.registry.for_device(req.family, req.device), prefer):
             why = rejection(b, req)
             if why is None and chosen is None:
                 rows.append((b.name, b.target, "selected"))
@@ -180,9 +183,7 @@ class Selector:
             candidates = self.registry.for_device(req.family, req.device)
         except UnsupportedError:
             candidates = []
-        if prefer is not None:
-            candidates = [b for b in candidates if prefer.matches(b.spec)] + candidates
-        found = next((b for b in candidates if rejection(b, req) is None), None)
+        found = next((b for b in order(candidates, prefer) if rejection(b, req) is None), None)
         self._cache[key] = found
         return found
 
