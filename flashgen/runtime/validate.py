@@ -421,9 +421,14 @@ def forward_call(q, k, v, options: dict, entry: Callable, plan_key=None) -> Call
     mod = score_mods.bind(options, p, q, k)
     # a block mask's arrays are in the plan's key (api.py); a plan is left only where a sparse kernel
     # reads them (the dense fallback clears the key: block_fallback.dense_call)
-    planned = not (copied or offsets_copied(p, options))
-    return Call("fwd", p, q, k, v, b, options, entry, plan_key=plan_key if planned else None, block_mask=bm,
-                score_mod=mod)
+    return Call("fwd", p, q, k, v, b, options, entry, plan_key=kept_plan_key(plan_key, copied, p, options),
+                block_mask=bm, score_mod=mod)
+
+
+def kept_plan_key(plan_key, bias_copied: bool, p: Problem, options: dict):
+    """``plan_key``, or None where the kernels read a per-call copy a replay would not make: of the
+    bias (``checked_bias``) or of the offsets (``offsets_copied``)."""
+    return None if bias_copied or offsets_copied(p, options) else plan_key
 
 
 def offsets_copied(p: Problem, options: dict) -> bool:
@@ -464,5 +469,4 @@ def backward_call(grad_out, q, k, v, out, lse, options: dict, entry: Callable, p
     check_varlen_bottom_right(p)
     mod = score_mods.bind(options, p, q, k)
     return Call("bwd", p, q, k, v, b, options, entry, out=out, grad_out=grad_out, lse=lse,
-                plan_key=None if copied or offsets_copied(p, options) else plan_key, block_mask=bm,
-                score_mod=mod)  # as forward_call
+                plan_key=kept_plan_key(plan_key, copied, p, options), block_mask=bm, score_mod=mod)
