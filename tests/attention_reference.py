@@ -152,11 +152,13 @@ def reference(q, k, v, *, bias=None, causal=None, scale=None, keep=None, p=0.0, 
     return out, lse, (dq, dk, dv, ds if bias is None else fold_like_bias(ds, bias))
 
 
-def fold_like_bias(dbias, bias):
+def fold_like_bias(dbias, bias, rows=False):
     """dbias [B, H, M, N] summed over the batch and the heads where ``bias`` has extent 1 there (or no
-    such dim), as attention_backward returns it; a broadcast query dim stays whole."""
+    such dim), as attention_backward returns it; a broadcast query dim stays whole unless ``rows``
+    (autograd's gradient of the bias itself, as flashgen.torch returns it, sums it too)."""
     shape = (1,) * (4 - bias.ndim) + tuple(bias.shape)
-    axes = tuple(axis for axis in (0, 1) if shape[axis] == 1 and dbias.shape[axis] > 1)
+    folded = (0, 1, 2) if rows else (0, 1)
+    axes = tuple(axis for axis in folded if shape[axis] == 1 and dbias.shape[axis] > 1)
     return dbias.sum(axis=axes, keepdims=True) if axes else dbias
 
 
@@ -217,6 +219,7 @@ def rel_err(x, ref, zero_scale=1.0):
     dP - rowsum(dO * O), whose terms are of size |dO| |V| ~ sqrt(Kv) for unit inputs: pass that
     as ``zero_scale``; the residue is then compared by RMS against it."""
     x = f64(x)
+    assert x.shape == ref.shape, f"compared {x.shape} with a reference of {ref.shape}: broadcasting would hide it"
     assert not bool(cupy.isnan(x).any()), "NaN in output: an element was not written"
     denom = float(cupy.linalg.norm(ref.ravel())) or math.sqrt(max(ref.size, 1)) * zero_scale
     return float(cupy.linalg.norm((x - ref).ravel())) / denom
@@ -228,6 +231,7 @@ def rel_err_to_summands(x, ref, sizes):
     say), their rounding in f16/bf16 inputs leaves an error that is small next to the terms but
     not next to the sum.  ``sizes`` from ``reference(..., summand_sizes=True)``."""
     x = f64(x)
+    assert x.shape == ref.shape == sizes.shape, f"compared {x.shape} with {ref.shape} (sizes {sizes.shape})"
     assert not bool(cupy.isnan(x).any()), "NaN in output: an element was not written"
     return float(cupy.linalg.norm((x - ref).ravel())) / (float(cupy.linalg.norm(sizes.ravel())) or 1.0)
 

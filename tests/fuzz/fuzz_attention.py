@@ -290,8 +290,11 @@ def call_case(p: dict, r: np.random.Generator, shared: dict, check: bool):
 
     def user_bias_grads(grads):
         """The reference's gradients with dbias that of the caller's bias (the reference took the mask
-        with it, which may not broadcast where the bias does): summed where the bias broadcasts."""
-        return grads if opts["attn_bias"] is None else grads[:3] + (fold_like_bias(grads[3], opts["attn_bias"]),)
+        with it, which may not broadcast where the bias does): summed where the bias broadcasts (through
+        flashgen.torch, autograd's gradient has the bias's own shape: its query rows summed too)."""
+        if opts["attn_bias"] is None:
+            return grads
+        return grads[:3] + (fold_like_bias(grads[3], opts["attn_bias"], rows=TORCH),)
 
     ro, rl, rgrads = reference(q, k, v, bias=bias, causal=p["causal"], scale=p["scale"], keep=keep,
                                p=p["dropout"], grad_out=do, window=p["window"], softcap=p["softcap"])
