@@ -254,6 +254,24 @@ def test_explain_shows_the_kernel_a_tuning_table_steers_the_call_to(monkeypatch,
     assert [name for name, _, why in runtime.explain(call) if why == "selected"] == [untuned.name]
 
 
+def test_a_packed_batch_takes_no_tuning_table_choice(monkeypatch, registry):
+    """Tables are measured on fixed-length calls: a packed batch with the same bucket (its longest
+    sequence, sequences x heads) gets the priority order."""
+    from dataclasses import replace
+
+    monkeypatch.setattr(sm90_common, "device_info", lambda index: A100)
+    call = backward_of(arrays=qkv(K=96), registry=registry, causal="top_left")
+    req, p = sm80_bwd.RUNTIME.request(call), call.p
+    choice = tuning.Choice((("block_m", 64), ("block_n", 64), ("warps", 4)))
+    bucket = tuning.Bucket.of(req.family, p.dtype, p.K, p.Kv, p.mask != 0, p.M, p.N, p.batches * p.H)
+    tuning.use_table(tuning.Table(A100.name, A100.cc, {bucket: choice}, {}))
+    try:
+        assert families.tuned(req, p) == choice
+        assert families.tuned(req, replace(p, seqstart_q=FakeArray((3,)), seqstart_k=FakeArray((3,)))) is None
+    finally:
+        tuning.use_table(None)
+
+
 def test_explain_names_why_a_99_kb_part_skips_the_larger_tile(monkeypatch, registry):
     """What flashgen.explain lists for this family on an RTX 4090: the 161 KB tile with the shared
     memory it needs, then the 72.5 KB one selected."""

@@ -99,7 +99,12 @@ def selector(registry: Registry) -> Selector:
 
 
 def tuned(req: Request, p: Problem) -> Optional[tuning.Choice]:
-    """The tuning table's choice for this call's shape bucket on this device, if any."""
+    """The tuning table's choice for this call's shape bucket on this device, if any.  None for a packed
+    batch: tables are measured on fixed-length calls, and a packed batch's bucket (its longest sequence,
+    sequences x heads) says little of its work (the H200 table's bf16 d128 causal 2k entry, a k192 tile
+    1% ahead at 8 x 2048, put a packed step's head-dim-128 backward on a tile with half again its work)."""
+    if p.seqstart_q is not None:
+        return None
     bucket = tuning.Bucket.of(req.family, p.dtype, p.K, p.Kv, p.mask != 0, p.M, p.N, p.batches * p.H)
     return tuning.choice(req.device, bucket)
 
