@@ -252,7 +252,8 @@ struct BwdKernel {
   static constexpr int kThreads = kConsumerThreads + 128;
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
-  static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <= 65536, "register file");
+  static_assert(128 * kProducerRegisters + kConsumerThreads * kConsumerRegisters <= launch_registers(kThreads) * kThreads,
+                "setmaxnreg moves the registers the block launched with");
   static constexpr int kMinBlocksPerSm = 1;
   static constexpr int kAuxThreads = 128;  // prep and convert
 

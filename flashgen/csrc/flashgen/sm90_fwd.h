@@ -163,8 +163,9 @@ struct FwdKernel {
   static constexpr int kThreads = 32 * kConsumerWarps + 128;
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = kConsumerWarpGroups == 2 ? 240 : 160;
-  static_assert((kConsumerWarpGroups * kConsumerRegisters + kProducerRegisters) * 128 <= 65536,
-                "setmaxnreg shares one register file");
+  static_assert((kConsumerWarpGroups * kConsumerRegisters + kProducerRegisters) * 128 <=
+                    launch_registers(kThreads) * kThreads,
+                "setmaxnreg moves the registers the block launched with");
   static constexpr int kMinBlocksPerSm = 1;  // the register file is sized for one block per SM
   // named barriers: 0 the CTA's, 1 .. kConsumerWarpGroups TurnTaking's, then one per warpgroup (store_staged)
   static constexpr int kEpilogueBarrier = 1 + kConsumerWarpGroups;
