@@ -17,16 +17,16 @@ namespace sm90 {
 
 constexpr float kLog2e = 1.44269504088896341f;  // log2(e): natural-log units to the kernels' log2 ones
 
-// Score mods (flashgen/spec/score_mods.py): a kernel's last template parameter is a functor type
-// whose static apply(p, score, b, h, q_idx, kv_idx) makes the new score from the scaled one and
-// grad(...) its derivative in score, reading up to kModTensors captured tensors of up to kModDims
-// dims through the Params' mod_ptr / mod_stride (elements).  The generated functors set kEnabled;
-// plain instances take NoScoreMod, whose code paths are compiled out.
 // The registers a thread of a `threads`-thread block holds at launch (one block per SM, ptxas's
 // bound, in whole 8-register steps): all that setmaxnreg can move between warpgroups.  An increase
 // past what the others gave back waits forever (a hang, not an error), so the splits are asserted.
 constexpr int launch_registers(int threads) { return (65536 / threads < 255 ? 65536 / threads : 255) / 8 * 8; }
 
+// Score mods (flashgen/spec/score_mods.py): a kernel's last template parameter is a functor type
+// whose static apply(p, score, b, h, q_idx, kv_idx) makes the new score from the scaled one and
+// grad(...) its derivative in score, reading up to kModTensors captured tensors of up to kModDims
+// dims through the Params' mod_ptr / mod_stride (elements).  The generated functors set kEnabled;
+// plain instances take NoScoreMod, whose code paths are compiled out.
 constexpr int kModTensors = 4;
 constexpr int kModDims = 4;
 struct NoScoreMod {
