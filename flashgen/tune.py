@@ -15,6 +15,7 @@ as such a margin (session 32: passes of a point spread by 3-7% at 512 tokens).
 """
 from __future__ import annotations
 
+import os
 import statistics
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -90,18 +91,22 @@ def bucket_of(p: Point, family: str) -> tuning.Bucket:
 
 
 def candidates(registry, device, p: Point, direction: str) -> List[Tuple[str, tuning.Choice]]:
-    """(label, choice) for every distinct tile that accepts an aligned call at ``p`` (priority
-    order), times the split policies that change the backward's split count."""
+    """(label, choice) for every distinct tile of the smallest head-dim tier that accepts an aligned call
+    at ``p`` (priority order), times the split policies that change the backward's split count."""
     family = family_for(direction, registry, device)
     # a plain call: the bias and dropout twins, compiled in, take none (their own tiles are not its choices)
     req = Request(family, p.dtype, p.head_dim, p.head_dim, 8, False, False, device,
                   seq_multiples(p.seqlen, p.seqlen, False), band=p.causal, num_keys=min(p.seqlen, KEYS_CAP),
                   num_queries=min(p.seqlen, KEYS_CAP),
                   compiled_bias=True, compiled_dropout=True)
+    accepting = [b for b in registry.for_device(family, device) if rejection(b, req) is None]
+    # a larger head-dim tier's kernel runs the call on zeros past its head dim: more work on a like tile
+    # (k192's 64 x 64 backward tile took 2.3x the k128 tiles' time at d128 on an H200), so only the smallest
+    tier = min((b.spec.max_k for b in accepting), default=None)
     found, seen = [], set()
-    for b in registry.for_device(family, device):
+    for b in accepting:
         tile = tuning.tile_of(b.spec)
-        if tile in seen or rejection(b, req) is not None:
+        if tile in seen or b.spec.max_k != tier:
             continue
         seen.add(tile)
         label = "_".join(f"{v}" for _, v in tile)
@@ -123,6 +128,14 @@ def run_call(api, direction: str, p: Point, sets) -> Callable[[int], object]:
     outs = [api.attention_forward(q, k, v, causal=causal) for q, k, v, _ in sets]
     return lambda i: api.attention_backward(sets[i % len(sets)][3], *sets[i % len(sets)][:3], *outs[i % len(sets)],
                                             causal=causal)
+
+
+def consulted(device, bucket: tuning.Bucket, choice: Optional[tuning.Choice]) -> None:
+    """Refuse to time a choice the runtime would not make: with FLASHGEN_TUNING=off it consults no
+    table, and every choice would time the priority order (the H200 table of a80583c recorded noise so)."""
+    if choice is not None and tuning.choice(device, bucket) != choice:
+        raise ValueError(f"the runtime does not consult flashgen tune's tables here (FLASHGEN_TUNING="
+                         f"{os.environ.get('FLASHGEN_TUNING', '')!r}): unset FLASHGEN_TUNING and run it again")
 
 
 def measure_choices(p: Point, direction: str, registry, device, repeats: int,
@@ -148,6 +161,7 @@ def measure_choices(p: Point, direction: str, registry, device, repeats: int,
             shift = r % len(choices)
             for label, choice in choices[shift:] + choices[:shift]:
                 tuning.use_table(tuning.Table(device.name, device.cc, {} if choice is None else {bucket: choice}, {}))
+                consulted(device, bucket, choice)
                 # a new table drops the plans: one untimed call makes the next launch's (three in the
                 # first round, to load the kernel and warm the clocks)
                 times[label] += event_times(call, warmup=3 if r == 0 else 1, repeats=per_round)

@@ -259,4 +259,6 @@ def test_tune_offers_a_plain_call_the_plain_tiles_only(tmp_path, monkeypatch):
     reg = Registry([tmp_path])
     assert any(k.bias and (k.block_m, k.stages) == (64, 3) for k in Sm80Fwd.default_set() if k.max_k == 128)
     labels = [label for label, _ in tune.candidates(reg, A100, Point("f16", 128, False, 4, 16, 4096), "fwd")]
-    assert labels[0] == "128_64_3" and "64_64_3" not in labels  # (the 192 and 256 tiers' tiles take 128 too)
+    # (max_k, block_m, block_n, stages); the 192 and 256 tiers' kernels take head dim 128 too, on zeros: not timed
+    assert labels[0] == "128_128_64_3" and "128_64_64_3" not in labels
+    assert {label.split("_")[0] for label in labels} == {"128"}

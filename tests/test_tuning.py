@@ -68,7 +68,10 @@ def test_table_round_trips_through_its_file(tmp_path):
 
 
 @pytest.mark.parametrize("mutate,match", [
-    (lambda d: d.update(schema=2), "schema 2, this flashgen reads 1"),
+    (lambda d: d.update(schema=1), "schema 1, this flashgen reads 2"),
+    # a Hopper tile as schema 1 wrote it, without its head-dim tier
+    (lambda d: d["entries"][0].update(family="sm90_bwd", tile={"block_m": 64, "block_n": 64, "stages": 2}),
+     "malformed entry .*max_k"),
     (lambda d: d["entries"][0].update(splits="sometimes"), "unknown split policy 'sometimes'"),
     (lambda d: d["entries"][0].pop("seqlen"), "malformed entry"),
     (lambda d: d["entries"][0]["tile"].pop("preload"), "malformed entry"),
@@ -266,6 +269,7 @@ def test_choices_are_timed_in_rounds_that_start_one_choice_further_on(monkeypatc
     installed = []
     monkeypatch.setattr(tuning, "use_table", lambda table: installed.append(
         None if table is None else dict(table.entries).get("bucket", "default")))
+    monkeypatch.setattr(tuning, "choice", lambda device, bucket: installed[-1])  # what the runtime would consult
     rounds, slow = [], {"default": 0.0, "a": 0.0, "b": 0.0}
 
     def event_times(fn, warmup, repeats):
@@ -283,6 +287,41 @@ def test_choices_are_timed_in_rounds_that_start_one_choice_further_on(monkeypatc
     assert all(warmup >= 1 and repeats == per_round for _, warmup, repeats in rounds)
     assert len(rounds) == 3 * tune_module.ROUNDS and installed[-1] is None  # the table is taken back
     assert times == {label: float((tune_module.ROUNDS + 1) // 2) for label in ("default", "a", "b")}
+
+
+@pytest.mark.parametrize("setting", ["off", "", "/elsewhere/table.json"])
+def test_choices_are_timed_only_where_the_runtime_consults_the_tuners_tables(monkeypatch, setting):
+    """FLASHGEN_TUNING=off makes the runtime ignore every table, so each choice would time the priority
+    order; measure_choices refuses before timing anything.  A table named by the variable is fine: the
+    tuner's own, installed with use_table, comes first."""
+    import sys
+    import types
+
+    from flashgen import runtime
+    from flashgen import tune as tune_module
+
+    fake = types.ModuleType("cupy")
+    fake.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(runtime, "api", types.ModuleType("flashgen.runtime.api"), raising=False)
+    monkeypatch.setitem(sys.modules, "flashgen.runtime.api", runtime.api)
+    monkeypatch.setattr(tune_module, "inputs", lambda p: ["inputs"])
+    monkeypatch.setattr(tune_module, "run_call", lambda api, direction, p, sets: "call")
+    monkeypatch.setattr(tune_module, "family_for", lambda direction, registry, device: "mem_eff_bwd")
+    monkeypatch.setattr(tuning, "_env_table", lambda path: table({}))
+    monkeypatch.setenv("FLASHGEN_TUNING", setting)
+    timed = []
+    monkeypatch.setattr(tune_module, "event_times", lambda fn, warmup, repeats: timed.append(1) or [1.0])
+    point = default_grid(dtypes=("f16",), head_dims=(64,), seqlens=(512,))[0]
+    only = [("k128", tuning.Choice(tuning.tile_of(F16_K128)))]
+    if setting == "off":
+        with pytest.raises(ValueError, match="FLASHGEN_TUNING='off'.*unset FLASHGEN_TUNING"):
+            tune_module.measure_choices(point, "bwd", None, H100, 5, only=only)
+        assert timed == [1]  # the default alone, before the first choice was refused
+    else:
+        times = tune_module.measure_choices(point, "bwd", None, H100, 5, only=only)
+        assert set(times) == {"default", "k128"}
+    assert tuning._override is None  # the tuner's table is taken back either way
 
 
 def test_tune_resumes_and_refuses_another_gpus_table(fake_measurements, tmp_path):
@@ -333,3 +372,18 @@ def test_tune_refuses_a_direction_that_flashgen_families_leaves_empty(monkeypatc
     assert family_for("fwd", everything, H100) == "sm80_fwd"
     with pytest.raises(UnsupportedError, match="no bwd family to tune: FLASHGEN_FAMILIES"):
         family_for("bwd", everything, H100)
+
+
+@pytest.mark.parametrize("path", sorted(tuning.SHIPPED.glob("*.json")), ids=lambda p: p.name)
+def test_every_shipped_entry_names_a_kernel_the_default_set_builds_at_its_buckets_tier(path):
+    """A shipped table's tile must be a kernel the wheel builds, of the head-dim tier its bucket is for:
+    schema-1 tiles without a tier put the H200's bf16 d128 backward on the k192 kernel, and a tile pruned
+    from the default set later would silently fall back."""
+    from flashgen.spec import FAMILIES
+
+    table = tuning.Table.load(path)
+    assert table.entries
+    for b, c in table.entries.items():
+        built = {(k.dtype, tuning.tile_of(k)) for k in FAMILIES[b.family].default_set()}
+        assert (b.dtype, c.tile) in built, (b, c)
+        assert dict(c.tile)["max_k"] == b.head_dim, (b, c)

@@ -23,7 +23,10 @@ from flashgen.runtime import plans
 from flashgen.runtime.arch import DeviceInfo
 from flashgen.spec import FAMILIES
 
-SCHEMA = 1
+# 2: a tile names its head-dim tier (max_k) too.  Schema-1 tiles of the Hopper and Ampere families did not,
+# so a tile timed on one tier's kernel could select another's (the H200 table's bf16 d128 backward tile ran
+# the k192 kernel at 0.45x the priority order's speed).
+SCHEMA = 2
 SHIPPED = Path(__file__).resolve().parents[1] / "tuning"
 # How many blocks share one (batch, head)'s keys in the backward (select.num_splits_key):
 #   auto: one when batch*heads fills the GPU, else one per key block;  one: never split;

@@ -101,7 +101,7 @@ class Sm80Bwd(KernelSpec):
         "bias": (False, True),
         "dropout": (False, True),
     }
-    TUNED_AXES = ("block_m", "block_n", "warps")
+    TUNED_AXES = ("max_k", "block_m", "block_n", "warps")
     # Per head-dim tier one tile for the shared memory of an A100 or Hopper block, and one within
     # sm86/sm89's 99 KB where that one is larger: selection skips a tile a device cannot hold.
     RULES = (

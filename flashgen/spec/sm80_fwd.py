@@ -95,7 +95,7 @@ class Sm80Fwd(KernelSpec):
         "bias": (False, True),
         "dropout": (False, True),
     }
-    TUNED_AXES = ("block_m", "block_n", "stages")
+    TUNED_AXES = ("max_k", "block_m", "block_n", "stages")
     # One tile per head-dim tier keeps the family's share of the default sm80 build small on two
     # cores (the whole set has a 6-minute budget); every tile fits 80 KB, so each tier has one
     # that sm86/sm89's 99 KB holds.

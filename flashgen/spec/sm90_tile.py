@@ -49,7 +49,7 @@ class Sm90Tile(KernelSpec):
     KERNEL: ClassVar[str]  # the C++ class template, e.g. flashgen::sm90::FwdKernel
     # boolean axes, in the order of the template's last arguments; a true one is spelled in the name
     FLAGS: ClassVar[tuple] = ("band",)
-    TUNED_AXES = ("block_m", "block_n", "stages")
+    TUNED_AXES = ("max_k", "block_m", "block_n", "stages")  # max_k too: a tile of another tier is another kernel
 
     def runs_on(self, target: str) -> bool:
         """Only the arch-specific sm_90a target has wgmma; plain sm90 (and PTX) builds skip it."""
