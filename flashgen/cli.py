@@ -76,6 +76,7 @@ def _doctor_gpus() -> None:
     except Exception as e:  # no driver, no device
         click.echo(f"GPUs: none usable ({e})")
         return
+    from flashgen.runtime import tuning
     from flashgen.runtime.device import device_info
 
     registry = default_registry()
@@ -92,6 +93,8 @@ def _doctor_gpus() -> None:
                 runnable.append(f"{family} 0")
         click.echo(f"  GPU {index}: {info.name}, sm_{info.cc}, {info.multiprocessors} SMs, "
                    f"{info.shared_memory_optin // 1024} KB shared memory per block; runnable: {', '.join(runnable)}")
+        for line in tuning.report(info, registry):
+            click.echo(f"    {line}")
 
 
 _MODS_OPTION = click.option(

@@ -387,3 +387,24 @@ def test_every_shipped_entry_names_a_kernel_the_default_set_builds_at_its_bucket
         built = {(k.dtype, tuning.tile_of(k)) for k in FAMILIES[b.family].default_set()}
         assert (b.dtype, c.tile) in built, (b, c)
         assert dict(c.tile)["max_k"] == b.head_dim, (b, c)
+
+
+def test_doctor_reports_the_table_in_use_and_entries_no_built_kernel_has(reg, tmp_path, monkeypatch):
+    """doctor's tuning lines: the table for the GPU and its entries that select nothing on this build (a tile
+    of another tier, or pruned since); none for a GPU without a table; off; an unreadable named table."""
+    stray = tuning.Choice(tuple((axis, 12345) for axis, _ in tuning.tile_of(F16_K128)))
+    tuning.use_table(table({bucket(): tuning.Choice(tuning.tile_of(F16_K128)),
+                            bucket(num_queries=512, num_keys=512): stray}))
+    lines = tuning.report(H100, reg)
+    assert lines[0] == "tuning: <memory>, 2 buckets" and len(lines) == 2
+    assert "no built kernel has the tile of mem_eff_bwd f16 d64 512 tokens" in lines[1] and "12345" in lines[1]
+    assert tuning.report(RTX3090, reg) == [
+        "tuning: no table for NVIDIA GeForce RTX 3090 (sm_86): the priority order; `flashgen tune` measures one"]
+    monkeypatch.setenv("FLASHGEN_TUNING", "off")
+    assert tuning.report(H100, reg) == ["tuning: off (FLASHGEN_TUNING=off): the priority order everywhere"]
+    tuning.use_table(None)
+    bad = tmp_path / "old.json"
+    bad.write_text(json.dumps(dict(table({}).to_json(), schema=1)))
+    monkeypatch.setenv("FLASHGEN_TUNING", str(bad))
+    [line] = tuning.report(H100, reg)
+    assert "schema 1, this flashgen reads 2" in line and "flashgen tune" in line

@@ -16,9 +16,10 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from flashgen.atomic import atomic_write_text
+from flashgen.errors import UnsupportedError
 from flashgen.runtime import plans
 from flashgen.runtime.arch import DeviceInfo
 from flashgen.spec import FAMILIES
@@ -174,3 +175,29 @@ def _env_table(path: str) -> Table:
 def choice(device: DeviceInfo, bucket: Bucket) -> Optional[Choice]:
     table = table_for(device)
     return table.entries.get(bucket) if table is not None else None
+
+
+def report(device: DeviceInfo, registry) -> List[str]:
+    """What ``flashgen doctor`` says of tuning on ``device``: the table that applies, or why none does, and
+    the entries whose tile no built kernel of the bucket's family and dtype has: they select nothing, so
+    the priority order serves those buckets (a table measured on another build)."""
+    if os.environ.get("FLASHGEN_TUNING", "").lower() == "off":
+        return ["tuning: off (FLASHGEN_TUNING=off): the priority order everywhere"]
+    try:
+        table = table_for(device)
+    except ValueError as e:  # FLASHGEN_TUNING names a table that cannot be read
+        return [f"tuning: {e}"]
+    if table is None:
+        return [f"tuning: no table for {device.name} (sm_{device.cc}): the priority order; `flashgen tune` "
+                "measures one"]
+    lines = [f"tuning: {table.source}, {len(table.entries)} buckets"]
+    for b, c in table.entries.items():
+        try:
+            kernels = registry.for_device(b.family, device)
+        except UnsupportedError:
+            kernels = []
+        if not any(k.spec.dtype == b.dtype and c.matches(k.spec) for k in kernels):
+            tile = ", ".join(f"{axis} {value}" for axis, value in c.tile)
+            lines.append(f"  no built kernel has the tile of {b.family} {b.dtype} d{b.head_dim}"
+                         f"{' causal' if b.causal else ''} {b.seqlen} tokens ({tile}): priority order there")
+    return lines
