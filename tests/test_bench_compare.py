@@ -65,3 +65,7 @@ def test_bench_compare_summarises_each_direction_when_runs_hold_both(tmp_path, c
                                                      if r["direction"] == "fwd"]}))
     tool.main([str(one_direction), str(one_direction), "--show", "0"])
     assert len(capsys.readouterr().out.splitlines()) == 1  # nothing to split
+    assert tool.main(paths + ["--show", "1"]) == 0  # the fwd points gained 10%, beyond the old runs' spread (0)
+    lines = capsys.readouterr().out.splitlines()
+    assert "faster: 2" in lines[0] and lines[3] == "  faster:" and lines[4].startswith("  1.100 (old spread 0.0%)")
+    assert len(lines) == 5

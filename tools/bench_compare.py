@@ -45,18 +45,28 @@ def direction_summary(rows, direction: str) -> str:
 
 
 def print_comparison(rows, show: int) -> None:
-    """The summary of ``compare``'s rows (per direction too, when both are there) and the ``show`` slowest."""
+    """The summary of ``compare``'s rows (per direction too, when both are there), the ``show`` slowest, and
+    as many of those faster than the old runs' spread, fastest first."""
     ratios = [r[0] for r in rows]
     beyond = [r for r in rows if r[0] < 1 - r[1]]
+    gains = [r for r in rows if r[0] > 1 + r[1]]
     print(f"{len(rows)} points: new/old median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, "
-          f"max {max(ratios):.3f}; slower than the old runs' own spread: {len(beyond)}")
+          f"max {max(ratios):.3f}; slower than the old runs' own spread: {len(beyond)}, faster: {len(gains)}")
     directions = sorted({r[3] for r in rows})
     if len(directions) > 1:  # a change to one direction: the other's ratios are the noise floor
         print("  " + "; ".join(direction_summary(rows, d) for d in directions))
-    for ratio, spread, p, direction in rows[:show]:
-        gqa = f" H{p['heads']}/{p['heads'] // p['group']}" if p["group"] > 1 else ""
-        print(f"  {ratio:.3f} (old spread {spread:.1%}) {p['dtype']} d{p['head_dim']} "
-              f"{'causal' if p['causal'] else 'full'}{gqa} S{p['seqlen']} {direction}")
+    for row in rows[:show]:
+        print(row_line(*row))
+    if show and gains:
+        print("  faster:")
+        for row in gains[::-1][:show]:
+            print(row_line(*row))
+
+
+def row_line(ratio, spread, p, direction) -> str:
+    gqa = f" H{p['heads']}/{p['heads'] // p['group']}" if p["group"] > 1 else ""
+    return (f"  {ratio:.3f} (old spread {spread:.1%}) {p['dtype']} d{p['head_dim']} "
+            f"{'causal' if p['causal'] else 'full'}{gqa} S{p['seqlen']} {direction}")
 
 
 def main(argv=None) -> int:
@@ -64,7 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("new", help="comma-separated bench JSONs of the new code")
     ap.add_argument("old", help="comma-separated bench JSONs of the old code")
     ap.add_argument("--impl", default="flashgen")
-    ap.add_argument("--show", type=int, default=8, help="slowest points to list")
+    ap.add_argument("--show", type=int, default=8, help="slowest points to list, and as many of the faster ones")
     args = ap.parse_args(argv)
     rows = compare([load(p, args.impl) for p in args.new.split(",")], [load(p, args.impl) for p in args.old.split(",")])
     if not rows:
