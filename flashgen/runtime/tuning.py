@@ -33,7 +33,7 @@ SHIPPED = Path(__file__).resolve().parents[1] / "tuning"
 #   auto: one when batch*heads fills the GPU, else one per key block;  one: never split;
 #   key_blocks: one per key block;  wave: just enough to fill one wave of resident blocks.
 SPLIT_POLICIES = ("auto", "one", "key_blocks", "wave")
-_HEAD_DIM_TIERS = (32, 64, 96, 128, 256)
+_HEAD_DIM_TIERS = (32, 64, 96, 128, 192, 256)  # every family's tiers: a bucket is never served by two tiers
 
 
 def _pow2_ceil(n: int) -> int:
@@ -46,7 +46,7 @@ class Bucket:
 
     family: str
     dtype: str
-    head_dim: int  # smallest of 32/64/96/128/256 covering both head dims, else 0 (larger)
+    head_dim: int  # smallest of _HEAD_DIM_TIERS covering both head dims, else 0 (larger)
     causal: bool
     seqlen: int  # max(M, N) rounded up to a power of two
     batch_heads: int  # batch * heads rounded up to a power of two
