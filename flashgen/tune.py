@@ -133,9 +133,14 @@ def run_call(api, direction: str, p: Point, sets) -> Callable[[int], object]:
 def consulted(device, bucket: tuning.Bucket, choice: Optional[tuning.Choice]) -> None:
     """Refuse to time a choice the runtime would not make: with FLASHGEN_TUNING=off it consults no
     table, and every choice would time the priority order (the H200 table of a80583c recorded noise so)."""
-    if choice is not None and tuning.choice(device, bucket) != choice:
-        raise ValueError(f"the runtime does not consult flashgen tune's tables here (FLASHGEN_TUNING="
-                         f"{os.environ.get('FLASHGEN_TUNING', '')!r}): unset FLASHGEN_TUNING and run it again")
+    if choice is None:
+        return
+    found = tuning.choice(device, bucket)
+    if found != choice:
+        setting = os.environ.get("FLASHGEN_TUNING", "")
+        why = (f"FLASHGEN_TUNING={setting!r}: unset it and run again" if setting.lower() == "off"
+               else f"it found {found} for {device.name} (sm_{device.cc})")
+        raise ValueError(f"the runtime does not consult flashgen tune's tables here ({why})")
 
 
 def measure_choices(p: Point, direction: str, registry, device, repeats: int,
