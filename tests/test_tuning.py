@@ -247,10 +247,8 @@ def test_several_passes_record_each_choices_median_taken_in_alternating_order(fa
         tune_module.tune(points, 3, lambda line: None, "flashgen tune", tmp_path / "t.json")
 
 
-def test_choices_are_timed_in_rounds_that_start_one_choice_further_on(monkeypatch):
-    """Every choice is timed in every round under its own one-entry table, after an untimed call (the
-    new table dropped the plans); each round starts one choice further down the list, so the default is
-    not always the first timed on a cool GPU; a choice's time is the median of all its rounds' calls."""
+def gpu_free_measure_choices(monkeypatch):
+    """flashgen.tune with a fake CuPy and API module and inputs, so measure_choices runs without a GPU."""
     import sys
     import types
 
@@ -263,6 +261,14 @@ def test_choices_are_timed_in_rounds_that_start_one_choice_further_on(monkeypatc
     monkeypatch.setattr(runtime, "api", types.ModuleType("flashgen.runtime.api"), raising=False)
     monkeypatch.setitem(sys.modules, "flashgen.runtime.api", runtime.api)
     monkeypatch.setattr(tune_module, "inputs", lambda p: ["inputs"])
+    return tune_module
+
+
+def test_choices_are_timed_in_rounds_that_start_one_choice_further_on(monkeypatch):
+    """Every choice is timed in every round under its own one-entry table, after an untimed call (the
+    new table dropped the plans); each round starts one choice further down the list, so the default is
+    not always the first timed on a cool GPU; a choice's time is the median of all its rounds' calls."""
+    tune_module = gpu_free_measure_choices(monkeypatch)
     monkeypatch.setattr(tune_module, "family_for", lambda direction, registry, device: "sm90_fwd")
     monkeypatch.setattr(tune_module, "bucket_of", lambda p, family: "bucket")
     monkeypatch.setattr(tune_module, "run_call", lambda api, direction, p, sets: "call")
@@ -294,18 +300,7 @@ def test_choices_are_timed_only_where_the_runtime_consults_the_tuners_tables(mon
     """FLASHGEN_TUNING=off makes the runtime ignore every table, so each choice would time the priority
     order; measure_choices refuses before timing anything.  A table named by the variable is fine: the
     tuner's own, installed with use_table, comes first."""
-    import sys
-    import types
-
-    from flashgen import runtime
-    from flashgen import tune as tune_module
-
-    fake = types.ModuleType("cupy")
-    fake.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(runtime, "api", types.ModuleType("flashgen.runtime.api"), raising=False)
-    monkeypatch.setitem(sys.modules, "flashgen.runtime.api", runtime.api)
-    monkeypatch.setattr(tune_module, "inputs", lambda p: ["inputs"])
+    tune_module = gpu_free_measure_choices(monkeypatch)
     monkeypatch.setattr(tune_module, "run_call", lambda api, direction, p, sets: "call")
     monkeypatch.setattr(tune_module, "family_for", lambda direction, registry, device: "mem_eff_bwd")
     monkeypatch.setattr(tuning, "_env_table", lambda path: table({}))
