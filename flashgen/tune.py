@@ -137,8 +137,7 @@ def consulted(device, bucket: tuning.Bucket, choice: Optional[tuning.Choice]) ->
         return
     found = tuning.choice(device, bucket)
     if found != choice:
-        setting = os.environ.get("FLASHGEN_TUNING", "")
-        why = (f"FLASHGEN_TUNING={setting!r}: unset it and run again" if setting.lower() == "off"
+        why = (f"FLASHGEN_TUNING={os.environ[tuning.VARIABLE]!r}: unset it and run again" if tuning.tables_off()
                else f"it found {found} for {device.name} (sm_{device.cc})")
         raise ValueError(f"the runtime does not consult flashgen tune's tables here ({why})")
 

@@ -125,6 +125,14 @@ class Table:
         atomic_write_text(Path(path), json.dumps(self.to_json(), indent=1) + "\n")
 
 
+VARIABLE = "FLASHGEN_TUNING"  # a table's path, or "off": none at all
+
+
+def tables_off() -> bool:
+    """Whether ``FLASHGEN_TUNING=off`` turns every table off (the priority order everywhere)."""
+    return os.environ.get(VARIABLE, "").lower() == "off"
+
+
 _override: Optional[Table] = None
 _lock = threading.Lock()
 _shipped: Optional[list] = None
@@ -150,9 +158,9 @@ def _shipped_tables() -> list:
 
 def table_for(device: DeviceInfo) -> Optional[Table]:
     """The table measured on a GPU like ``device`` (same name and compute capability), if any."""
-    setting = os.environ.get("FLASHGEN_TUNING", "")
-    if setting.lower() == "off":
+    if tables_off():
         return None
+    setting = os.environ.get(VARIABLE, "")
     if _override is not None:
         tables = [_override]
     elif setting:
@@ -181,7 +189,7 @@ def report(device: DeviceInfo, registry) -> List[str]:
     """What ``flashgen doctor`` says of tuning on ``device``: the table that applies, or why none does, and
     the entries whose tile no built kernel of the bucket's family and dtype has: they select nothing, so
     the priority order serves those buckets (a table measured on another build)."""
-    if os.environ.get("FLASHGEN_TUNING", "").lower() == "off":
+    if tables_off():
         return ["tuning: off (FLASHGEN_TUNING=off): the priority order everywhere"]
     try:
         table = table_for(device)
