@@ -350,7 +350,7 @@ def test_the_dense_fallback_gives_rows_without_keys_zeros_and_no_gradient(monkey
     q, do = (r.standard_normal((B, M, H, K)).astype(np.float32) for _ in range(2))
     k, v = (r.standard_normal((B, N, H, K)).astype(np.float32) for _ in range(2))
     bm = block_mask(MASKS[name], B, H, M, N, block=(16, 32), device="cpu")
-    p = Problem(B, M, N=N, H=H, K=K, Kv=K, dtype="f32", device=0, mask=causal or 0, scale=scale, dropout_p=0.0,
+    p = Problem(B, M, N=N, H=H, Hk=H, K=K, Kv=K, dtype="f32", device=0, mask=causal or 0, scale=scale, dropout_p=0.0,
                 seed=0, offset=0, seqstart_q=None, seqstart_k=None, batches=B)
     call = Call("fwd", p, q, k, v, None, {"stream": None}, None, block_mask=bm)
     out, lse = block_fallback.forward(HOST_CUPY, call, lambda cupy, c: example41(c))

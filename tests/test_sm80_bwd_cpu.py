@@ -254,9 +254,9 @@ def test_explain_shows_the_kernel_a_tuning_table_steers_the_call_to(monkeypatch,
     assert [name for name, _, why in runtime.explain(call) if why == "selected"] == [untuned.name]
 
 
-def test_a_packed_batch_takes_no_tuning_table_choice(monkeypatch, registry):
-    """Tables are measured on fixed-length calls: a packed batch with the same bucket (its longest
-    sequence, sequences x heads) gets the priority order."""
+def test_packed_and_grouped_query_backwards_take_no_tuning_table_choice(monkeypatch, registry):
+    """Tables are measured on fixed-length multi-head calls: a packed batch with the same bucket (its
+    longest sequence, sequences x heads) and a grouped-query backward get the priority order."""
     from dataclasses import replace
 
     monkeypatch.setattr(sm90_common, "device_info", lambda index: A100)
@@ -268,6 +268,7 @@ def test_a_packed_batch_takes_no_tuning_table_choice(monkeypatch, registry):
     try:
         assert families.tuned(req, p) == choice
         assert families.tuned(req, replace(p, seqstart_q=FakeArray((3,)), seqstart_k=FakeArray((3,)))) is None
+        assert families.tuned(req, replace(p, H=4 * p.Hk)) is None  # the same batch x heads, 4 per k/v head
     finally:
         tuning.use_table(None)
 

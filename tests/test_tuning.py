@@ -52,12 +52,19 @@ def test_sequence_and_parallelism_round_up_to_powers_of_two():
     assert bucket(num_queries=0, num_keys=0, batch_heads=0).seqlen == 1
 
 
+def test_backward_buckets_keep_grouped_query_calls_apart_forward_buckets_do_not():
+    assert bucket(group=8) != bucket(group=1) == bucket()
+    assert bucket(group=5) == bucket(group=8)  # rounded up to a power of two like the other sizes
+    assert bucket(family="mem_eff_fwd", group=8) == bucket(family="mem_eff_fwd")
+
+
 def table(entries, device=H100):
     return tuning.Table(device.name, device.cc, entries, {"command": "test"})
 
 
 def test_table_round_trips_through_its_file(tmp_path):
     entries = {bucket(): tuning.Choice(tuning.tile_of(F16_K128), "one"),
+               bucket(group=4): tuning.Choice(tuning.tile_of(F16_K64)),
                bucket(family="mem_eff_fwd", causal=True): tuning.Choice((("queries_per_block", 32),
                                                                         ("keys_per_block", 128), ("max_k", 128)))}
     path = tmp_path / "t.json"
@@ -65,6 +72,10 @@ def test_table_round_trips_through_its_file(tmp_path):
     loaded = tuning.Table.load(path)
     assert loaded.entries == entries and (loaded.device_name, loaded.cc) == (H100.name, 90)
     assert not list(tmp_path.glob(".*tmp"))  # written through a temporary file and renamed
+    data = json.loads(path.read_text())
+    for row in data["entries"]:
+        row.pop("group")  # a table written before buckets had groups: every entry multi-head
+    assert set(tuning.Table.from_json(data, "old").entries) == {bucket(), bucket(family="mem_eff_fwd", causal=True)}
 
 
 @pytest.mark.parametrize("mutate,match", [

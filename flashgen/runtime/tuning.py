@@ -50,14 +50,21 @@ class Bucket:
     causal: bool
     seqlen: int  # max(M, N) rounded up to a power of two
     batch_heads: int  # batch * heads rounded up to a power of two
+    # query heads per key/value head rounded up to a power of two, backward families only; 1 in the forward.
+    # A backward block owns a key/value head's keys for its whole group (sm90_bwd) or the group's dK/dV are
+    # summed after it, so a tile measured on multi-head calls says little of grouped ones (H200, bf16 d128
+    # causal 1k: the table's tile ran 1.03x the priority order at group 4 and 0.96x at group 8, three runs).
+    # flashgen tune measures multi-head calls: grouped backward calls take the priority order.
+    group: int = 1
 
     @classmethod
     def of(cls, family: str, dtype: str, head_dim: int, head_dim_value: int, causal: bool, num_queries: int,
-           num_keys: int, batch_heads: int) -> "Bucket":
+           num_keys: int, batch_heads: int, group: int = 1) -> "Bucket":
         k = max(head_dim, head_dim_value)
         tier = next((t for t in _HEAD_DIM_TIERS if t >= k), 0)
+        grouped = _pow2_ceil(max(group, 1)) if FAMILIES[family].DIRECTION == "bwd" else 1
         return cls(family, dtype, tier, bool(causal), _pow2_ceil(max(num_queries, num_keys, 1)),
-                   _pow2_ceil(max(batch_heads, 1)))
+                   _pow2_ceil(max(batch_heads, 1)), grouped)
 
 
 @dataclass(frozen=True)
@@ -105,7 +112,7 @@ class Table:
                 if row["splits"] not in SPLIT_POLICIES:
                     raise bad(f"unknown split policy {row['splits']!r}")
                 bucket = Bucket(family, row["dtype"], int(row["head_dim"]), bool(row["causal"]), int(row["seqlen"]),
-                                int(row["batch_heads"]))
+                                int(row["batch_heads"]), int(row.get("group", 1)))  # tables before groups: 1
                 entries[bucket] = Choice(tile, row["splits"])
             return cls(str(data["device"]["name"]), int(data["device"]["cc"]), entries, data.get("measured", {}),
                        source)

@@ -50,6 +50,7 @@ class Problem:
     M: int
     N: int
     H: int
+    Hk: int  # key/value heads: H // Hk query heads share each (grouped-query attention when Hk < H)
     K: int
     Kv: int
     dtype: str
@@ -214,7 +215,7 @@ def problem(q, k, v, causal, scale, dropout_p, seed, offset, cu_seqlens_q, cu_se
         seqstart_k = offsets_on_device(cu_k, starts_k, q.device.id)
         batches = starts_q.size - 1
         M, N = int(np.diff(starts_q).max()), int(np.diff(starts_k).max())
-    c = Problem(B, M, H=H, N=N, K=K, Kv=Kv, dtype=dtype, device=q.device.id, mask=MASKS[causal],
+    c = Problem(B, M, H=H, Hk=k.shape[2], N=N, K=K, Kv=Kv, dtype=dtype, device=q.device.id, mask=MASKS[causal],
                 scale=scale, dropout_p=float(dropout_p), seed=int(seed or 0), offset=int(offset),
                 seqstart_q=seqstart_q, seqstart_k=seqstart_k, batches=batches,
                 starts_q=starts_q, starts_k=starts_k, window=window, softcap=softcap)

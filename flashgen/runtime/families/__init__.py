@@ -105,7 +105,8 @@ def tuned(req: Request, p: Problem) -> Optional[tuning.Choice]:
     1% ahead at 8 x 2048, put a packed step's head-dim-128 backward on a tile with half again its work)."""
     if p.seqstart_q is not None:
         return None
-    bucket = tuning.Bucket.of(req.family, p.dtype, p.K, p.Kv, p.mask != 0, p.M, p.N, p.batches * p.H)
+    bucket = tuning.Bucket.of(req.family, p.dtype, p.K, p.Kv, p.mask != 0, p.M, p.N, p.batches * p.H,
+                              p.H // max(p.Hk, 1))
     return tuning.choice(req.device, bucket)
 
 
