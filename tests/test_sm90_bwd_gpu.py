@@ -126,11 +126,12 @@ def test_every_instance(binary):
 @needs_sm90
 @pytest.mark.parametrize("K", [128, 192, 256])  # the dQ tile's bulk reduce-add, the split head dim's atomics
 @pytest.mark.parametrize("causal", [None, "top_left"])
-def test_deterministic_mode_repeats_bit_for_bit(causal, K):
+@pytest.mark.parametrize("group", [1, 8])  # band calls of 8 heads a group walk their query blocks from the last
+def test_deterministic_mode_repeats_bit_for_bit(causal, K, group):
     """Many key blocks add into the same dQ rows; with deterministic=True they do so in key-block
     order, so two calls (the second through its launch plan) agree in every bit."""
     rng = np.random.default_rng(9)
-    q, k, v, do = inputs(rng, "bf16", B=2, M=2048, N=2048, H=4, K=K)
+    q, k, v, do = inputs(rng, "bf16", B=2, M=2048, N=2048, H=8, K=K, Hk=8 // group)
     plans.clear()
     first = check_backward(q, k, v, do, causal, deterministic=True)
     out, lse = flashgen.attention_forward(q, k, v, causal=causal)
