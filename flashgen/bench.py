@@ -262,9 +262,8 @@ def bench_point(p: Point, impls: List[str], torch, repeats: int = 30, all_instan
                       compile_s=e.first_call_s if e.impl in JIT_IMPLS else None)
                for e in entries]
     del sets, t_sets
-    if all_instances and (p.group > 1 or p.mask or p.score_mod or p.variant):  # tune: plain multi-head inputs
-        why = ("instances not timed at GQA points: flashgen tune measures multi-head shapes only" if p.group > 1
-               else "instances not timed at block-mask points: flashgen tune measures unmasked shapes only"
+    if all_instances and (p.mask or p.score_mod or p.variant):  # tune: plain inputs
+        why = ("instances not timed at block-mask points: flashgen tune measures unmasked shapes only"
                if p.mask else "instances not timed at score-mod, bias or dropout points: flashgen tune measures "
                "plain calls only")
         results += [Result("flashgen[*]", direction, p, None, None, why) for direction in ("fwd", "bwd")]

@@ -330,6 +330,17 @@ def list_(family, arch, dtype, max_k, kernels_glob, build_dir, as_json) -> None:
         sys.exit(1)
 
 
+def _every_group_used(grid, groups, hidden, head_dims):
+    """``grid``, refused if a --group divides none of its head counts (checked before torch or a GPU is
+    looked for: a typo fails fast anywhere)."""
+    unused = sorted(set(groups) - {p.group for p in grid})
+    if unused:
+        heads = ", ".join(f"{hidden // hd} (head dim {hd})" for hd in head_dims)
+        raise click.BadParameter(f"{', '.join(map(str, unused))} divides none of the head counts: {heads}",
+                                 param_hint="--group")
+    return grid
+
+
 def _grid_options(head_dims):
     """The benchmark grid's options (bench.default_grid), shared by tune and bench, with ``head_dims``
     as the default head dims."""
@@ -339,6 +350,9 @@ def _grid_options(head_dims):
         click.option("--seqlen", "seqlens", multiple=True, type=int, default=(512, 1024, 2048, 4096, 8192, 16384)),
         click.option("--tokens", type=int, default=16384, show_default=True, help="batch x seqlen"),
         click.option("--hidden", type=int, default=2048, show_default=True, help="heads x head dim"),
+        click.option("--group", "groups", multiple=True, type=click.IntRange(min=1), default=(1,), show_default=True,
+                     help="Query heads per key/value head (grouped-query attention; repeatable): k and v get "
+                          "heads / N heads.  Left out for a head dim whose head count N does not divide."),
     ]
 
     def decorate(command):
@@ -356,15 +370,18 @@ def _grid_options(head_dims):
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Where to write the table [default: tuning-<gpu>-sm<cc>.json]; an existing table for this "
                    "GPU, measured with the same --passes, is resumed.")
-def tune(dtypes, head_dims, seqlens, tokens, hidden, repeats, passes, out_path) -> None:
+def tune(dtypes, head_dims, seqlens, tokens, hidden, groups, repeats, passes, out_path) -> None:
     """Time every kernel tile and key-split policy per shape bucket on this GPU; write a tuning table.
 
     Use the table with FLASHGEN_TUNING=<path> (or flashgen.use_tuning_table), or
-    ship it in flashgen/tuning/ where the runtime finds it by GPU name.
+    ship it in flashgen/tuning/ where the runtime finds it by GPU name.  A backward bucket is
+    per --group (query heads per k/v head): grouped-query backwards use only entries measured at their group.
     """
     from flashgen import tune as t
     from flashgen.bench import default_grid
 
+    grid = _every_group_used(default_grid(dtypes, head_dims, hidden, tokens, seqlens, groups), groups, hidden,
+                             head_dims)
     try:
         import cupy
         cupy.cuda.runtime.getDeviceCount()
@@ -373,7 +390,6 @@ def tune(dtypes, head_dims, seqlens, tokens, hidden, repeats, passes, out_path) 
     from flashgen.runtime.device import device_info
 
     device = device_info(cupy.cuda.runtime.getDevice())
-    grid = default_grid(dtypes, head_dims, hidden, tokens, seqlens)
     click.echo(f"{device.name} (sm_{device.cc}): tuning {len(grid)} points x fwd/bwd", err=True)
     slug = "".join(ch if ch.isalnum() else "_" for ch in device.name.lower()).strip("_")
     out_path = out_path or Path(f"tuning-{slug}-sm{device.cc}.json")
@@ -399,9 +415,6 @@ def tune(dtypes, head_dims, seqlens, tokens, hidden, repeats, passes, out_path) 
                    "flex: torch.compile'd flex_attention (compiles once per shape: slow to start). "
                    "fa4 and flex compile on the first call at a point: that call's seconds are a column of their "
                    "own (fa4 compile s), not in the TFLOP/s.")
-@click.option("--group", "groups", multiple=True, type=click.IntRange(min=1), default=(1,), show_default=True,
-              help="Query heads per key/value head (grouped-query attention; repeatable): k and v get heads / N "
-                   "heads.  Left out for a head dim whose head count N does not divide; TFLOP/s count query heads.")
 @click.option("--mask", "masks", multiple=True, type=click.Choice(["document8", "window1024", "document8-causal"]),
               help="Time under a block mask instead (repeatable; replaces the full and causal points): document8, "
                    "8 equal documents per sequence; window1024, causal over the last 1024 keys; document8-causal, "
@@ -418,7 +431,7 @@ def tune(dtypes, head_dims, seqlens, tokens, hidden, repeats, passes, out_path) 
                    "example 41's kernels), and the table fg/plain and fg/ex41; SDPA gets the bias as attn_mask, "
                    "flex as a score_mod.")
 @click.option("--all-instances", is_flag=True, help="Also time every flashgen kernel tile (and backward key-split "
-              "policy) that can serve each point, as flashgen[<tile>] (multi-head points only), and the runtime's "
+              "policy) that can serve each point, as flashgen[<tile>] (not under a mask, mod or variant), and the runtime's "
               "own choice as flashgen[default], back to back after the interleaved rounds: read them against each "
               "other (the table's best tile / its default), not against the other columns, whose clocks differ.")
 @click.option("--repeats", type=int, default=30, show_default=True,
@@ -441,12 +454,8 @@ def bench(dtypes, head_dims, seqlens, tokens, hidden, groups, masks, score_mods,
     if variants and (masks or score_mods):  # one thing a point adds to the plain call, so its ratios say what it costs
         raise click.BadParameter("a bias or dropout with a block mask or score mod is not benched: pass one of them",
                                  param_hint="--variant")
-    grid = b.default_grid(dtypes, head_dims, hidden, tokens, seqlens, groups, masks, score_mods, variants)
-    unused = sorted(set(groups) - {p.group for p in grid})  # checked before torch: a typo fails fast anywhere
-    if unused:
-        heads = ", ".join(f"{hidden // hd} (head dim {hd})" for hd in head_dims)
-        raise click.BadParameter(f"{', '.join(map(str, unused))} divides none of the head counts: {heads}",
-                                 param_hint="--group")
+    grid = _every_group_used(b.default_grid(dtypes, head_dims, hidden, tokens, seqlens, groups, masks, score_mods,
+                                            variants), groups, hidden, head_dims)
     try:
         import torch
     except ImportError:

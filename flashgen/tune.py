@@ -19,7 +19,7 @@ import os
 import statistics
 from typing import Callable, Dict, List, Optional, Tuple
 
-from flashgen.bench import Point
+from flashgen.bench import Point, shapes
 from flashgen.errors import UnsupportedError
 from flashgen.runtime import tuning
 from flashgen.runtime.select import KEYS_CAP, Request, num_splits_key, rejection, seq_multiples
@@ -76,18 +76,18 @@ def _cupy_dtype(name: str):
 
 
 def inputs(p: Point, sets: int = 3):
-    """``sets`` independent (q, k, v, grad_out) sets, [B, S, H, D] each, so repeats do not measure the cache."""
+    """``sets`` independent (q, k, v, grad_out) sets, [B, S, heads, D] (k and v: the point's k/v heads),
+    so repeats do not measure the cache."""
     import cupy
 
     dtype = _cupy_dtype(p.dtype)
-    shape = (p.batch, p.seqlen, p.heads, p.head_dim)
-    return [[cupy.random.standard_normal(shape, dtype=cupy.float32).astype(dtype) for _ in range(4)]
+    return [[cupy.random.standard_normal(shape, dtype=cupy.float32).astype(dtype) for shape in shapes(p)]
             for _ in range(sets)]
 
 
 def bucket_of(p: Point, family: str) -> tuning.Bucket:
     return tuning.Bucket.of(family, p.dtype, p.head_dim, p.head_dim, p.causal, p.seqlen, p.seqlen,
-                            p.batch * p.heads)
+                            p.batch * p.heads, p.group)
 
 
 def candidates(registry, device, p: Point, direction: str) -> List[Tuple[str, tuning.Choice]]:
@@ -213,7 +213,8 @@ def tune(points: List[Point], repeats: int, progress: Callable[[str], None], com
     # points measured before Point had a group field are multi-head: read them as group 1 to resume them
     done = {(tuple(sorted({"group": 1, **m["point"]}.items())), m["direction"]) for m in measured}
     for n, p in enumerate(points, 1):
-        for direction in ("fwd", "bwd"):
+        # a forward bucket has no group (tuning.Bucket): its multi-head point speaks for grouped calls too
+        for direction in ("fwd", "bwd") if p.group == 1 else ("bwd",):
             if (tuple(sorted(vars(p).items())), direction) in done:
                 continue
             options = candidates(registry, device, p, direction)
@@ -231,7 +232,8 @@ def tune(points: List[Point], repeats: int, progress: Callable[[str], None], com
                                  {"command": command, "flashgen": flashgen.__version__, "repeats": repeats,
                                   "passes": passes, "cupy": cupy.__version__, "points": measured})
             table.save(out_path)
+            heads = p.heads_label if p.group > 1 else p.heads
             progress(f"[{n}/{len(points)}] {direction} {p.dtype} d{p.head_dim} {'causal ' if p.causal else ''}"
-                     f"b{p.batch} h{p.heads} s{p.seqlen}: default {times['default']:.3f} ms, best {best_label} "
+                     f"b{p.batch} h{heads} s{p.seqlen}: default {times['default']:.3f} ms, best {best_label} "
                      f"{times[best_label]:.3f} ms -> {'default' if keep_default else best_label}")
     return tuning.Table.load(out_path)

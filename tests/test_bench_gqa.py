@@ -86,17 +86,6 @@ def test_sdpa_at_a_multi_head_point_gets_no_enable_gqa(host_bench, monkeypatch):
     assert {(impl, shape, tuple(kwargs)) for impl, shape, kwargs in calls} == {("flash", (2, 3, 16, 8), ())}
 
 
-def test_all_instances_are_not_timed_at_a_gqa_point(host_bench, monkeypatch):
-    """tune.measure_choices builds multi-head inputs: at a GQA point its numbers would be another shape's."""
-    from flashgen import tune
-
-    monkeypatch.setattr(tune, "measure_choices", lambda *a, **k: pytest.fail("timed a GQA point as multi-head"))
-    results = bench.bench_point(GQA, [], host_bench.torch, repeats=10, all_instances=True)
-    assert [(r.impl, r.direction, r.tflops) for r in results] == [("flashgen[*]", "fwd", None),
-                                                                  ("flashgen[*]", "bwd", None)]
-    assert results[0].note == "instances not timed at GQA points: flashgen tune measures multi-head shapes only"
-
-
 class _NoTensor:
     """Stands in for a torch tensor where no implementation is asked for (bench_point only views it)."""
 
@@ -107,9 +96,11 @@ class _NoTensor:
         return self
 
 
-def test_all_instances_report_the_best_tile_against_the_default_timed_alike(monkeypatch):
+@pytest.mark.parametrize("point", [POINT, GQA], ids=["multi-head", "gqa"])
+def test_all_instances_report_the_best_tile_against_the_default_timed_alike(monkeypatch, point):
     """The tiles are timed back to back after the rounds (other clocks than the columns): the runtime's
-    own choice comes with them as flashgen[default], and the table's cell is the best tile over it."""
+    own choice comes with them as flashgen[default], and the table's cell is the best tile over it.
+    tune.measure_choices times the point itself (its inputs are the point's shapes, GQA included)."""
     from flashgen import tune
     from flashgen.bench_table import bench_table
     from flashgen.runtime import device as device_module
@@ -122,14 +113,16 @@ def test_all_instances_report_the_best_tile_against_the_default_timed_alike(monk
     monkeypatch.setattr("flashgen.runtime.registry.default_registry", lambda: None)
     ms = {"fwd": {"default": 2.0, "128_64_4": 2.0, "128_128_4": 1.6},
           "bwd": {"default": 4.0, "128_128_8": 4.0, "64_128_8": 5.0}}
-    monkeypatch.setattr(tune, "measure_choices", lambda p, direction, *a: dict(ms[direction]))
+    timed_points = []
+    monkeypatch.setattr(tune, "measure_choices", lambda p, direction, *a: timed_points.append(p) or dict(ms[direction]))
     torch = types.SimpleNamespace(cuda=types.SimpleNamespace(synchronize=lambda: None, empty_cache=lambda: None),
                                   nn=types.SimpleNamespace(functional=types.SimpleNamespace(
                                       scaled_dot_product_attention=None)))
-    results = bench.bench_point(POINT, [], torch, repeats=10, all_instances=True)
+    results = bench.bench_point(point, [], torch, repeats=10, all_instances=True)
     timed = {(r.impl, r.direction): r.ms for r in results}
     assert timed == {(f"flashgen[{label}]", d): t for d, times in ms.items() for label, t in times.items()}
-    table = bench_table([POINT], results, [], all_instances=True)
+    assert timed_points == [point, point]
+    table = bench_table([point], results, [], all_instances=True)
     assert "best instance / its default" in table
     rows = [line for line in table.splitlines() if " fwd " in line or " bwd " in line]
     assert "128_128_4 1.25x" in rows[0] and "128_128_8 1.00x" in rows[1], table
@@ -182,8 +175,10 @@ def test_bench_queued_timing_reaches_the_points_and_the_json(monkeypatch, tmp_pa
     ("0", "0 is not in the range x>=1"),
     ("3", "3 divides none of the head counts: 32 (head dim 64), 16 (head dim 128)"),
 ])
-def test_bench_rejects_a_group_that_cannot_be_run(group, message):
-    result = CliRunner().invoke(main, ["bench", "--head-dim", "64", "--head-dim", "128", "--group", "4",
+@pytest.mark.parametrize("command", ["bench", "tune"])
+def test_bench_and_tune_reject_a_group_that_cannot_be_run(group, message, command):
+    """Before any GPU, CuPy or torch is looked for."""
+    result = CliRunner().invoke(main, [command, "--head-dim", "64", "--head-dim", "128", "--group", "4",
                                        "--group", group])
     assert result.exit_code == 2 and "--group" in result.output
     assert message in " ".join(result.output.split())  # click wraps long messages

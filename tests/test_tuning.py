@@ -223,6 +223,27 @@ def test_tune_records_only_clear_wins_and_saves_after_every_point(fake_measureme
     assert tuning.Table.load(out).entries == table.entries
 
 
+def test_grouped_query_points_tune_backward_buckets_of_their_own_group(fake_measurements, tmp_path):
+    """A --group 4 point's backward win goes to the group-4 bucket: the runtime then takes it for a group-4
+    backward (any group rounding up to 4), not for the multi-head call of the same size; a multi-head point
+    and its grouped twin are measured and resumed apart.  The forward, whose buckets have no group, is
+    measured at the multi-head points only."""
+    tune_module, measured = fake_measurements
+    out = tmp_path / "table.json"
+    points = default_grid(dtypes=("f16",), head_dims=(64,), seqlens=(1024,), groups=(1, 4))
+    table = tune_module.tune(points, 3, lambda line: None, "flashgen tune", out)
+    assert sorted(measured) == [(1024, "bwd")] * 4 + [(1024, "fwd")] * 2
+    assert {(b.causal, b.group) for b in table.entries} == {(False, 1), (True, 1), (False, 4), (True, 4)}
+    tuning.use_table(table)
+    grouped = bucket(num_queries=1024, num_keys=1024, batch_heads=16 * 32, group=3)
+    assert tuning.choice(H100, grouped) == tuning.choice(H100, bucket(num_queries=1024, num_keys=1024,
+                                                                      batch_heads=16 * 32, group=4))
+    assert tuning.choice(H100, bucket(num_queries=1024, num_keys=1024, batch_heads=16 * 32, group=2)) is None
+    measured.clear()
+    tune_module.tune(points, 3, lambda line: None, "flashgen tune", out)  # everything measured: resumed, none timed
+    assert measured == []
+
+
 def test_several_passes_record_each_choices_median_taken_in_alternating_order(fake_measurements, tmp_path,
                                                                              monkeypatch):
     """With three passes a choice is recorded only where it beat the priority order in every pass and by
