@@ -88,6 +88,10 @@ for dtype in ("f16", "bf16") if HOPPER else ():
     call(dtype, 1, 400, 100, 2, 128, window=(0, 5), deterministic=True)          # rows whose window is empty
     call(dtype, 1, 200, 333, 4, 256, heads_kv=2, causal="top_left")                 # the split head dim
     call(dtype, 1, 150, 300, 2, 192, deterministic=True, softcap=4.0)               # its deterministic order
+    # band calls of 8 or more query heads a k/v head walk the query blocks from the last (head dims over 64):
+    # odd counts, rotated first heads, a window, the deterministic dQ order on the split head dim
+    call(dtype, 1, 300, 333, 8, 128, heads_kv=1, causal="top_left")
+    call(dtype, 2, 200, 130, 16, 256, heads_kv=2, window=(60, 0), deterministic=True)
     # the persistent forward: more work units than SMs, so each CTA walks several tiles (one at
     # a time, or causal pairs with an odd count), carrying its K/V ring, Q buffer and turns over
     call(dtype, 2, 700, 500, 40, 64)
