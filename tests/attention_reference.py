@@ -118,8 +118,12 @@ def reference(q, k, v, *, bias=None, causal=None, scale=None, keep=None, p=0.0, 
     flash-style backward computes from this (rounded) output, delta = rowsum(grad_out * out).
     summand_sizes: dq and dk (and ds) hold the sizes of their sums' terms instead,
     scale * P (|dP| + |delta|) |K| and likewise, what their rounding error is proportional to
-    where dP - delta cancels (``rel_err_to_summands``)."""
+    where dP - delta cancels (``rel_err_to_summands``).  Grouped-query k/v (H / group heads): repeated
+    per query head, their gradients summed back over each group."""
+    group = q.shape[2] // k.shape[2]
     q, k, v = f64(q), f64(k), f64(v)
+    if group > 1:
+        k, v = (cupy.repeat(x, group, axis=2) for x in (k, v))
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = cupy.einsum("bmhk,bnhk->bhmn", q, k) * scale
     slope = 1.0
@@ -149,7 +153,8 @@ def reference(q, k, v, *, bias=None, causal=None, scale=None, keep=None, p=0.0, 
         ds, slope, scale, q, k = prob * (abs(dp) + abs(delta)), abs(slope), abs(scale), abs(q), abs(k)
     dq = cupy.einsum("bhmn,bnhk->bmhk", ds * slope, k) * scale
     dk = cupy.einsum("bhmn,bmhk->bnhk", ds * slope, q) * scale
-    return out, lse, (dq, dk, dv, ds if bias is None else fold_like_bias(ds, bias))
+    fold = lambda g: g.reshape(*g.shape[:2], g.shape[2] // group, group, g.shape[3]).sum(axis=3)  # noqa: E731
+    return out, lse, (dq, fold(dk), fold(dv), ds if bias is None else fold_like_bias(ds, bias))
 
 
 def fold_like_bias(dbias, bias, rows=False):
@@ -163,14 +168,9 @@ def fold_like_bias(dbias, bias, rows=False):
 
 
 def grouped_reference(q, k, v, grad_out, **options):
-    """Grouped-query attention (k/v with H / group heads) as ``reference`` on k/v repeated per
-    query head, dk and dv summed back over each group: (out, lse, (dq, dk, dv, dbias)); dbias is
-    the gradient of the biased scores, [B, H, M, N] per query head, as the kernels return it."""
-    group = q.shape[2] // k.shape[2]
-    k_rep, v_rep = (cupy.repeat(x, group, axis=2) for x in (k, v))
-    out, lse, (dq, dk, dv, dbias) = reference(q, k_rep, v_rep, grad_out=grad_out, **options)
-    fold = lambda g: g.reshape(*g.shape[:2], k.shape[2], group, g.shape[3]).sum(axis=3)  # noqa: E731 (K may differ from Kv)
-    return out, lse, (dq, fold(dk), fold(dv), dbias)
+    """``reference`` with its gradients: (out, lse, (dq, dk, dv, dbias)); dbias is the gradient of the
+    biased scores, [B, H, M, N] per query head, as the kernels return it."""
+    return reference(q, k, v, grad_out=grad_out, **options)
 
 
 # Which dims of a [B, H, M, N] attention bias are broadcast (extent 1, stride 0 once validated):

@@ -22,7 +22,8 @@ that leave only 4-element alignment), causal kinds, bias (full or broadcast over
 dropout (checked through the mask recovered with an identity V, or, where one of flashgen's pairs
 draws it -- sm90, or sm80 when built or forced with ``--families`` -- through the NumPy copy of
 their rule, tests/philox_reference.py), varlen
-batches with empty sequences, the softmax scale (of either sign), and on flashgen's own
+batches with empty sequences, the softmax scale (of either sign), grouped-query k/v (2, 4 or 8 query
+heads a k/v head; fixed-length calls without dropout), and on flashgen's own
 kernels' path (sm90, sm80) sliding windows, soft-capping and bias (the sm90 and sm80 bias
 instances, head dims up to 128: a forced sm80 run puts them on sm80_fwd/sm80_bwd), and block masks (documents, causal + window, random blocks with empty
 rows, all full; 128 x 128 blocks, which sm90_fwd's and sm90_bwd's sparse instances read, or others,
@@ -139,6 +140,13 @@ def draw(seed: int, case: int) -> dict:
     p["calls"] = 3 if r.random() < 0.25 else 1
     p["packed_offsets"] = bool(p["varlen"] and r.random() < 0.5)
     p["lse_extra"] = int(pick([0, 0, 1, 31, 100])) if p["varlen"] else 0  # --torch: max_seqlen_q past the longest
+    # drawn last: grouped-query k/v, the H drawn above as k/v heads and group times as many query heads
+    # (fixed-length calls without dropout, whose keep mask is recovered per head)
+    group = int(pick([1, 1, 1, 2, 4, 8]))
+    p["group"] = 1 if p["varlen"] or p["dropout"] else group
+    if p["block_mask"] and p["mask_bh"][1] == p["H"] > 1:  # a mask per head: per query head
+        p["mask_bh"] = (p["mask_bh"][0], p["H"] * p["group"])
+    p["H"] *= p["group"]
     return p
 
 
@@ -251,8 +259,9 @@ def call_case(p: dict, r: np.random.Generator, shared: dict, check: bool):
                                                   rel_err_to_summands(x, given[j], sizes[j])), tol_b)
         return {"params": p, "errors": errors}
     B, M, N, H = p["B"], p["M"], p["N"], p["H"]
-    q, k = make(r, (B, M, H, p["K"]), dt, p["layout"]), make(r, (B, N, H, p["K"]), dt, p["layout"])
-    v, do = make(r, (B, N, H, p["Kv"]), dt, p["layout"]), randn(r, (B, M, H, p["Kv"]), dt)
+    Hk = H // p.get("group", 1)  # k/v heads (the reference repeats them per query head)
+    q, k = make(r, (B, M, H, p["K"]), dt, p["layout"]), make(r, (B, N, Hk, p["K"]), dt, p["layout"])
+    v, do = make(r, (B, N, Hk, p["Kv"]), dt, p["layout"]), randn(r, (B, M, H, p["Kv"]), dt)
     bias = None
     if p["bias"]:
         bias = make_bias(r, dt, B, H, M, N, "" if p["bias"] == "full" else p["bias"], scale=1.0)
