@@ -390,7 +390,8 @@ def tune(dtypes, head_dims, seqlens, tokens, hidden, groups, repeats, passes, ou
     from flashgen.runtime.device import device_info
 
     device = device_info(cupy.cuda.runtime.getDevice())
-    click.echo(f"{device.name} (sm_{device.cc}): tuning {len(grid)} points x fwd/bwd", err=True)
+    pairs = sum(2 if p.group == 1 else 1 for p in grid)  # grouped points: the backward alone
+    click.echo(f"{device.name} (sm_{device.cc}): tuning {pairs} point/directions", err=True)
     slug = "".join(ch if ch.isalnum() else "_" for ch in device.name.lower()).strip("_")
     out_path = out_path or Path(f"tuning-{slug}-sm{device.cc}.json")
     try:
@@ -431,9 +432,10 @@ def tune(dtypes, head_dims, seqlens, tokens, hidden, groups, repeats, passes, ou
                    "example 41's kernels), and the table fg/plain and fg/ex41; SDPA gets the bias as attn_mask, "
                    "flex as a score_mod.")
 @click.option("--all-instances", is_flag=True, help="Also time every flashgen kernel tile (and backward key-split "
-              "policy) that can serve each point, as flashgen[<tile>] (not under a mask, mod or variant), and the runtime's "
-              "own choice as flashgen[default], back to back after the interleaved rounds: read them against each "
-              "other (the table's best tile / its default), not against the other columns, whose clocks differ.")
+              "policy) that can serve each point, as flashgen[<tile>] (not under a mask, mod or variant), and the "
+              "runtime's own choice as flashgen[default], back to back after the interleaved rounds: read them "
+              "against each other (the table's best tile / its default), not against the other columns, whose clocks "
+              "differ.")
 @click.option("--repeats", type=int, default=30, show_default=True,
               help="Timed calls per implementation and direction, in 10 interleaved rounds.")
 @click.option("--timing", type=click.Choice(["call", "queued"]), default="call", show_default=True,
