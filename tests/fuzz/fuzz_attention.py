@@ -259,7 +259,7 @@ def call_case(p: dict, r: np.random.Generator, shared: dict, check: bool):
                                                   rel_err_to_summands(x, given[j], sizes[j])), tol_b)
         return {"params": p, "errors": errors}
     B, M, N, H = p["B"], p["M"], p["N"], p["H"]
-    Hk = H // p.get("group", 1)  # k/v heads (the reference repeats them per query head)
+    Hk = H // p["group"]  # k/v heads (the reference repeats them per query head)
     q, k = make(r, (B, M, H, p["K"]), dt, p["layout"]), make(r, (B, N, Hk, p["K"]), dt, p["layout"])
     v, do = make(r, (B, N, Hk, p["Kv"]), dt, p["layout"]), randn(r, (B, M, H, p["Kv"]), dt)
     bias = None
