@@ -310,6 +310,11 @@ struct BwdKernel {
   // tensor pipe idle (H200: head dim 128 up to 9% faster, 192 up to 2%, 256 level).  Head dim 64
   // (128-query steps) issues dV and dK together before dQ: dK last was 2-6% slower at 1k-4k tokens.
   static constexpr bool kDkLast = kHeadDim > 64;
+  // kDkLast with reduce warps: a step's dQ part, stored while dK runs, is fenced for the TMA unit and
+  // handed to its reduce warp only after the next step's S^T and dP^T GEMMs are issued.  Fenced at
+  // once, the fence and the arrive after it waited for the stores to drain past the dK GEMM
+  // (ncu, head dim 128: 10% of the stall samples, the dK wait after them none).
+  static constexpr bool kDeferDqArrive = kDkLast && kDqReduceWarps;
   static constexpr int kKeepBarrier = kBiasBarrier + kWarpGroups;
 
   using AtomK = std::conditional_t<kSwizzleBytes == 128, cute::GMMA::Layout_K_SW128_Atom<Element>,
@@ -808,11 +813,20 @@ struct BwdKernel {
         warpgroup_gemm_issue<true>(mma_dq, tQrDs(_, _, _, ds_buf), tQrKt, acc_dq);
       }
     };
-    auto dq_out = [&](auto const& acc_dq, Step const& of) {
+    // The part is in the tile: fenced for the TMA unit, then (kDqReduceWarps) handed to the reduce warp.
+    auto dq_part_written = [&]() {
+      cutlass::arch::fence_view_async_shared();
+      if constexpr (kDqReduceWarps) {
+        Barrier::arrive(&s.dq_full[wg]);
+      }
+    };
+    // kDeferDqArrive: a part stored in the loop is fenced and handed on in the next iteration, once its
+    // S^T and dP^T GEMMs are issued (dq_part_written there)
+    auto dq_out = [&](auto const& acc_dq, Step const& of, bool in_loop) {
       if constexpr (kDqTile) {
         dq_to_tile(s, acc_dq);  // leaves under the next step's S^T and dP^T
-        if constexpr (kDqReduceWarps) {
-          Barrier::arrive(&s.dq_full[wg]);
+        if (!(kDeferDqArrive && in_loop)) {
+          dq_part_written();
         }
       } else {
         add_dq_atomic(p, seq, acc_dq, of.head, of.m_block, n_block);
@@ -843,6 +857,9 @@ struct BwdKernel {
       if (kDqTile && !kDqReduceWarps && t > kDqLag) {
         add_dq_tile(p, seq, s, tiled.head, tiled.m_block, n_block);
       }
+      if (kDeferDqArrive && t > kDqLag) {  // the last step's dQ part, stored under its dK GEMM
+        dq_part_written();
+      }
       warpgroup_wait<1>();  // S^T
       warpgroup_fence_operand(tSrS);
       if constexpr (kBias) {  // read under this step's dP^T GEMM
@@ -870,12 +887,14 @@ struct BwdKernel {
       };
       float const* lse_log2 = s.lse_log2[stage] + query_half;
       float const* delta = s.delta[stage] + query_half;
+      auto lse_value = [&](int r) { return column_value(lse_log2, r); };
+      auto delta_value = [&](int r) { return column_value(delta, r); };
       // The exponent's offset for register r: -lse_log2 of its query, plus (kBias) its bias in log2 units.
       auto offset = [&](int r) {
         if constexpr (kBias) {
-          return fmaf(bias_value(buf, r), kLog2e, -column_value(lse_log2, r));
+          return fmaf(bias_value(buf, r), kLog2e, -lse_value(r));
         } else {
-          return -column_value(lse_log2, r);
+          return -lse_value(r);
         }
       };
       // kDbiasStaged: this warpgroup's dQ part is free for the dbias tile once its thread 0 has seen the
@@ -908,7 +927,7 @@ struct BwdKernel {
         warpgroup_fence_operand(tPrDp);
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {  // d/d(scaled score) = d/d(modded score) * grad; scale comes at the end
-          float const ds = static_cast<float>(tVrP(r)) * (tPrDp(r) - column_value(delta, r));
+          float const ds = static_cast<float>(tVrP(r)) * (tPrDp(r) - delta_value(r));
           tKrDs(r) = static_cast<Element>(ds * tSrS(r));
         }
       } else if constexpr (!kSoftcap) {
@@ -957,7 +976,7 @@ struct BwdKernel {
           } else {
             tVrP(r) = static_cast<Element>(tSrS(r));
           }
-          tKrDs(r) = static_cast<Element>(tSrS(r) * (dp - column_value(delta, r)));
+          tKrDs(r) = static_cast<Element>(tSrS(r) * (dp - delta_value(r)));
           if (r % 2 == 1) {
             stage_dbias(r, pack_pair(tKrDs(r - 1), tKrDs(r)));
           }
@@ -977,7 +996,7 @@ struct BwdKernel {
         warpgroup_fence_operand(tPrDp);
         CUTE_UNROLL
         for (int r = 0; r < size(tSrS); ++r) {  // d(softcap_out * t) / dS = scale (1 - t^2); scale comes at the end
-          float const ds = static_cast<float>(tVrP(r)) * (tPrDp(r) - column_value(delta, r));  // d/d(capped score)
+          float const ds = static_cast<float>(tVrP(r)) * (tPrDp(r) - delta_value(r));  // d/d(capped score)
           if (r % 2 == 1) {
             stage_dbias(r, pack_pair(static_cast<Element>(previous_ds), static_cast<Element>(ds)));
           }
@@ -1112,7 +1131,7 @@ struct BwdKernel {
             cutlass::arch::NamedBarrier::sync(128, kBiasBarrier + wg);
           }
         }
-        dq_out(acc_dq, dq_step);
+        dq_out(acc_dq, dq_step, true);
       }
       if constexpr (kDkLast) {
         warpgroup_wait<0>();
@@ -1132,6 +1151,9 @@ struct BwdKernel {
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<_64, Int<kDqMmaN>>{});
       Barrier::wait(&s.ds_full[t % 2], (t / 2) & 1);
       issue_dq(t % 2, acc_dq);
+      if (kDeferDqArrive && t >= kDqLag) {  // the part the loop's last iteration stored
+        dq_part_written();
+      }
       if (kDqTile && !kDqReduceWarps && t >= 1) {
         Step const before_last = kSparse ? sparse_tiled : step_at(t - 1);
         add_dq_tile(p, seq, s, before_last.head, before_last.m_block, n_block);
@@ -1140,8 +1162,11 @@ struct BwdKernel {
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_dq);
       dq_barrier(t);
-      dq_out(acc_dq, last);
+      dq_out(acc_dq, last, false);
     } else {
+      if constexpr (kDeferDqArrive) {  // the part the loop's last iteration stored
+        dq_part_written();
+      }
       store_dk_dv();
     }
     if constexpr (kDqTile && !kDqReduceWarps) {
@@ -1200,7 +1225,6 @@ struct BwdKernel {
     for (int q = 0; q < size(acc) / 4; ++q) {
       tile[q * 128] = make_float4(acc(4 * q), acc(4 * q + 1), acc(4 * q + 2), acc(4 * q + 3));
     }
-    cutlass::arch::fence_view_async_shared();  // the writes above, before the TMA unit reads them
   }
 
   // Once the warpgroup's part is in the tile, one of its threads hands it to the TMA unit as
