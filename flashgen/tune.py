@@ -26,6 +26,7 @@ from flashgen.runtime.select import KEYS_CAP, Request, num_splits_key, rejection
 
 KEEP_DEFAULT = 0.01  # a choice must beat the priority order by more than 1% (medians) to be recorded
 ROUNDS = 5  # rounds a point's choices are timed in (measure_choices)
+RESUMED = "; resumed by: "  # between the commands of a resumed table's runs (its measured["command"])
 
 
 def family_for(direction: str, registry, device) -> str:
@@ -210,6 +211,9 @@ def tune(points: List[Point], repeats: int, progress: Callable[[str], None], com
             raise ValueError(f"{out_path} was measured with {before} pass(es) a point, this run asks for {passes}: "
                              f"pass --passes {before} to resume it, or another --out")
         entries, measured = dict(previous.entries), list(previous.measured.get("points", []))
+        earlier = previous.measured.get("command", "")  # the table keeps every command that measured into it
+        if earlier and command not in earlier.split(RESUMED):
+            command = earlier + RESUMED + command
     # points measured before Point had a group field are multi-head: read them as group 1 to resume them
     done = {(tuple(sorted({"group": 1, **m["point"]}.items())), m["direction"]) for m in measured}
     for n, p in enumerate(points, 1):

@@ -360,6 +360,10 @@ def test_tune_resumes_and_refuses_another_gpus_table(fake_measurements, tmp_path
     table = tune_module.tune(points, 3, lambda line: None, "flashgen tune", out)
     assert len(measured) - done == 2 * (len(points) - 2)  # only the points the file did not hold
     assert len(table.measured["points"]) == 2 * len(points)
+    assert table.measured["command"] == "flashgen tune"  # the same command resumed is named once
+    grouped = default_grid(dtypes=("f16",), head_dims=(64,), seqlens=(512,), groups=(4,))
+    table = tune_module.tune(grouped, 3, lambda line: None, "flashgen tune --group 4", out)
+    assert table.measured["command"] == "flashgen tune; resumed by: flashgen tune --group 4"  # both are kept
     other = tmp_path / "other.json"
     tuning.Table(RTX3090.name, RTX3090.cc, {}, {"points": []}).save(other)
     with pytest.raises(ValueError, match="RTX 3090.*pass another --out"):
