@@ -68,6 +68,11 @@ class Problem:
     window: Optional[Tuple[Optional[int], Optional[int]]] = None  # (left, right); None: no window
     softcap: float = 0.0  # 0: no soft-capping
 
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head (1: multi-head attention; validated to divide H)."""
+        return self.H // self.Hk
+
 
 def read_offsets(cu, name, total):
     """Validate cu_seqlens on the host: returns (cu, host copy); cu may become a CuPy view.  Read once,

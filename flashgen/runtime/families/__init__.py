@@ -106,7 +106,7 @@ def tuned(req: Request, p: Problem) -> Optional[tuning.Choice]:
     if p.seqstart_q is not None:
         return None
     bucket = tuning.Bucket.of(req.family, p.dtype, p.K, p.Kv, p.mask != 0, p.M, p.N, p.batches * p.H,
-                              p.H // max(p.Hk, 1))
+                              p.group)
     return tuning.choice(req.device, bucket)
 
 

@@ -50,7 +50,7 @@ class Sm80FwdRuntime(AmpereFamily):
         fill(params, q_ptr=q.data.ptr, k_ptr=k.data.ptr, v_ptr=v.data.ptr, out_ptr=out.data.ptr, lse_ptr=lse.data.ptr,
              q_stride_b=qs[0], k_stride_b=ks[0], v_stride_b=vs[0], out_stride_b=out.shape[1] * p.H * p.Kv,
              lse_rows=rows, num_queries=p.M, num_keys=p.N, num_heads=p.H, num_sequences=p.batches, head_dim=p.K,
-             head_group=p.H // k.shape[2], **strides, **band_fields(p), **ampere_bias_fields(call.bias),
+             head_group=p.group, **strides, **band_fields(p), **ampere_bias_fields(call.bias),
              **dropout.fields(p))
         grid = (-(-p.M // kc["block_m"]), p.H, p.batches)
         block = (kc["threads_per_block"], 1, 1)

@@ -196,7 +196,7 @@ class ThreeKernelBackward:
              delta_ptr=delta, dq_accum_ptr=accum, dq_counter_ptr=counters, dq_ptr=dq.data.ptr, dk_ptr=dk.data.ptr,
              dv_ptr=dv.data.ptr, out_stride_b=os_[0], dout_stride_b=gos[0], dq_stride_b=q.shape[1] * p.H * p.K,
              dkv_stride_b=k.shape[1] * k.shape[2] * p.K, num_queries=p.M, num_keys=p.N, num_heads=p.H, head_dim=p.K,
-             head_group=p.H // k.shape[2], rows_padded=rows,
+             head_group=p.group, rows_padded=rows,
              deterministic=int(call.options["deterministic"]), scale=p.scale, **strides, **own, **extra_fields,
              **band_fields(p))
         self.encode(params, call, kc, dbias_planes[0] if dbias_planes else extra[0] if extra else None)

@@ -88,7 +88,7 @@ class Sm90FwdRuntime(HopperFamily):
         fill(params, out_ptr=out.data.ptr, lse_ptr=lse.data.ptr, out_stride_b=out.shape[1] * p.H * p.Kv,
              out_stride_m=p.H * p.Kv, out_stride_h=p.Kv, lse_stride_b=p.H * rows, lse_stride_h=rows,
              lse_rows=rows, num_queries=p.M, num_keys=p.N, num_heads=p.H, num_sequences=p.batches, head_dim=p.K,
-             head_group=p.H // k.shape[2], **band_fields(p), **bias_fields(call.bias),
+             head_group=p.group, **band_fields(p), **bias_fields(call.bias),
              **sparse_fields(call.block_mask), **dropout.fields(p), **mod_fields(call))
         encode_maps(params, MAPS, (q, k, v), (kc["block_m"], kc["block_n"], kc["block_n"]), p, kc)
         encode_bias_map(params, call.bias, p)
