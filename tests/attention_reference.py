@@ -119,7 +119,9 @@ def reference(q, k, v, *, bias=None, causal=None, scale=None, keep=None, p=0.0, 
     summand_sizes: dq and dk (and ds) hold the sizes of their sums' terms instead,
     scale * P (|dP| + |delta|) |K| and likewise, what their rounding error is proportional to
     where dP - delta cancels (``rel_err_to_summands``).  Grouped-query k/v (H / group heads): repeated
-    per query head, their gradients summed back over each group."""
+    per query head, their gradients summed back over each group.  Returns (out, lse), and with grad_out
+    (out, lse, (dq, dk, dv, dS)): dS the gradient of the biased scores, [B, H, M, N], folded like the
+    bias where one is given (fold_like_bias), as attention_backward returns dbias."""
     group = q.shape[2] // k.shape[2]
     q, k, v = f64(q), f64(k), f64(v)
     if group > 1:
@@ -165,12 +167,6 @@ def fold_like_bias(dbias, bias, rows=False):
     folded = (0, 1, 2) if rows else (0, 1)
     axes = tuple(axis for axis in folded if shape[axis] == 1 and dbias.shape[axis] > 1)
     return dbias.sum(axis=axes, keepdims=True) if axes else dbias
-
-
-def grouped_reference(q, k, v, grad_out, **options):
-    """``reference`` with its gradients: (out, lse, (dq, dk, dv, dbias)); dbias is the gradient of the
-    biased scores, [B, H, M, N] per query head, as the kernels return it."""
-    return reference(q, k, v, grad_out=grad_out, **options)
 
 
 # Which dims of a [B, H, M, N] attention bias are broadcast (extent 1, stride 0 once validated):

@@ -4,7 +4,7 @@ grid of shapes, broadcasts and masks they cover.  Import after CuPy (the callers
 from __future__ import annotations
 
 import flashgen
-from attention_reference import (BIAS_BROADCASTS, BWD_TOL, FWD_TOL, grouped_reference, lse_err, make_bias,
+from attention_reference import (BIAS_BROADCASTS, BWD_TOL, FWD_TOL, reference, lse_err, make_bias,
                                  make_input, poisoned_allocations, rel_err)
 
 SIZES = ((1, 1), (7, 129), (129, 7), (1000, 129), (129, 1000), (1000, 1000), (1, 1000), (129, 129))
@@ -41,7 +41,7 @@ def check_bias(arch, rng, dtype, B, M, N, H, K, broadcast="", Hk=None, bias=None
         out, lse = flashgen.attention_forward(q, k, v, attn_bias=bias, **options)
         grads = flashgen.attention_backward(do, q, k, v, out, lse, attn_bias=bias, bias_requires_grad=dbias,
                                             deterministic=deterministic, **options)
-    ref_out, ref_lse, ref_grads = grouped_reference(q, k, v, do, bias=bias, **options)
+    ref_out, ref_lse, ref_grads = reference(q, k, v, grad_out=do, bias=bias, **options)
     assert out.shape == (B, M, H, K) and lse.shape == (B, H, M)
     fwd = {"out": rel_err(out, ref_out), "lse": lse_err(lse, ref_lse)}
     assert all(e < FWD_TOL[dtype] for e in fwd.values()), fwd

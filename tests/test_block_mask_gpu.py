@@ -15,7 +15,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 from attention_reference import (  # noqa: E402
-    BWD_TOL, FWD_TOL, gpu_marks, grouped_reference, lse_err, poisoned_allocations, randn, reference, rel_err,
+    BWD_TOL, FWD_TOL, gpu_marks, lse_err, poisoned_allocations, randn, reference, rel_err,
 )
 
 HAVE_GPU, pytestmark = gpu_marks()
@@ -88,7 +88,7 @@ def test_forward_and_backward_match_float64_with_the_dense_mask(dtype, B, H, Hk,
     bm = block_mask(mask_fn(name, N), *mask_bh, M, N, block=block)
     out, lse, (dq, dk, dv) = run(q, k, v, do, bm, **options)
     dense = bm.to_dense(cupy.float32)
-    ro, rl, (rdq, rdk, rdv, _) = grouped_reference(q, k, v, do, bias=dense, **options)
+    ro, rl, (rdq, rdk, rdv, _) = reference(q, k, v, grad_out=do, bias=dense, **options)
     assert rel_err(out, ro) < FWD_TOL[dtype] and lse_err(lse, rl) < FWD_TOL[dtype]
     for g, ref in ((dq, rdq), (dk, rdk), (dv, rdv)):
         assert rel_err(g, ref, zero_scale=np.sqrt(K)) < BWD_TOL[dtype]
@@ -108,7 +108,7 @@ def test_with_attn_bias_the_two_add_up_and_dbias_is_the_bias_gradient(dtype):
         dq, dk, dv, db = flashgen.attention_backward(do, q, k, v, out, lse, attn_bias=bias, block_mask=bm,
                                                      bias_requires_grad=True, causal="top_left")
     total = bm.to_dense(cupy.float32) + bias.astype(cupy.float32)
-    ro, rl, (rdq, rdk, rdv, rdb) = grouped_reference(q, k, v, do, bias=total, causal="top_left")
+    ro, rl, (rdq, rdk, rdv, rdb) = reference(q, k, v, grad_out=do, bias=total, causal="top_left")
     assert rel_err(out, ro) < FWD_TOL[dtype] and lse_err(lse, rl) < FWD_TOL[dtype]
     for g, ref in ((dq, rdq), (dk, rdk), (dv, rdv), (db, rdb)):
         assert rel_err(g, ref) < BWD_TOL[dtype]
@@ -147,7 +147,7 @@ def test_a_mask_mod_by_name_with_its_tensors_runs_its_own_mask(dtype, M, N, K):
     ids_q, ids_k = doc[:, :M].astype(cupy.int64), doc
     visible = ids_q[:, None, :, None] == ids_k[:, None, None, :]  # [B, 1, M, N]
     dense = cupy.where(visible, 0.0, -cupy.inf).astype(cupy.float32)
-    ro, rl, (rdq, rdk, rdv, _) = grouped_reference(q, k, v, do, bias=cupy.broadcast_to(dense, (B, H, M, N)))
+    ro, rl, (rdq, rdk, rdv, _) = reference(q, k, v, grad_out=do, bias=cupy.broadcast_to(dense, (B, H, M, N)))
     assert rel_err(out, ro) < FWD_TOL[dtype] and lse_err(lse, rl) < FWD_TOL[dtype]
     for g, ref in ((dq, rdq), (dk, rdk), (dv, rdv)):
         assert rel_err(g, ref, zero_scale=np.sqrt(K)) < BWD_TOL[dtype]
@@ -236,8 +236,8 @@ def test_torch_attention_takes_a_block_mask_eagerly():
     do = torch.randn_like(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
     as_cupy = lambda t: cupy.from_dlpack(t.detach())  # noqa: E731
-    ro, _, (rdq, rdk, rdv, _) = grouped_reference(as_cupy(q), as_cupy(k), as_cupy(v), as_cupy(do),
-                                                  bias=bm.to_dense(cupy.float32), causal="bottom_right")
+    ro, _, (rdq, rdk, rdv, _) = reference(as_cupy(q), as_cupy(k), as_cupy(v), grad_out=as_cupy(do),
+                                          bias=bm.to_dense(cupy.float32), causal="bottom_right")
     assert rel_err(as_cupy(out), ro) < FWD_TOL["bf16"]
     for g_, ref in ((dq, rdq), (dk, rdk), (dv, rdv)):
         assert rel_err(as_cupy(g_), ref, zero_scale=np.sqrt(K)) < BWD_TOL["bf16"]

@@ -19,7 +19,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 from attention_reference import (  # noqa: E402
-    BWD_TOL, FWD_TOL, gpu_marks, grouped_reference, hopper_kernels, lse_err, poisoned_allocations, randn, reference,
+    BWD_TOL, FWD_TOL, gpu_marks, hopper_kernels, lse_err, poisoned_allocations, randn, reference,
     rel_err,
 )
 
@@ -130,7 +130,7 @@ def test_the_public_forward_runs_sparse_and_the_backward_agrees(dtype, K):
         dq, dk, dv = flashgen.attention_backward(do, q, k, v, out, lse, block_mask=bm)
     except flashgen.UnsupportedError as e:
         pytest.skip(f"no backward kernel built for the dense fallback: {e}")
-    _, rl, (rdq, rdk, rdv, _) = grouped_reference(q, k, v, do, bias=bm.to_dense(cupy.float32))
+    _, rl, (rdq, rdk, rdv, _) = reference(q, k, v, grad_out=do, bias=bm.to_dense(cupy.float32))
     for g, ref in ((dq, rdq), (dk, rdk), (dv, rdv)):
         assert rel_err(g, ref, zero_scale=np.sqrt(K)) < BWD_TOL[dtype]
     empty = cupy.ascontiguousarray(cupy.transpose(cupy.isneginf(rl), (0, 2, 1)))
@@ -210,7 +210,7 @@ def check_backward(q, k, v, do, bm, out, grads, dtype):
     """dq, dk, dv against float64 (delta from the rounded ``out``, as the kernels take it); rows without
     keys exactly dq 0, keys that no query of their k/v group sees exactly dk = dv = 0."""
     bias = bm.to_dense(cupy.float32)
-    _, rl, ref = grouped_reference(q, k, v, do, bias=bias, out_for_delta=out)
+    _, rl, ref = reference(q, k, v, grad_out=do, bias=bias, out_for_delta=out)
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
         assert g.shape == r.shape and rel_err(g, r, zero_scale=np.sqrt(q.shape[3])) < BWD_TOL[dtype], name
     empty = cupy.ascontiguousarray(cupy.transpose(cupy.isneginf(rl), (0, 2, 1)))

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 cupy = pytest.importorskip("cupy")
-from attention_reference import BWD_TOL, FWD_TOL, gpu_marks, grouped_reference, lse_err, poisoned_allocations, randn, rel_err  # noqa: E402,E501
+from attention_reference import (  # noqa: E402
+    BWD_TOL, FWD_TOL, gpu_marks, lse_err, poisoned_allocations, randn, reference, rel_err,
+)
 
 HAVE_GPU, pytestmark = gpu_marks()
 
@@ -57,7 +59,7 @@ def test_builtin_mask_mods_through_block_masks_match_float64(name, dtype, B, H, 
     with poisoned_allocations():
         out, lse = flashgen.attention_forward(q, k, v, block_mask=bm)
         dq, dk, dv = flashgen.attention_backward(do, q, k, v, out, lse, block_mask=bm)
-    ro, rl, (rdq, rdk, rdv, _) = grouped_reference(q, k, v, do, bias=dense(fn, B, 1, M, N))
+    ro, rl, (rdq, rdk, rdv, _) = reference(q, k, v, grad_out=do, bias=dense(fn, B, 1, M, N))
     assert rel_err(out, ro) < FWD_TOL[dtype] and lse_err(lse, rl) < FWD_TOL[dtype]
     for g, ref in ((dq, rdq), (dk, rdk), (dv, rdv)):
         assert rel_err(g, ref, zero_scale=np.sqrt(K)) < BWD_TOL[dtype]
@@ -75,7 +77,7 @@ def test_a_declared_per_head_mask_mod():
     k, v = randn(r, (B, N, H, K), "f16"), randn(r, (B, N, H, K), "f16")
     out, lse = flashgen.attention_forward(q, k, v, block_mask=bm)
     dq, dk, dv = flashgen.attention_backward(do, q, k, v, out, lse, block_mask=bm)
-    ro, rl, (rdq, rdk, rdv, _) = grouped_reference(q, k, v, do, bias=dense(fn, 1, H, M, N))
+    ro, rl, (rdq, rdk, rdv, _) = reference(q, k, v, grad_out=do, bias=dense(fn, 1, H, M, N))
     assert rel_err(out, ro) < FWD_TOL["f16"]
     for g, ref in ((dq, rdq), (dk, rdk), (dv, rdv)):
         assert rel_err(g, ref, zero_scale=np.sqrt(K)) < BWD_TOL["f16"]

@@ -17,7 +17,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 import flashgen  # noqa: E402
 from attention_reference import (  # noqa: E402
-    BIAS_BROADCASTS, BWD_TOL, FWD_TOL, ampere_kernels, assert_same_bits, gpu_marks, grouped_reference, lse_err,
+    BIAS_BROADCASTS, BWD_TOL, FWD_TOL, ampere_kernels, assert_same_bits, gpu_marks, reference, lse_err,
     make_bias, poisoned_allocations, randn, rel_err,
 )
 from bias_checks import GRID, GRID_IDS, assert_bias_pair, check_bias  # noqa: E402
@@ -69,7 +69,7 @@ def test_every_bias_instance(binary):
         q, k, v, do = (randn(rng, shape, spec.dtype) for shape in ((2, M, 2 * group, K), (2, N, 2, K), (2, N, 2, K),
                                                                    (2, M, 2 * group, K)))
         bias = make_bias(rng, spec.dtype, 2, 2 * group, M, N, broadcast)
-        ref_out, ref_lse, ref_grads = grouped_reference(q, k, v, do, bias=bias, **options)
+        ref_out, ref_lse, ref_grads = reference(q, k, v, grad_out=do, bias=bias, **options)
         if spec.FAMILY == "sm80_fwd":
             call = validate.forward_call(q, k, v, dict(options, attn_bias=bias), flashgen.attention_forward)
             with poisoned_allocations():
@@ -177,7 +177,7 @@ def test_bias_deterministic_planned_and_without_dbias():
     for _ in range(2):  # forward and backward plans with another bias of the same signature
         out2, lse2 = flashgen.attention_forward(q, k, v, attn_bias=other, causal="top_left")
         got = flashgen.attention_backward(do, q, k, v, out2, lse2, attn_bias=other, causal="top_left")
-    ref_out, _, ref_grads = grouped_reference(q, k, v, do, bias=other, causal="top_left")
+    ref_out, _, ref_grads = reference(q, k, v, grad_out=do, bias=other, causal="top_left")
     assert rel_err(out2, ref_out) < FWD_TOL["f16"]
     assert all(rel_err(g, r) < BWD_TOL["f16"] for g, r in zip(got, ref_grads[:3]))
 
@@ -196,7 +196,7 @@ def test_what_the_bias_instances_refuse_example41_serves():
     do = randn(rng, q.shape, "f16")
     out, lse = flashgen.attention_forward(q, k, v, attn_bias=bias)
     grads = flashgen.attention_backward(do, q, k, v, out, lse, attn_bias=bias, bias_requires_grad=True)
-    _, _, ref_grads = grouped_reference(q, k, v, do, bias=bias)
+    _, _, ref_grads = reference(q, k, v, grad_out=do, bias=bias)
     assert all(rel_err(g, r) < BWD_TOL["f16"] for g, r in zip(grads, ref_grads))
     q, k, v = (randn(rng, (1, 130, 2, 64), "f16") for _ in range(3))
     out, lse = flashgen.attention_forward(q, k, v, attn_bias=bias, softcap=5.0)
@@ -230,7 +230,7 @@ def test_a_block_mask_runs_dense_on_the_bias_instances(dtype, B, H, M, N, K, mas
     with poisoned_allocations():
         out, lse = flashgen.attention_forward(q, k, v, block_mask=bm, **options)
         dq, dk, dv = flashgen.attention_backward(do, q, k, v, out, lse, block_mask=bm, **options)
-    ro, rl, (rdq, rdk, rdv, _) = grouped_reference(q, k, v, do, bias=bm.to_dense(cupy.float32), **options)
+    ro, rl, (rdq, rdk, rdv, _) = reference(q, k, v, grad_out=do, bias=bm.to_dense(cupy.float32), **options)
     assert rel_err(out, ro) < FWD_TOL[dtype] and lse_err(lse, rl) < FWD_TOL[dtype]
     for g, ref in ((dq, rdq), (dk, rdk), (dv, rdv)):
         assert rel_err(g, ref, zero_scale=np.sqrt(K)) < BWD_TOL[dtype]

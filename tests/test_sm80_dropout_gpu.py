@@ -15,7 +15,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 import flashgen  # noqa: E402
 from attention_reference import (  # noqa: E402
-    BWD_TOL, FWD_TOL, ampere_kernels, f64, gpu_marks, grouped_reference, hopper_kernels, make_input,
+    BWD_TOL, FWD_TOL, ampere_kernels, f64, gpu_marks, reference, hopper_kernels, make_input,
     poisoned_allocations, reference_scores, rel_err,
 )
 from flashgen.runtime import plans  # noqa: E402
@@ -68,7 +68,7 @@ def check(q, k, v, do, causal=None, seed=1234, offset=0, window=None, determinis
     with poisoned_allocations():
         out, lse = flashgen.attention_forward(q, k, v, **options)
         grads = flashgen.attention_backward(do, q, k, v, out, lse, deterministic=deterministic, **options)
-    ref_out, ref_lse, ref_grads = grouped_reference(q, k, v, do, causal=causal, window=window, keep=keep, p=P)
+    ref_out, ref_lse, ref_grads = reference(q, k, v, grad_out=do, causal=causal, window=window, keep=keep, p=P)
     assert rel_err(out, ref_out) < FWD_TOL[dtype]
     finite = cupy.isfinite(ref_lse)
     assert cupy.allclose(lse[finite], ref_lse[finite], atol=1e-3), "lse is of the undropped scores"

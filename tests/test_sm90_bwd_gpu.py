@@ -13,7 +13,7 @@ cupy = pytest.importorskip("cupy")
 import flashgen  # noqa: E402
 from attention_reference import (  # noqa: E402
     assert_same_bits,
-    BWD_TOL, grouped_reference, make_bias, make_input, poisoned_allocations, randn, rel_err, gpu_marks,
+    BWD_TOL, reference, make_bias, make_input, poisoned_allocations, randn, rel_err, gpu_marks,
     hopper_kernels,
 )
 from flashgen.runtime import plans, validate  # noqa: E402
@@ -46,7 +46,7 @@ def inputs(rng, dtype, B, M, N, H, K, Hk=None, layout="contiguous"):
 
 def gqa_reference(q, k, v, causal, do, **options):
     """dq, dk, dv of the float64 grouped-query reference."""
-    return grouped_reference(q, k, v, do, causal=causal, **options)[2]
+    return reference(q, k, v, grad_out=do, causal=causal, **options)[2]
 
 
 def check_backward(q, k, v, do, causal, deterministic=False, **options):

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 import flashgen  # noqa: E402
 import flashgen.torch as ft  # noqa: E402
-from attention_reference import BWD_TOL, FWD_TOL, grouped_reference, lse_err, reference, rel_err  # noqa: E402
+from attention_reference import BWD_TOL, FWD_TOL, lse_err, reference, rel_err  # noqa: E402
 from flashgen.errors import UnsupportedError  # noqa: E402
 from flashgen.runtime import plans  # noqa: E402
 
@@ -68,7 +68,7 @@ CASES = [  # (dtype, B, M, N, H, Hk, K, options)
 def test_gradients_of_every_option_match_float64(dtype, B, M, N, H, Hk, K, options):
     q, k, v = randn((B, M, H, K), dtype, 1), randn((B, N, Hk, K), dtype, 2), randn((B, N, Hk, K), dtype, 3)
     out, do, (dq, dk, dv) = run(q, k, v, **options)
-    ref_out, _, ref = grouped_reference(cp(q), cp(k), cp(v), cp(do), **options)
+    ref_out, _, ref = reference(cp(q), cp(k), cp(v), grad_out=cp(do), **options)
     assert rel_err(cp(out), ref_out) < FWD_TOL[dtype]
     for name, g, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
         assert g.shape == r.shape and rel_err(cp(g), r, math.sqrt(K)) < BWD_TOL[dtype], name
@@ -169,8 +169,8 @@ def test_packed_sequences_match_each_sequence_alone():
         qs, ks = slice(int(cu_q[s]), int(cu_q[s + 1])), slice(int(cu_k[s]), int(cu_k[s + 1]))
         if lengths_q[s] == 0:
             continue
-        ref_out, _, (rq, rk, rv, _) = grouped_reference(cp(q[qs])[None], cp(k[ks])[None], cp(v[ks])[None],
-                                                        cp(do[qs])[None], causal="top_left")
+        ref_out, _, (rq, rk, rv, _) = reference(cp(q[qs])[None], cp(k[ks])[None], cp(v[ks])[None],
+                                                grad_out=cp(do[qs])[None], causal="top_left")
         assert rel_err(cp(out[qs])[None], ref_out) < FWD_TOL["f16"], s
         for g, r in zip((dq[qs], dk[ks], dv[ks]), (rq, rk, rv)):
             assert rel_err(cp(g)[None], r, 8.0) < BWD_TOL["f16"], s
@@ -182,8 +182,8 @@ def packed_reference_errors(q, k, v, out, cu_q, cu_k):
     for s in range(cu_q.numel() - 1):
         qs, ks = slice(int(cu_q[s]), int(cu_q[s + 1])), slice(int(cu_k[s]), int(cu_k[s + 1]))
         if qs.stop > qs.start:
-            ref, _, _ = grouped_reference(cp(q[qs])[None], cp(k[ks])[None], cp(v[ks])[None],
-                                          cupy.zeros((1,) + tuple(out[qs].shape), cupy.float16), causal="top_left")
+            ref, _, _ = reference(cp(q[qs])[None], cp(k[ks])[None], cp(v[ks])[None],
+                                  grad_out=cupy.zeros((1,) + tuple(out[qs].shape), cupy.float16), causal="top_left")
             errors.append(rel_err(cp(out[qs])[None], ref))
     return errors
 
@@ -217,8 +217,8 @@ def test_a_step_reads_its_offsets_once_while_torch_says_they_are_unchanged():
     dq, dk, dv = torch.autograd.grad(fresh, (q, k, v), do)  # the backward reuses the forward's copies
     for s in range(3):
         qs, ks = slice(int(cu_q[s]), int(cu_q[s + 1])), slice(int(cu_k[s]), int(cu_k[s + 1]))
-        _, _, (rq, rk, rv, _) = grouped_reference(cp(q[qs])[None], cp(k[ks])[None], cp(v[ks])[None],
-                                                  cp(do[qs])[None], causal="top_left")
+        _, _, (rq, rk, rv, _) = reference(cp(q[qs])[None], cp(k[ks])[None], cp(v[ks])[None],
+                                          grad_out=cp(do[qs])[None], causal="top_left")
         for g, r in zip((dq[qs], dk[ks], dv[ks]), (rq, rk, rv)):
             assert rel_err(cp(g)[None], r, 8.0) < BWD_TOL["f16"], s
 
@@ -266,8 +266,8 @@ def test_packed_steps_replay_plans_that_clear_the_rows_past_the_last_sequence(mo
             qs, ks = slice(int(cu_q[s]), int(cu_q[s + 1])), slice(int(cu_k[s]), int(cu_k[s + 1]))
             if qs.stop == qs.start:
                 continue
-            ref_out, _, ref = grouped_reference(cp(q[qs])[None], cp(k[ks])[None], cp(v[ks])[None], cp(do[qs])[None],
-                                                causal="top_left")
+            ref_out, _, ref = reference(cp(q[qs])[None], cp(k[ks])[None], cp(v[ks])[None], grad_out=cp(do[qs])[None],
+                                        causal="top_left")
             assert rel_err(cp(out[qs])[None], ref_out) < FWD_TOL["bf16"], (step, s)
             for g, r in zip((dq[qs], dk[ks], dv[ks]), ref):
                 assert rel_err(cp(g)[None], r, 8.0) < BWD_TOL["bf16"], (step, s)
@@ -341,7 +341,7 @@ def test_backward_follows_the_forwards_plan(loss, monkeypatch):
         if step >= 2:
             assert len(lookups) == before, f"step {step}: a plan was looked up by api's key ({lookups[before:]})"
     do = (w if loss == "weighted" else torch.ones_like(w))
-    _, _, ref = grouped_reference(cp(q), cp(k), cp(v), cp(do), causal="bottom_right")
+    _, _, ref = reference(cp(q), cp(k), cp(v), grad_out=cp(do), causal="bottom_right")
     for g, r in zip(grads[-1], ref):
         assert rel_err(cp(g), r, math.sqrt(64)) < BWD_TOL["bf16"]
     for step in grads[1:]:  # deterministic: the same bits from every path
