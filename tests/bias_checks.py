@@ -4,8 +4,8 @@ grid of shapes, broadcasts and masks they cover.  Import after CuPy (the callers
 from __future__ import annotations
 
 import flashgen
-from attention_reference import (BIAS_BROADCASTS, BWD_TOL, FWD_TOL, reference, lse_err, make_bias,
-                                 make_input, poisoned_allocations, rel_err)
+from attention_reference import (BIAS_BROADCASTS, BWD_TOL, FWD_TOL, lse_err, make_bias,
+                                 make_input, poisoned_allocations, reference, rel_err)
 
 SIZES = ((1, 1), (7, 129), (129, 7), (1000, 129), (129, 1000), (1000, 1000), (1, 1000), (129, 129))
 GRID = [(dtype, K, broadcast, *SIZES[(i + j + b + c) % len(SIZES)], causal)

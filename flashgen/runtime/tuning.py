@@ -54,7 +54,8 @@ class Bucket:
     # A backward block owns a key/value head's keys for its whole group (sm90_bwd) or the group's dK/dV are
     # summed after it, so a tile measured on multi-head calls says little of grouped ones (H200, bf16 d128
     # causal 1k: the table's tile ran 1.03x the priority order at group 4 and 0.96x at group 8, three runs).
-    # flashgen tune measures multi-head calls: grouped backward calls take the priority order.
+    # `flashgen tune --group N` measures a group's own buckets; a grouped backward with no entry of its
+    # group takes the priority order.
     group: int = 1
 
     @classmethod
