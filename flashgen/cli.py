@@ -390,7 +390,7 @@ def tune(dtypes, head_dims, seqlens, tokens, hidden, groups, repeats, passes, ou
     from flashgen.runtime.device import device_info
 
     device = device_info(cupy.cuda.runtime.getDevice())
-    pairs = sum(2 if p.group == 1 else 1 for p in grid)  # grouped points: the backward alone
+    pairs = sum(len(t.directions(p)) for p in grid)
     click.echo(f"{device.name} (sm_{device.cc}): tuning {pairs} point/directions", err=True)
     slug = "".join(ch if ch.isalnum() else "_" for ch in device.name.lower()).strip("_")
     out_path = out_path or Path(f"tuning-{slug}-sm{device.cc}.json")

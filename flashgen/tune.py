@@ -86,6 +86,12 @@ def inputs(p: Point, sets: int = 3):
             for _ in range(sets)]
 
 
+def directions(p: Point) -> Tuple[str, ...]:
+    """What tune measures at a point: a forward bucket has no group (tuning.Bucket), so a multi-head
+    point's forward speaks for grouped calls too, and a grouped point times the backward alone."""
+    return ("fwd", "bwd") if p.group == 1 else ("bwd",)
+
+
 def bucket_of(p: Point, family: str) -> tuning.Bucket:
     return tuning.Bucket.of(family, p.dtype, p.head_dim, p.head_dim, p.causal, p.seqlen, p.seqlen,
                             p.batch * p.heads, p.group)
@@ -217,8 +223,7 @@ def tune(points: List[Point], repeats: int, progress: Callable[[str], None], com
     # points measured before Point had a group field are multi-head: read them as group 1 to resume them
     done = {(tuple(sorted({"group": 1, **m["point"]}.items())), m["direction"]) for m in measured}
     for n, p in enumerate(points, 1):
-        # a forward bucket has no group (tuning.Bucket): its multi-head point speaks for grouped calls too
-        for direction in ("fwd", "bwd") if p.group == 1 else ("bwd",):
+        for direction in directions(p):
             if (tuple(sorted(vars(p).items())), direction) in done:
                 continue
             options = candidates(registry, device, p, direction)
