@@ -273,8 +273,17 @@ struct BwdKernel {
   static_assert(kDqSplitRows || ((kBlockM == 64 || (kDqTransposed && kDqCols == 64)) && kDqCols % kBoxCols == 0),
                 "dQ needs 64 query rows per warpgroup or whole swizzle atoms of head-dim columns per warpgroup");
   // dQ leaves through a tile in shared memory (add_dq_tile) where the tile fits beside the rest;
-  // the split head dim adds its parts with atomics instead.
+  // the split head dim adds its parts with atomics instead, or (kDqInStage) through the stage.
   static constexpr bool kDqTile = !kSplitCols;
+  // At head dim 256 no dQ tile fits beside the rest (224 of 227 KB in use), and the 16-byte atomics
+  // held 11% of the stall samples as LSU throttle (ncu, session 40).  Once all of a step's GEMMs are
+  // done, warpgroup w's dQ part goes into the stage's Q and dO bytes of head-dim columns w, which
+  // only its own dK and dV products read (the other warpgroup's S^T and dP^T reads of them are done
+  // by ds_full); its reduce warp sends the part on by bulk reduce-adds and frees the stage (empty)
+  // once the TMA unit has read it (reduce_staged_dq).  A part is as many bytes as those columns of
+  // Q and dO: 64 x kKvCols floats.  (H200, bf16 d256, groups 1 and 4, 1k-16k, causal and not: the
+  // backward 13-25% faster than by atomics.)
+  static constexpr bool kDqInStage = kShareSdp;
   // Where the tile is used, warp 1 + w of the producer warpgroup hands warpgroup w's dQ parts to the TMA
   // unit (reduce_dq): the consumers arrive on dq_full once a part is written and wait on dq_free (the
   // last part read) before the next, so no consumer meets the others at a barrier or waits for the
@@ -304,7 +313,9 @@ struct BwdKernel {
   // warpgroup waits for the other's half of dS within a step; but a bias tile loads into the dS
   // buffer the dQ product two steps back frees, and freed a step later it came too late (the bias
   // backward 2-13% slower at head dim 64, H200): bias instances issue a step's dQ in the step.
-  static constexpr int kDqLag = kBias ? 0 : 1;
+  // kDqInStage issues it in the step too: the step's stage holds its dQ part, and its dV and dK
+  // products wait for both warpgroups' halves of dS (kShareSdp) all the same.
+  static constexpr int kDqLag = kBias || kDqInStage ? 0 : 1;
   // The order of a step's dK, dV and dQ products.  kDkLast: dV, dQ, then dK, which runs while
   // the dQ part goes to shared memory, where waiting for all three before that store had left the
   // tensor pipe idle (H200: head dim 128 up to 9% faster, 192 up to 2%, 256 level).  Head dim 64
@@ -410,7 +421,10 @@ struct BwdKernel {
     uint64_t empty[kStages];
     uint64_t ds_full[2];  // dS buffer b holds both warpgroups' halves of a step's dS (every consumer thread arrives)
     uint64_t ds_free[2];  // and both warpgroups' dQ products of that step have read it
-    uint64_t dq_full[kWarpGroups];  // kDqReduceWarps: warpgroup w's dQ part is in the tile (its 128 threads arrive)
+    // kDqReduceWarps: warpgroup w's dQ part is in the tile (its 128 threads arrive); kDqInStage: one
+    // per stage, dq_full[stage * kWarpGroups + w] (a warpgroup may stage a part before its reduce warp
+    // has waited for the last, never two)
+    uint64_t dq_full[kWarpGroups * (kDqInStage ? kStages : 1)];
     uint64_t dq_free[kWarpGroups];  // and the TMA unit has read it (its reduce warp arrives)
   };
   static constexpr int kSharedBytes = int(sizeof(SharedStorage)) + 1024;  // +1024: the base is rounded up
@@ -799,7 +813,7 @@ struct BwdKernel {
         if constexpr (kDropout) {
           cutlass::arch::NamedBarrier::sync(128, 1 + wg);
         }
-      } else {
+      } else if constexpr (!kDqInStage) {
         if constexpr (kDqTile) {
           tile_free();
         }
@@ -830,7 +844,7 @@ struct BwdKernel {
         if (!(kDeferDqArrive && in_loop)) {
           dq_part_written();
         }
-      } else {
+      } else if constexpr (!kDqInStage) {  // (kDqInStage: after the step's last GEMM, in the loop)
         add_dq_atomic(p, seq, acc_dq, of.head, of.m_block, n_block);
       }
     };
@@ -1069,8 +1083,11 @@ struct BwdKernel {
       auto release_stage = [&]() {  // dK and dV done: this stage's Q and dO can be refilled
         warpgroup_fence_operand(acc_dk);
         warpgroup_fence_operand(tKrDs);
-        // every thread arrives: an arrive releases only its own thread's reads (lse, delta)
-        Barrier::arrive(&s.empty[stage]);
+        // every thread arrives: an arrive releases only its own thread's reads (lse, delta); kDqInStage:
+        // the reduce warps, once the dQ parts have left the stage
+        if constexpr (!kDqInStage) {
+          Barrier::arrive(&s.empty[stage]);
+        }
       };
       warpgroup_fence_operand(acc_dv);
       warpgroup_fence_operand(tVrP);
@@ -1138,6 +1155,11 @@ struct BwdKernel {
       if constexpr (kDkLast) {
         warpgroup_wait<0>();
         release_stage();
+      }
+      if constexpr (kDqInStage) {  // the step's GEMMs are done: its dQ part into the stage, for the reduce warp
+        dq_to_stage(s, acc_dq, stage);
+        cutlass::arch::fence_view_async_shared();
+        Barrier::arrive(&s.dq_full[stage * kWarpGroups + wg]);
       }
       if constexpr (kSparse) {
         sparse_tiled = sparse_previous;
@@ -1243,8 +1265,10 @@ struct BwdKernel {
 
   // Part `part` of the tile as one bulk reduce-add into query block m_block's accumulator (in turn
   // when deterministic); one thread issues it.
+  // (kDqInStage: its kPieces equal pieces, each contiguous in shared memory, from pieces[i].)
+  template <int kPieces = 1>
   static __device__ void reduce_dq_part(BwdParams const& p, Sequence const& seq, SharedStorage& s, int head,
-                                        int m_block, int n_block, int part) {
+                                        int m_block, int n_block, int part, float const* const* pieces = nullptr) {
     long long const block_row0 = workspace_row0<kBlockM>(p, seq, head) + m_block * kBlockM;
     DqOrder const order(p, seq, block_row0, m_block, n_block);
     bool const ordered = !kSparse && p.deterministic;  // the runtime never asks a sparse instance
@@ -1252,8 +1276,12 @@ struct BwdKernel {
       order.wait_turn();
       fence_proxy_async_global();  // the acquire, before the TMA unit's adds
     }
-    bulk_reduce_add(p.dq_accum_ptr + block_row0 * kHeadDim + part * kDqPartFloats, s.dq + part * kDqPartFloats,
-                    kDqPartFloats * int(sizeof(float)));
+    constexpr int kPieceFloats = kDqPartFloats / kPieces;
+    CUTE_UNROLL
+    for (int i = 0; i < kPieces; ++i) {
+      bulk_reduce_add(p.dq_accum_ptr + block_row0 * kHeadDim + part * kDqPartFloats + i * kPieceFloats,
+                      pieces ? pieces[i] : s.dq + part * kDqPartFloats, kPieceFloats * int(sizeof(float)));
+    }
     if (ordered) {
       bulk_wait_all();             // the adds are done ...
       fence_proxy_async_global();  // ... and ordered before the release
@@ -1276,6 +1304,49 @@ struct BwdKernel {
       reduce_dq_part(p, seq, s, step.head, step.m_block, n_block, part);
       bulk_wait_read();
       Barrier::arrive(&s.dq_free[part]);
+    }
+  }
+
+  // kDqInStage: half `half` of warpgroup `part`'s dQ part lies in the stage's Q (half 0) or dO (1) bytes
+  // of head-dim columns `part`: SmemLayoutQ tiles a stage's (rows, columns) column block by column
+  // block of whole swizzle atoms (rows first), so those columns are kBlockM * kKvCols contiguous values.
+  static_assert(!kDqInStage || (kKvCols % kBoxCols == 0 && kDqPartFloats * int(sizeof(float)) ==
+                                                             2 * kBlockM * kKvCols * int(sizeof(Element))),
+                "a dQ part is the bytes of its warpgroup's columns of a stage's Q and dO");
+  static __device__ float* staged_dq_half(SharedStorage& s, int stage, int part, int half) {
+    Element* const tile = (half == 0 ? s.q : s.dout) + stage * kBlockM * kHeadDim + part * kBlockM * kKvCols;
+    return reinterpret_cast<float*>(tile);
+  }
+  template <class Accumulator>
+  static __device__ void dq_to_stage(SharedStorage& s, Accumulator const& acc, int stage) {
+    using namespace cute;
+    constexpr int kQuads = decltype(size(acc))::value / 4;  // as dq_to_tile lays them out, half in each
+    static_assert(kQuads * 4 * 128 == kDqPartFloats && kQuads % 2 == 0, "a part is 64 x kDqCols accumulator values");
+    int const part = threadIdx.x / 128;
+    CUTE_UNROLL
+    for (int q = 0; q < kQuads; ++q) {
+      float4* const half = reinterpret_cast<float4*>(staged_dq_half(s, stage, part, q / (kQuads / 2)));
+      half[(q % (kQuads / 2)) * 128 + threadIdx.x % 128] =
+          make_float4(acc(4 * q), acc(4 * q + 1), acc(4 * q + 2), acc(4 * q + 3));
+    }
+  }
+
+  // kDqInStage: lane 0 of warpgroup `part`'s reduce warp walks the steps as the consumers do, sends each
+  // of the warpgroup's dQ parts on from the stage once it is there (dq_full), and frees the stage
+  // (empty, one arrive per reduce warp) once the TMA unit has read it.  The last read is waited for
+  // before it leaves, so the block's shared memory outlives it.
+  static __device__ void reduce_staged_dq(BwdParams const& p, SharedStorage& s, Sequence const& seq, int n_block,
+                                          int head_kv, Steps st, int part) {
+    using Barrier = cutlass::arch::ClusterBarrier;
+    int const total = p.head_group * st.m_blocks;
+    for (int i = 0; i < total; ++i) {
+      int const stage = i % kStages;
+      Step const step = dense_step(p, st, head_kv, n_block, i);
+      Barrier::wait(&s.dq_full[stage * kWarpGroups + part], (i / kStages) & 1);
+      float const* const halves[2] = {staged_dq_half(s, stage, part, 0), staged_dq_half(s, stage, part, 1)};
+      reduce_dq_part<2>(p, seq, s, step.head, step.m_block, n_block, part, halves);
+      bulk_wait_read();
+      Barrier::arrive(&s.empty[stage]);
     }
   }
 
@@ -1375,7 +1446,7 @@ struct BwdKernel {
       CUTE_UNROLL
       for (int i = 0; i < kStages; ++i) {
         Barrier::init(&s.full[i], 1);
-        Barrier::init(&s.empty[i], kConsumerThreads);
+        Barrier::init(&s.empty[i], kDqInStage ? kWarpGroups : kConsumerThreads);  // (kDqInStage: the reduce warps)
       }
       for (int i = 0; i < 2; ++i) {
         Barrier::init(&s.ds_full[i], kConsumerThreads);
@@ -1385,7 +1456,9 @@ struct BwdKernel {
         }
       }
       for (int w = 0; w < kWarpGroups; ++w) {
-        Barrier::init(&s.dq_full[w], 128);
+        for (int stage = 0; stage < (kDqInStage ? kStages : 1); ++stage) {
+          Barrier::init(&s.dq_full[stage * kWarpGroups + w], 128);
+        }
         Barrier::init(&s.dq_free[w], 1);
       }
       cutlass::arch::fence_barrier_init();
@@ -1398,9 +1471,13 @@ struct BwdKernel {
         produce(p, s, seq, n_block, head_kv, st);
       } else {
         int const warp = (threadIdx.x - kConsumerThreads) / 32;
-        if constexpr (kDqReduceWarps) {  // lane 0 of warp 1 + w: warpgroup w's reduce warp
+        if constexpr (kDqReduceWarps || kDqInStage) {  // lane 0 of warp 1 + w: warpgroup w's reduce warp
           if (warp >= 1 && warp <= kWarpGroups && threadIdx.x % 32 == 0 && st.m_blocks > 0) {
-            reduce_dq(p, s, seq, n_block, head_kv, st, warp - 1);
+            if constexpr (kDqInStage) {
+              reduce_staged_dq(p, s, seq, n_block, head_kv, st, warp - 1);
+            } else {
+              reduce_dq(p, s, seq, n_block, head_kv, st, warp - 1);
+            }
           }
         }
         if constexpr (kZeroesHiddenDbias) {  // the warps from kFirstZeroWarp on
@@ -1428,7 +1505,7 @@ struct BwdKernel {
   // Bias instances can add dbias into the bias's own shape (BwdParams::dbias_add): the manifest's
   // adds_dbias tells the runtime.
   static constexpr bool kAddsDbias = kBias;
-  static constexpr int kFirstZeroWarp = kDqReduceWarps ? 1 + kWarpGroups : 1;
+  static constexpr int kFirstZeroWarp = kDqReduceWarps || kDqInStage ? 1 + kWarpGroups : 1;
   static constexpr int kZeroThreads = 32 * (4 - kFirstZeroWarp);
   static_assert(!kZeroesHiddenDbias || kZeroThreads > 0, "a producer warp is left for dbias's zeros");
   static __device__ void zero_hidden_dbias(BwdParams const& p, Sequence const& seq, int n_block, int head_kv,
