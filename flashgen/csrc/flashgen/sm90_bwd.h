@@ -305,6 +305,8 @@ struct BwdKernel {
   static constexpr bool kDbiasStaged = kBias && kSoftcap;
   static constexpr bool kDqReduceWarps =
       kDqTile && !kDbiasStaged && !(kBlockM == 128 && (kSoftcap || ScoreMod_::kEnabled));
+  // Lane 0 of producer warp 1 + w runs warpgroup w's dQ sends: reduce_dq or reduce_staged_dq.
+  static constexpr bool kHasReduceWarps = kDqReduceWarps || kDqInStage;
   // Named barriers, each of one warpgroup w's threads (the warpgroups meet only at the mbarriers
   // ds_full and ds_free): 1 + w its dQ part (with kDqReduceWarps only the keep bits' order),
   // kBiasBarrier + w its staged dbias tile, kKeepBarrier + w its keep bits (consume()).
@@ -1280,7 +1282,8 @@ struct BwdKernel {
     CUTE_UNROLL
     for (int i = 0; i < kPieces; ++i) {
       bulk_reduce_add(p.dq_accum_ptr + block_row0 * kHeadDim + part * kDqPartFloats + i * kPieceFloats,
-                      pieces ? pieces[i] : s.dq + part * kDqPartFloats, kPieceFloats * int(sizeof(float)));
+                      pieces ? pieces[i] : s.dq + part * kDqPartFloats + i * kPieceFloats,
+                      kPieceFloats * int(sizeof(float)));
     }
     if (ordered) {
       bulk_wait_all();             // the adds are done ...
@@ -1475,7 +1478,7 @@ struct BwdKernel {
         produce(p, s, seq, n_block, head_kv, st);
       } else {
         int const warp = (threadIdx.x - kConsumerThreads) / 32;
-        if constexpr (kDqReduceWarps || kDqInStage) {  // lane 0 of warp 1 + w: warpgroup w's reduce warp
+        if constexpr (kHasReduceWarps) {  // lane 0 of warp 1 + w: warpgroup w's reduce warp
           if (warp >= 1 && warp <= kWarpGroups && threadIdx.x % 32 == 0 && st.m_blocks > 0) {
             if constexpr (kDqInStage) {
               reduce_staged_dq(p, s, seq, n_block, head_kv, st, warp - 1);
@@ -1509,7 +1512,7 @@ struct BwdKernel {
   // Bias instances can add dbias into the bias's own shape (BwdParams::dbias_add): the manifest's
   // adds_dbias tells the runtime.
   static constexpr bool kAddsDbias = kBias;
-  static constexpr int kFirstZeroWarp = kDqReduceWarps || kDqInStage ? 1 + kWarpGroups : 1;
+  static constexpr int kFirstZeroWarp = kHasReduceWarps ? 1 + kWarpGroups : 1;
   static constexpr int kZeroThreads = 32 * (4 - kFirstZeroWarp);
   static_assert(!kZeroesHiddenDbias || kZeroThreads > 0, "a producer warp is left for dbias's zeros");
   static __device__ void zero_hidden_dbias(BwdParams const& p, Sequence const& seq, int n_block, int head_kv,
